@@ -1,0 +1,56 @@
+"""Readable token-by-token reference of the gated delta rule (the definition, not a fast path)."""
+
+from __future__ import annotations
+
+from hyperpar_gdn.platform import Tensor
+
+from .common import check_inputs, prepare_qkv
+
+
+def recurrent_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Per token: S = exp(g_t) (I - beta_t k_t k_t^T) S + beta_t k_t v_t^T;  o_t = S^T q_t.
+
+    Args:
+        q, k: ``[B, T, Hk, K]``; v: ``[B, T, H, V]`` with H a multiple of Hk.
+        g: ``[B, T, H]`` log decay (<= 0); beta: ``[B, T, H]``.
+        initial_state: ``[B, H, K, V]`` or None (zeros).
+
+    Returns:
+        o ``[B, T, H, V]`` in q's dtype; the final state ``[B, H, K, V]`` (fp32, or fp64 for fp64
+        input) if ``output_final_state``.
+
+    Example:
+        >>> import torch
+        >>> q, k, v = (torch.randn(1, 5, 2, 8) for _ in range(3))
+        >>> g, beta = -torch.rand(1, 5, 2), torch.rand(1, 5, 2)
+        >>> o, s = recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+        >>> tuple(o.shape), tuple(s.shape)
+        ((1, 5, 2, 8), (1, 2, 8, 8))
+    """
+    check_inputs(q, k, v, g, beta, initial_state)
+    out_dtype = q.dtype
+    xp, (q, k, v, g, beta) = prepare_qkv(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    s = xp.zeros((b, h, dk, dv), like=v) if initial_state is None else xp.cast(initial_state, v.dtype)
+    decay = xp.exp(g).reshape(b, t, h, 1, 1)
+    outputs = []
+    for i in range(t):
+        q_t, k_t, v_t = q[:, i].reshape(b, h, 1, dk), k[:, i].reshape(b, h, 1, dk), v[:, i]
+        s = decay[:, i] * s
+        predicted = xp.matmul(k_t, s).reshape(b, h, dv)
+        delta = (v_t - predicted) * beta[:, i].reshape(b, h, 1)
+        s = s + xp.matmul(xp.swapaxes(k_t, -1, -2), delta.reshape(b, h, 1, dv))
+        outputs.append(xp.matmul(q_t, s).reshape(b, h, dv))
+    o = xp.cast(xp.stack(outputs, 1), out_dtype)
+    return o, (s if output_final_state else None)

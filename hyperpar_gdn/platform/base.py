@@ -1,0 +1,204 @@
+"""The platform contract: the small interfaces that code above the platform layer may use.
+
+Nothing outside ``hyperpar_gdn.platform`` imports a framework. The maths (``hyperpar_gdn.ops``),
+the layer and the context-parallel algorithms receive a :class:`TensorOps` (tensor functions) and,
+when they communicate, a :class:`Collectives` (differentiable collectives over a process group).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Tensor = Any  # a torch.Tensor or a mindspore.Tensor, depending on the platform
+Group = Any  # a framework process-group handle
+
+
+class TensorOps(ABC):
+    """Tensor functions the GDN maths needs, beyond Python operators (+, -, *, /, slicing).
+
+    Every method must be differentiable under the framework's autograd unless it says otherwise.
+    """
+
+    name: str
+
+    @abstractmethod
+    def is_tensor(self, x: object) -> bool: ...
+
+    # --- dtypes and creation --------------------------------------------------------------
+    @abstractmethod
+    def compute_dtype(self, x: Tensor) -> Any:
+        """float64 for float64 input, float32 otherwise (the accumulation dtype)."""
+
+    @abstractmethod
+    def dtype(self, x: Tensor) -> Any: ...
+
+    @abstractmethod
+    def cast(self, x: Tensor, dtype: Any) -> Tensor: ...
+
+    @abstractmethod
+    def zeros(self, shape: Sequence[int], like: Tensor) -> Tensor:
+        """Zeros with the dtype and device of ``like`` (no gradient)."""
+
+    @abstractmethod
+    def eye(self, n: int, like: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def scalar(self, value: float, like: Tensor) -> Tensor:
+        """A 0-d tensor with the dtype and device of ``like`` (keeps float64 maths float64)."""
+
+    # --- elementwise and reductions ---------------------------------------------------------
+    @abstractmethod
+    def exp(self, x: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def rsqrt(self, x: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def sigmoid(self, x: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def softplus(self, x: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def silu(self, x: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def sum(self, x: Tensor, dim: int | tuple[int, ...], keepdim: bool = False) -> Tensor: ...
+
+    @abstractmethod
+    def cumsum(self, x: Tensor, dim: int) -> Tensor: ...
+
+    # --- shapes -----------------------------------------------------------------------------
+    @abstractmethod
+    def swapaxes(self, x: Tensor, a: int, b: int) -> Tensor:
+        """Swap two dims (may return a view: matmul reads transposed views without a copy)."""
+
+    @abstractmethod
+    def permute(self, x: Tensor, dims: Sequence[int]) -> Tensor:
+        """Reorder dims and return a contiguous tensor."""
+
+    @abstractmethod
+    def cat(self, xs: Sequence[Tensor], dim: int) -> Tensor: ...
+
+    @abstractmethod
+    def stack(self, xs: Sequence[Tensor], dim: int) -> Tensor: ...
+
+    @abstractmethod
+    def pad_dim(self, x: Tensor, dim: int, before: int, after: int) -> Tensor:
+        """Zero-pad ``x`` along ``dim``."""
+
+    @abstractmethod
+    def repeat_interleave(self, x: Tensor, repeats: int, dim: int) -> Tensor: ...
+
+    # --- linear algebra ----------------------------------------------------------------------
+    @abstractmethod
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def tril(self, x: Tensor, diagonal: int = 0) -> Tensor: ...
+
+    @abstractmethod
+    def solve_unit_lower(self, a: Tensor, b: Tensor) -> Tensor:
+        """Solve ``(I + tril(a, -1)) x = b``; the diagonal and upper part of ``a`` are ignored."""
+
+    @abstractmethod
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``x @ weight.T`` (no bias)."""
+
+    @abstractmethod
+    def depthwise_conv1d(self, x: Tensor, weight: Tensor, *, left_pad: int) -> Tensor:
+        """Depthwise 1-D convolution over time: x ``[B, C, T]``, weight ``[C, W]``, no bias.
+
+        ``x`` is zero-padded by ``left_pad`` on the left and not at all on the right; the output
+        has ``T + left_pad - W + 1`` steps.
+        """
+
+    # --- autograd -----------------------------------------------------------------------------
+    @abstractmethod
+    def custom_vjp(
+        self,
+        forward: Callable[..., tuple[tuple[Tensor, ...], tuple[Tensor, ...]]],
+        backward: Callable[..., tuple[Tensor | None, ...]],
+        *inputs: Tensor,
+    ) -> tuple[Tensor, ...]:
+        """Apply ``forward(*inputs) -> (outputs, saved)`` with the hand-written gradient
+        ``backward(saved, *grad_outputs) -> grads`` (one per input; ``None`` for no gradient).
+        Inside ``forward`` autograd is off."""
+
+
+class Collectives(ABC):
+    """Differentiable collectives over one process group (the CP axis of a mesh).
+
+    Every method is called by every rank of ``group`` in the same order. The gradient of each is
+    the reverse collective. ``bytes_sent`` counts the payload this rank sent, forward and backward.
+    """
+
+    bytes_sent: int = 0
+
+    @abstractmethod
+    def all_to_all(
+        self, x: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group
+    ) -> Tensor:
+        """Split ``x`` along dim 0 by ``send_splits`` (one per rank, zeros allowed), send part j
+        to rank j, return what the ranks sent here concatenated along dim 0 in rank order."""
+
+    @abstractmethod
+    def all_gather(self, x: Tensor, group: Group) -> Tensor:
+        """Return ``[world, *x.shape]``: every rank's ``x`` stacked in group rank order.
+        The gradient is reduce-scattered back to its owner."""
+
+    @abstractmethod
+    def shift_right(self, x: Tensor, group: Group) -> Tensor:
+        """Send ``x`` to the next rank and return what the previous rank sent (zeros on rank 0;
+        the last rank's ``x`` goes nowhere). The gradient travels the opposite way."""
+
+    @abstractmethod
+    def send(self, x: Tensor, dst: int, group: Group) -> None:
+        """Blocking send to group rank ``dst`` (not differentiable; for hand-written backwards)."""
+
+    @abstractmethod
+    def recv(self, like: Tensor, src: int, group: Group) -> Tensor:
+        """Blocking receive of a tensor shaped like ``like`` from group rank ``src``."""
+
+    @abstractmethod
+    def barrier(self, group: Group) -> None: ...
+
+    @abstractmethod
+    def all_reduce_sum(self, x: Tensor, group: Group | None = None) -> Tensor:
+        """In-place sum over ranks, not differentiable (gradients, metrics)."""
+
+
+class Platform(ABC):
+    """A backend: its tensor functions, its collectives, its device and its process groups."""
+
+    name: str
+    ops: TensorOps
+    collectives: Collectives
+
+    @property
+    @abstractmethod
+    def device(self) -> Any:
+        """The device this process computes on (a framework device object or name)."""
+
+    @abstractmethod
+    def init_distributed(self, *, timeout_s: float = 600.0) -> None:
+        """Join the default process group from the launcher's environment (idempotent)."""
+
+    @abstractmethod
+    def is_initialized(self) -> bool: ...
+
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @abstractmethod
+    def world_size(self) -> int: ...
+
+    @abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """A process group over global ``ranks``; every process must call it, in the same order."""
+
+    @abstractmethod
+    def destroy(self) -> None:
+        """Tear down the process groups this platform created."""

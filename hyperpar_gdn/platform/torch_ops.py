@@ -1,0 +1,115 @@
+"""Tensor functions for PyTorch (any device)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .base import TensorOps
+
+
+class _CustomVJP(torch.autograd.Function):
+    """Runs a forward function with a hand-written backward (see TensorOps.custom_vjp)."""
+
+    @staticmethod
+    def forward(ctx: Any, forward: Callable, backward: Callable, *inputs: torch.Tensor):
+        outputs, saved = forward(*inputs)
+        ctx.backward_fn = backward
+        ctx.save_for_backward(*saved)
+        ctx.num_outputs = len(outputs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor):
+        grads = ctx.backward_fn(ctx.saved_tensors, *grad_outputs)
+        return (None, None, *grads)
+
+
+class TorchOps(TensorOps):
+    name = "torch"
+
+    def is_tensor(self, x: object) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    def dtype(self, x: torch.Tensor) -> torch.dtype:
+        return x.dtype
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
+
+    def zeros(self, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
+
+    def eye(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.eye(n, dtype=like.dtype, device=like.device)
+
+    def scalar(self, value: float, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+    def exp(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+    def rsqrt(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rsqrt(x)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x)
+
+    def softplus(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softplus(x)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+    def sum(self, x: torch.Tensor, dim: int | tuple[int, ...], keepdim: bool = False) -> torch.Tensor:
+        return x.sum(dim=dim, keepdim=keepdim)
+
+    def cumsum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x.cumsum(dim)
+
+    def swapaxes(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return x.transpose(a, b)
+
+    def permute(self, x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+        return x.permute(*dims).contiguous()
+
+    def cat(self, xs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        return torch.cat(list(xs), dim=dim)
+
+    def stack(self, xs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        return torch.stack(list(xs), dim=dim)
+
+    def pad_dim(self, x: torch.Tensor, dim: int, before: int, after: int) -> torch.Tensor:
+        if before == 0 and after == 0:
+            return x
+        dim = dim % x.dim()
+        pad = [0, 0] * (x.dim() - 1 - dim) + [before, after]
+        return F.pad(x, pad)
+
+    def repeat_interleave(self, x: torch.Tensor, repeats: int, dim: int) -> torch.Tensor:
+        return x if repeats == 1 else x.repeat_interleave(repeats, dim=dim)
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(a, b)
+
+    def tril(self, x: torch.Tensor, diagonal: int = 0) -> torch.Tensor:
+        return torch.tril(x, diagonal)
+
+    def solve_unit_lower(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    def depthwise_conv1d(self, x: torch.Tensor, weight: torch.Tensor, *, left_pad: int) -> torch.Tensor:
+        x = F.pad(x, (left_pad, 0)) if left_pad else x
+        return F.conv1d(x, weight.unsqueeze(1), groups=weight.shape[0])
+
+    def custom_vjp(self, forward: Callable, backward: Callable, *inputs: torch.Tensor):
+        return _CustomVJP.apply(forward, backward, *inputs)

@@ -102,7 +102,11 @@ def outputs_from(prep: ChunkPrep, initial_state: Tensor | None) -> tuple[Tensor,
 
     Returns o ``[B, T, H, V]`` in the input dtype and the final state (compute dtype)."""
     xp = prep.xp
-    s0 = xp.zeros(prep.state_shape, like=prep.u) if initial_state is None else xp.cast(initial_state, prep.u.dtype)
+    s0 = (
+        xp.zeros(prep.state_shape, like=prep.u)
+        if initial_state is None
+        else xp.cast(initial_state, prep.u.dtype)
+    )
     o, s_final = chunk_outputs(xp, prep.qg, prep.p, prep.u, prep.w, prep.kd, prep.gl, s0)
     n, b, h, c, dv = o.shape
     o = xp.permute(o, (1, 0, 3, 2, 4)).reshape(b, n * c, h, dv)[:, : prep.seq_len]
@@ -143,7 +147,11 @@ def chunk_gated_delta_rule(
         ((2, 100, 4, 16), (2, 4, 16, 16))
     """
     prep = prepare_chunks(
-        q, k, v, g, beta,
+        q,
+        k,
+        v,
+        g,
+        beta,
         chunk_size=chunk_size,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         initial_state=initial_state,

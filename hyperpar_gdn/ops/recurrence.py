@@ -111,7 +111,13 @@ def chunk_outputs(
     return xp.custom_vjp(
         lambda *a: _outputs_forward(xp, *a),
         lambda saved, do, ds: _outputs_backward(xp, saved, do, ds),
-        qg, p, u, w, kd, gl, s0,
+        qg,
+        p,
+        u,
+        w,
+        kd,
+        gl,
+        s0,
     )
 
 
@@ -127,13 +133,15 @@ def _final_backward(xp: TensorOps, saved, ds_final):
     return (*_state_input_grads(xp, states, vn, dvn, ds_next), ds0)
 
 
-def chunk_final_state(
-    xp: TensorOps, u: Tensor, w: Tensor, kd: Tensor, gl: Tensor, s0: Tensor
-) -> Tensor:
+def chunk_final_state(xp: TensorOps, u: Tensor, w: Tensor, kd: Tensor, gl: Tensor, s0: Tensor) -> Tensor:
     """Only the final state (no outputs); the per-chunk states are recomputed in backward."""
     (s_final,) = xp.custom_vjp(
         lambda *a: _final_forward(xp, *a),
         lambda saved, ds: _final_backward(xp, saved, ds),
-        u, w, kd, gl, s0,
+        u,
+        w,
+        kd,
+        gl,
+        s0,
     )
     return s_final

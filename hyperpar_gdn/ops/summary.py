@@ -61,4 +61,3 @@ def compose_summaries(first: Summary, second: Summary) -> Summary:
     (s1, m1), (s2, m2) = first, second
     xp = ops_for(m1)
     return xp.matmul(m2, s1) + s2, xp.matmul(m2, m1)
-

@@ -1,0 +1,90 @@
+"""A Qwen3.5 Gated DeltaNet layer for PyTorch, with transformers' parameter names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gdn_layer_forward
+from hyperpar_gdn.platform import ops_for
+
+
+class GatedRMSNorm(nn.Module):
+    """weight * x / rms(x) * silu(gate) over the last dim (normalised in fp32)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 GDN layer; state dicts load both ways with transformers' ``Qwen3_5GatedDeltaNet``.
+
+    Args:
+        hidden_size: model width.
+        num_k_heads, num_v_heads: query/key heads and value heads (num_v_heads a multiple).
+        head_k_dim, head_v_dim: per-head dims.
+        conv_kernel_size: width W of the causal depthwise conv.
+        norm_eps: epsilon of the gated RMSNorm.
+
+    forward(hidden_states ``[B, T, hidden]``, attention_mask ``[B, T]`` or None) -> ``[B, T, hidden]``.
+
+    Example:
+        >>> layer = GatedDeltaNet(64, 2, 4, 16, 16)
+        >>> tuple(layer(torch.randn(2, 10, 64)).shape)
+        (2, 10, 64)
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel_size: int = 4,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
+        self.hidden_size = hidden_size
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim = num_k_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.layer_norm_epsilon = norm_eps
+
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            kernel_size=conv_kernel_size,
+            groups=self.conv_dim,
+            padding=conv_kernel_size - 1,
+            bias=False,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
+        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        dims = LayerDims.of(self)
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != dims.hidden_size:
+            raise ValueError(
+                f"hidden_states must be [B, T, hidden_size={dims.hidden_size}]; got {tuple(hidden_states.shape)}"
+            )
+        return gdn_layer_forward(
+            ops_for(hidden_states), LayerWeights.of(self), dims, hidden_states, attention_mask
+        )

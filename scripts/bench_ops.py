@@ -1,0 +1,441 @@
+"""Benchmark the chunked gated delta rule against the reference implementations, in one process.
+
+For each implementation: forward time (no autograd graph) and forward+backward time (gradients of
+q, k, v, g, beta for a fixed random cotangent on o): warm-up rounds, then the median of
+``--repeats`` rounds in which all implementations take turns (load from other processes then
+spreads over all of them).
+One extra untimed forward+backward checks that every implementation agrees with transformers
+(max |a - b| / max |b| per tensor, target 1e-5). It also measures this machine's fp32 matmul
+rates (one large square matmul, and the small batched matmul at the kernel's shapes) and rates
+our kernel against them using the FLOP count of its algorithm (:func:`chunk_gdn_flops`).
+
+Implementations (backend ``torch``):
+- ``ours``: :func:`hyperpar_gdn.ops.chunk_gated_delta_rule`, in-kernel l2norm.
+- ``transformers``: the raw ``torch_chunk_gated_delta_rule`` of ``transformers`` (Qwen3.5), in-kernel l2norm.
+- ``fla_naive``: ``naive_chunk_gated_delta_rule`` from fla's ``ops/gated_delta_rule/naive.py``,
+  loaded by file path (``fla.ops`` imports triton). It does not l2-normalise, so its function
+  l2-normalises q and k first (same formula and eps) INSIDE the timed region, and its gradients
+  are taken with respect to the raw q and k like the others'.
+
+A backend is a class with the methods of :class:`TorchBackend`; ``BACKENDS`` maps ``--backend``
+names to them (a MindSpore backend would be added there).
+
+Usage: ``python scripts/bench_ops.py [--T 4096 --H 4 --K 128 --repeats 5 --threads 2]``;
+writes ``results/bench_ops.json`` unless ``--out`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+TARGET_REL_ERR = 1e-5
+L2NORM_EPS = 1e-6
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    chunk_size: int
+    repeats: int
+    warmup: int
+    threads: int | None
+    backend: str
+    seed: int = 0
+
+
+# --- FLOP count ------------------------------------------------------------------------------------
+
+
+def chunk_gdn_flops(cfg: BenchConfig) -> dict[str, Any]:
+    """Matmul-class FLOPs of one forward and one backward of the chunked algorithm in
+    ``hyperpar_gdn/ops/chunk.py`` (preparation, with the explicit unit-lower inverse Tinv) and
+    ``hyperpar_gdn/ops/recurrence.py`` (state recurrence), q/k heads already at H.
+
+    A matmul [m, k] x [k, n] counts 2mkn; the unit-lower triangular solve against I (C right-hand
+    sides) counts C^3 (C(C-1)/2 multiply-adds per column). Elementwise work (gates, masks, l2norm)
+    is left out. Padding counts: T is rounded up to whole chunks."""
+    c, dk, dv = cfg.chunk_size, cfg.K, cfg.V
+    n_blocks = -(-cfg.T // c) * cfg.B * cfg.H  # chunks x batch x heads
+
+    def mm(m: int, k: int, n: int) -> int:
+        return 2 * m * k * n
+
+    forward = {
+        "prep: k k^T": mm(c, dk, c),
+        "prep: q k^T": mm(c, dk, c),
+        "prep: Tinv = solve(I + A, I)": c**3,
+        "prep: u = Tinv (beta v)": mm(c, c, dv),
+        "prep: w = Tinv (beta exp(G) k)": mm(c, c, dk),
+        "loop: w_i S": mm(c, dk, dv),
+        "loop: kd_i^T vn": mm(dk, c, dv),
+        "out: qg S": mm(c, dk, dv),
+        "out: P vn": mm(c, c, dv),
+    }
+    backward = {
+        "out: P^T do": mm(c, c, dv),
+        "out: qg^T do": mm(dk, c, dv),
+        "loop: kd_i dS": mm(c, dk, dv),
+        "loop: w_i^T dvn": mm(dk, c, dv),
+        "loop: dw = dvn S^T": mm(c, dv, dk),
+        "loop: dkd = vn dS^T": mm(c, dv, dk),
+        "out: dqg = do S^T": mm(c, dv, dk),
+        "out: dP = do vn^T": mm(c, dv, c),
+        "prep: Tinv^T du": mm(c, c, dv),
+        "prep: Tinv^T dw": mm(c, c, dk),
+        "prep: dA = drv u^T + drk w^T": mm(c, dv, c) + mm(c, dk, c),
+        "prep: dk from k k^T and q k^T": 2 * mm(c, c, dk),
+        "prep: dq from q k^T": mm(c, c, dk),
+    }
+    fwd, bwd = sum(forward.values()) * n_blocks, sum(backward.values()) * n_blocks
+    return {
+        "forward": fwd,
+        "backward": bwd,
+        "forward_backward": fwd + bwd,
+        "per_block_forward": forward,
+        "per_block_backward": backward,
+        "blocks": n_blocks,
+    }
+
+
+# --- the torch backend -----------------------------------------------------------------------------
+
+
+def _fla_naive_module() -> ModuleType:
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("fla (fla-core) is not installed")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / "ops" / "gated_delta_rule" / "naive.py"
+        if path.is_file():
+            module_spec = importlib.util.spec_from_file_location("fla_gated_delta_rule_naive", path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            return module
+    raise ImportError("fla has no ops/gated_delta_rule/naive.py")
+
+
+class TorchBackend:
+    """Inputs, implementations, timing calls and matmul rates for PyTorch tensors."""
+
+    name = "torch"
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        import torch
+
+        self.torch = torch
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+
+    def info(self) -> dict[str, Any]:
+        return {"torch": self.torch.__version__, "threads": self.torch.get_num_threads()}
+
+    def make_inputs(self) -> dict[str, Any]:
+        """q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g, beta ``[B, T, H]`` (fp32, leaves), and the
+        cotangent ``do`` ``[B, T, H, V]``."""
+        torch, cfg = self.torch, self.cfg
+        gen = torch.Generator().manual_seed(cfg.seed)
+        b, t, h = cfg.B, cfg.T, cfg.H
+
+        def randn(*size: int) -> Any:
+            return torch.randn(*size, generator=gen)
+
+        tensors = {
+            "q": randn(b, t, h, cfg.K),
+            "k": randn(b, t, h, cfg.K),
+            "v": randn(b, t, h, cfg.V),
+            "g": torch.nn.functional.logsigmoid(2 * randn(b, t, h) + 4),  # log decay, mostly slow
+            "beta": torch.sigmoid(randn(b, t, h)),
+        }
+        inputs = {name: x.requires_grad_(True) for name, x in tensors.items()}
+        inputs["do"] = randn(b, t, h, cfg.V)
+        return inputs
+
+    def implementations(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        """name -> function of the inputs returning o ``[B, T, H, V]``."""
+        from hyperpar_gdn.ops import chunk_gated_delta_rule
+
+        hf_module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+        hf_chunk = inspect.unwrap(hf_module.torch_chunk_gated_delta_rule)
+        fla_chunk = _fla_naive_module().naive_chunk_gated_delta_rule
+        c = self.cfg.chunk_size
+
+        def ours(x: dict[str, Any]) -> Any:
+            o, _ = chunk_gated_delta_rule(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=c, use_qk_l2norm_in_kernel=True
+            )
+            return o
+
+        def transformers(x: dict[str, Any]) -> Any:
+            o, _ = hf_chunk(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=c, use_qk_l2norm_in_kernel=True
+            )
+            return o
+
+        def fla_naive(x: dict[str, Any]) -> Any:
+            def l2norm(y: Any) -> Any:
+                return y * self.torch.rsqrt((y * y).sum(-1, keepdim=True) + L2NORM_EPS)
+
+            o, _ = fla_chunk(l2norm(x["q"]), l2norm(x["k"]), x["v"], x["g"], x["beta"], chunk_size=c)
+            return o
+
+        return {"ours": ours, "transformers": transformers, "fla_naive": fla_naive}
+
+    def forward(self, fn: Callable, x: dict[str, Any]) -> Any:
+        with self.torch.no_grad():
+            return fn(x)
+
+    def forward_backward(self, fn: Callable, x: dict[str, Any]) -> tuple[Any, list[Any]]:
+        o = fn(x)
+        leaves = [x[name[1:]] for name in GRAD_NAMES]
+        grads = self.torch.autograd.grad(o, leaves, grad_outputs=x["do"])
+        return o, list(grads)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return x.detach().double().cpu().numpy()
+
+    def measured_flops(self, fn: Callable, x: dict[str, Any]) -> int:
+        """Matmul FLOPs of one forward+backward as torch's FlopCounterMode sees them (it does not
+        count the triangular solve)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            self.forward_backward(fn, x)
+        return int(counter.get_total_flops())
+
+    def matmul_rates(self, size: int, repeats: int) -> dict[str, Any]:
+        """GFLOP/s of one [size, size] x [size, size] fp32 matmul, and of the batched
+        [H, C, K] x [H, K, V] matmuls the state recurrence issues (timed 100 at a time)."""
+        torch, cfg = self.torch, self.cfg
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        large = median_time(lambda: torch.matmul(a, b), repeats, warmup=1)
+        sa, sb = torch.randn(cfg.H, cfg.chunk_size, cfg.K), torch.randn(cfg.H, cfg.K, cfg.V)
+        calls = 100
+
+        def small_batch() -> None:
+            for _ in range(calls):
+                torch.matmul(sa, sb)
+
+        small = median_time(small_batch, repeats, warmup=1) / calls
+        small_flops = 2 * cfg.H * cfg.chunk_size * cfg.K * cfg.V
+        return {
+            "large_shape": [size, size, size],
+            "large_seconds": large,
+            "large_gflops": 2 * size**3 / large / 1e9,
+            "small_shape": [[cfg.H, cfg.chunk_size, cfg.K], [cfg.H, cfg.K, cfg.V]],
+            "small_seconds_per_call": small,
+            "small_gflops": small_flops / small / 1e9,
+        }
+
+
+BACKENDS: dict[str, type[TorchBackend]] = {"torch": TorchBackend}
+
+
+# --- measurement -----------------------------------------------------------------------------------
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs (CPU
+    execution is synchronous)."""
+    return statistics.median(round_robin_times({"fn": fn}, repeats, warmup)["fn"])
+
+
+def round_robin_times(
+    calls: dict[str, Callable[[], Any]], repeats: int, warmup: int
+) -> dict[str, list[float]]:
+    """Wall times of every call, ``repeats`` rounds of one run each after ``warmup`` untimed rounds.
+    Taking turns spreads load from other processes over all calls rather than onto one."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_index in range(warmup + repeats):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if round_index >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    """max |actual - expected| / max |expected|."""
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def agreement(backend: TorchBackend, impls: dict[str, Callable], x: dict[str, Any]) -> dict[str, Any]:
+    """Per implementation, the relative error of o and of every input gradient vs transformers."""
+    results = {}
+    for name, fn in impls.items():
+        o, grads = backend.forward_backward(fn, x)
+        results[name] = dict(zip(("o", *GRAD_NAMES), (backend.to_numpy(t) for t in (o, *grads)), strict=True))
+    reference = results["transformers"]
+    report = {}
+    for name, tensors in results.items():
+        errors = {t: rel_err(tensors[t], reference[t]) for t in tensors}
+        report[name] = {"rel_err": errors, "within_target": max(errors.values()) <= TARGET_REL_ERR}
+    return report
+
+
+def run(cfg: BenchConfig, matmul_size: int) -> dict[str, Any]:
+    backend = BACKENDS[cfg.backend](cfg)
+    impls = backend.implementations()
+    x = backend.make_inputs()
+    print(f"config: {asdict(cfg)}; {backend.info()}", flush=True)
+
+    agree = agreement(backend, impls, x)
+    calls: dict[str, Callable[[], Any]] = {}
+    for name, fn in impls.items():
+        calls[f"{name}/forward"] = lambda fn=fn: backend.forward(fn, x)
+        calls[f"{name}/forward_backward"] = lambda fn=fn: backend.forward_backward(fn, x)
+    samples = round_robin_times(calls, cfg.repeats, cfg.warmup)
+    timings = {}
+    for name in impls:
+        fwd, fwd_bwd = samples[f"{name}/forward"], samples[f"{name}/forward_backward"]
+        timings[name] = {
+            "forward_s": statistics.median(fwd),
+            "forward_backward_s": statistics.median(fwd_bwd),
+            "forward_min_s": min(fwd),
+            "forward_backward_min_s": min(fwd_bwd),
+            "forward_samples_s": fwd,
+            "forward_backward_samples_s": fwd_bwd,
+        }
+
+    rates = backend.matmul_rates(matmul_size, max(cfg.repeats, 3))
+    flops = chunk_gdn_flops(cfg)
+    counted = backend.measured_flops(impls["ours"], x)
+    flops["flop_counter_ours_forward_backward"] = counted
+    # FlopCounterMode sees every matmul but not the triangular solve.
+    solve_flops = flops["per_block_forward"]["prep: Tinv = solve(I + A, I)"] * flops["blocks"]
+    flops["analytic_matches_flop_counter"] = counted == flops["forward_backward"] - solve_flops
+    ref = timings["transformers"]
+    for t in timings.values():
+        t["speedup_forward_vs_transformers"] = ref["forward_s"] / t["forward_s"]
+        t["speedup_forward_backward_vs_transformers"] = ref["forward_backward_s"] / t["forward_backward_s"]
+        # Rate of our algorithm's work over this implementation's time (same count for all).
+        t["effective_gflops"] = flops["forward_backward"] / t["forward_backward_s"] / 1e9
+        t["fraction_of_large_matmul"] = t["effective_gflops"] / rates["large_gflops"]
+    return {
+        "config": asdict(cfg),
+        "machine": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            **backend.info(),
+        },
+        "notes": {
+            "forward": "no autograd graph (inference)",
+            "timing": "implementations take turns each round; medians of the rounds after warm-up",
+            "forward_backward": "gradients of q, k, v, g, beta for a fixed cotangent on o",
+            "fla_naive": "q, k l2-normalised inside its function (timed), gradients w.r.t. raw q, k",
+            "effective_gflops": "chunk_gdn_flops forward+backward / forward+backward time",
+            "flops": "matmul-class FLOPs; the unit-lower solve counts C^3 per block",
+        },
+        "timings": timings,
+        "agreement_vs_transformers": agree,
+        "target_rel_err": TARGET_REL_ERR,
+        "matmul": rates,
+        "flops": flops,
+    }
+
+
+def print_report(result: dict[str, Any]) -> None:
+    timings, agree = result["timings"], result["agreement_vs_transformers"]
+    header = (
+        f"{'implementation':<14}{'fwd ms':>10}{'fwd+bwd ms':>12}{'x fwd':>8}{'x fwd+bwd':>11}"
+        f"{'GFLOP/s':>9}{'of mm':>7}{'err o':>10}{'err grads':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, t in timings.items():
+        errors = agree[name]["rel_err"]
+        grad_err = max(errors[g] for g in GRAD_NAMES)
+        print(
+            f"{name:<14}{t['forward_s'] * 1e3:>10.1f}{t['forward_backward_s'] * 1e3:>12.1f}"
+            f"{t['speedup_forward_vs_transformers']:>8.2f}{t['speedup_forward_backward_vs_transformers']:>11.2f}"
+            f"{t['effective_gflops']:>9.1f}{t['fraction_of_large_matmul']:>7.0%}"
+            f"{errors['o']:>10.1e}{grad_err:>11.1e}"
+        )
+    mm, flops = result["matmul"], result["flops"]
+    print(
+        f"matmul fp32: {mm['large_gflops']:.1f} GFLOP/s large {mm['large_shape'][0]}^3, "
+        f"{mm['small_gflops']:.1f} GFLOP/s small batched {mm['small_shape']}"
+    )
+    print(
+        f"FLOPs (ours' algorithm): forward {flops['forward'] / 1e9:.2f} G, backward "
+        f"{flops['backward'] / 1e9:.2f} G, total {flops['forward_backward'] / 1e9:.2f} G "
+        f"(FlopCounterMode, no solve: {flops['flop_counter_ours_forward_backward'] / 1e9:.2f} G, "
+        f"{'matches' if flops['analytic_matches_flop_counter'] else 'DIFFERS FROM'} the analytic count)"
+    )
+    for name, a in agree.items():
+        status = "ok" if a["within_target"] else "ABOVE TARGET"
+        worst = max(a["rel_err"], key=a["rel_err"].get)
+        print(
+            f"agreement {name}: worst {worst} {a['rel_err'][worst]:.1e} vs {result['target_rel_err']:.0e}: {status}"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--B", type=int, default=1)
+    parser.add_argument("--T", type=int, default=4096)
+    parser.add_argument("--H", type=int, default=4)
+    parser.add_argument("--K", type=int, default=128, help="key dim; the value dim too unless --V")
+    parser.add_argument("--V", type=int, default=None)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="torch")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_ops.json"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")
+    cfg = BenchConfig(
+        B=args.B,
+        T=args.T,
+        H=args.H,
+        K=args.K,
+        V=args.K if args.V is None else args.V,
+        chunk_size=args.chunk_size,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        threads=args.threads,
+        backend=args.backend,
+    )
+    return cfg, args.out, args.matmul_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, out, matmul_size = parse_args(argv)
+    result = run(cfg, matmul_size)
+    print_report(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if result["agreement_vs_transformers"]["ours"]["within_target"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

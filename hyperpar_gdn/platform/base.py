@@ -137,6 +137,11 @@ class Collectives(ABC):
 
     bytes_sent: int = 0
 
+    def reset_bytes(self) -> int:
+        """Set ``bytes_sent`` to 0 and return the value it had."""
+        sent, self.bytes_sent = self.bytes_sent, 0
+        return sent
+
     @abstractmethod
     def all_to_all(
         self, x: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group
@@ -198,6 +203,12 @@ class Platform(ABC):
     @abstractmethod
     def new_group(self, ranks: Sequence[int]) -> Group:
         """A process group over global ``ranks``; every process must call it, in the same order."""
+
+    def adopt_mesh(self, obj: object) -> tuple[Group, list[int], str | None] | None:
+        """``(group, global ranks in group order, axis name or None)`` for a 1-D device mesh of the
+        framework's own type (e.g. a torch ``DeviceMesh``), without communication; ``None`` when
+        ``obj`` is not such a mesh. Raises ``ValueError`` for one that is not 1-D."""
+        return None
 
     @abstractmethod
     def destroy(self) -> None:

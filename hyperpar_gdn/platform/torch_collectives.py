@@ -1,0 +1,242 @@
+"""Differentiable collectives for PyTorch process groups (gloo, NCCL, HCCL).
+
+Every collective takes a ``group`` (``None`` means the default group) and is called by every
+member of that group in the same order. Ranks named in arguments (``dst``, ``src``) and the order of
+splits and gathered slices are GROUP ranks, not global ranks.
+
+The differentiable ones (:meth:`TorchCollectives.all_to_all`, :meth:`~TorchCollectives.all_gather`,
+:meth:`~TorchCollectives.shift_right`) are ``torch.autograd.Function``s whose backward is the
+reverse collective, so every member must also run the backward (it communicates).
+
+Only primitives that work on gloo are used (see DESIGN.md section 4): ``all_to_all_single`` with
+contiguous input and uneven splits, ``all_gather_single`` (the new name of
+``all_gather_into_tensor``, which torch 2.13 deprecates), ``batch_isend_irecv``. The gradient of
+``all_gather`` is a reduce-scatter written as an even ``all_to_all_single`` followed by a sum over
+senders, in group rank order: deterministic, and the same code on every backend (gloo in torch
+2.13 has ``reduce_scatter_tensor`` too, but DESIGN.md lists all_to_all_single as the primitive
+measured to work).
+
+Byte accounting (``bytes_sent``): the payload of this rank's data that lands on OTHER ranks, as if
+every transfer went directly from sender to receiver, counted in forward and backward:
+
+- ``all_to_all``: the rows sent to other ranks (the rows kept for itself are not counted); its
+  backward counts the gradient rows sent back the same way.
+- ``all_gather``: ``x.nbytes * (world - 1)``; its backward (reduce-scatter) counts
+  ``x.nbytes * (world - 1)`` too: the gradient slices that belong to other ranks.
+- ``shift_right``: ``x.nbytes`` on every rank but the last; its backward counts ``grad.nbytes`` on
+  every rank but the first.
+- ``send``: ``x.nbytes``; ``recv``: nothing; ``barrier``: nothing.
+- ``all_reduce_sum``: ``x.nbytes * (world - 1)``.
+
+The physical traffic of the backend's algorithm (rings, trees) differs; this is the logical volume
+the DESIGN.md traffic estimates use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .base import Collectives, Group
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older builds (the
+# torch that a torch-npu release pins) may have only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _rank_and_size(group: Group | None, what: str) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{what} needs an initialized default process group (init_distributed())")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"{what}: global rank {dist.get_rank()} is not a member of the group "
+            f"{dist.get_process_group_ranks(group)}"
+        )
+    return rank, dist.get_world_size(group)
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    return math.prod(x.shape[1:]) * x.element_size()
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        group: Group | None,
+        owner: TorchCollectives,
+    ) -> torch.Tensor:
+        ctx.send_splits, ctx.recv_splits, ctx.group, ctx.owner = send_splits, recv_splits, group, owner
+        return owner._all_to_all(x, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        dx = ctx.owner._all_to_all(grad, ctx.recv_splits, ctx.send_splits, ctx.group)
+        return dx, None, None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group | None, owner: TorchCollectives) -> torch.Tensor:
+        ctx.group, ctx.owner = group, owner
+        return owner._all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.owner._reduce_scatter(grad, ctx.group), None, None
+
+
+class _ShiftRight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group | None, owner: TorchCollectives) -> torch.Tensor:
+        ctx.group, ctx.owner = group, owner
+        return owner._shift(x, group, step=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.owner._shift(grad, ctx.group, step=-1), None, None
+
+
+class TorchCollectives(Collectives):
+    """Differentiable collectives over ``torch.distributed`` groups; see the module docstring for
+    the ``bytes_sent`` convention."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+
+    # --- differentiable ---------------------------------------------------------------------------
+    def all_to_all(
+        self, x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group | None
+    ) -> torch.Tensor:
+        """Split ``x`` ``[N, ...]`` along dim 0 by ``send_splits`` (one per group rank, zeros allowed;
+        they sum to N); part j goes to group rank j. Returns ``[sum(recv_splits), ...]``: the parts
+        the group ranks sent here, in group rank order. ``recv_splits[j]`` must equal what rank j
+        put in its ``send_splits`` for this rank (not checked: that would cost a collective).
+
+        Example (2 ranks; rank 0 keeps 1 row and sends 2, rank 1 sends 0 and keeps 3)::
+
+            rank 0: all_to_all(x0 [3, D], [1, 2], [1, 0], g) -> [1, D] = x0[:1]
+            rank 1: all_to_all(x1 [3, D], [0, 3], [2, 3], g) -> [5, D] = cat(x0[1:], x1)
+        """
+        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        _, world = _rank_and_size(group, "all_to_all")
+        if x.dim() == 0:
+            raise ValueError("all_to_all needs x with at least one dim (split along dim 0), got a 0-d tensor")
+        if len(send) != world or len(recv) != world:
+            raise ValueError(
+                f"all_to_all needs one split per group rank (world={world}); "
+                f"got send_splits={send}, recv_splits={recv}"
+            )
+        if min(send + recv) < 0:
+            raise ValueError(f"all_to_all splits must be >= 0; got send_splits={send}, recv_splits={recv}")
+        if sum(send) != x.shape[0]:
+            raise ValueError(
+                f"all_to_all send_splits={send} sum to {sum(send)} but x has {x.shape[0]} rows "
+                f"(x.shape={tuple(x.shape)})"
+            )
+        return _AllToAll.apply(x, send, recv, group, self)
+
+    def all_gather(self, x: torch.Tensor, group: Group | None) -> torch.Tensor:
+        """``[world, *x.shape]``: every group rank's ``x`` (same shape on every rank), stacked in
+        group rank order. The gradient is reduce-scattered: rank r gets the sum over ranks of
+        their gradient for slice r."""
+        _rank_and_size(group, "all_gather")
+        return _AllGather.apply(x, group, self)
+
+    def shift_right(self, x: torch.Tensor, group: Group | None) -> torch.Tensor:
+        """Send ``x`` (same shape on every rank) to group rank + 1 and return what group rank - 1
+        sent; zeros on group rank 0; the last rank's ``x`` goes nowhere (its gradient is zero).
+        The gradient of the result travels from rank r to rank r - 1."""
+        _rank_and_size(group, "shift_right")
+        return _ShiftRight.apply(x, group, self)
+
+    # --- raw, not differentiable ------------------------------------------------------------------
+    def send(self, x: torch.Tensor, dst: int, group: Group | None) -> None:
+        """Blocking send of ``x`` to GROUP rank ``dst``."""
+        rank, world = _rank_and_size(group, "send")
+        if not 0 <= dst < world or dst == rank:
+            raise ValueError(
+                f"send dst={dst} must be another group rank in [0, {world}); this is rank {rank}"
+            )
+        dist.send(x.detach().contiguous(), group=group, group_dst=dst)
+        self.bytes_sent += x.numel() * x.element_size()
+
+    def recv(self, like: torch.Tensor, src: int, group: Group | None) -> torch.Tensor:
+        """Blocking receive from GROUP rank ``src`` into a new tensor shaped like ``like``."""
+        rank, world = _rank_and_size(group, "recv")
+        if not 0 <= src < world or src == rank:
+            raise ValueError(
+                f"recv src={src} must be another group rank in [0, {world}); this is rank {rank}"
+            )
+        buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        dist.recv(buf, group=group, group_src=src)
+        return buf
+
+    def barrier(self, group: Group | None) -> None:
+        _rank_and_size(group, "barrier")
+        dist.barrier(group=group)
+
+    def all_reduce_sum(self, x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+        """Sum ``x`` over the group in place and return it (not differentiable)."""
+        _, world = _rank_and_size(group, "all_reduce_sum")
+        if not x.is_contiguous():
+            raise ValueError(
+                f"all_reduce_sum works in place and needs a contiguous x (shape {tuple(x.shape)})"
+            )
+        with torch.no_grad():
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        self.bytes_sent += x.numel() * x.element_size() * (world - 1)
+        return x
+
+    # --- implementations (also used by the backwards) ---------------------------------------------
+    def _all_to_all(
+        self, x: torch.Tensor, send: list[int], recv: list[int], group: Group | None
+    ) -> torch.Tensor:
+        rank, _ = _rank_and_size(group, "all_to_all")
+        x = x.contiguous()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+        self.bytes_sent += (sum(send) - send[rank]) * _row_bytes(x)
+        return out
+
+    def _all_gather(self, x: torch.Tensor, group: Group | None) -> torch.Tensor:
+        _, world = _rank_and_size(group, "all_gather")
+        flat = x.contiguous().reshape(-1)
+        out = flat.new_empty(world * flat.numel())
+        if flat.numel():
+            _all_gather_single(out, flat, group=group)
+        self.bytes_sent += flat.numel() * flat.element_size() * (world - 1)
+        return out.view(world, *x.shape)
+
+    def _reduce_scatter(self, grad: torch.Tensor, group: Group | None) -> torch.Tensor:
+        _, world = _rank_and_size(group, "all_gather backward")
+        shape = grad.shape[1:]
+        flat = grad.contiguous().reshape(-1)
+        parts = flat.new_empty(flat.numel())
+        if flat.numel():
+            dist.all_to_all_single(parts, flat, group=group)  # row j of every rank lands on rank j
+        self.bytes_sent += flat.numel() // world * flat.element_size() * (world - 1)
+        return parts.view(world, *shape).sum(0)
+
+    def _shift(self, x: torch.Tensor, group: Group | None, *, step: int) -> torch.Tensor:
+        rank, world = _rank_and_size(group, "shift_right")
+        x = x.contiguous()
+        out = torch.zeros_like(x)
+        ops = []
+        if 0 <= rank + step < world:
+            ops.append(dist.P2POp(dist.isend, x, group=group, group_peer=rank + step))
+            self.bytes_sent += x.numel() * x.element_size()
+        if 0 <= rank - step < world:
+            ops.append(dist.P2POp(dist.irecv, out, group=group, group_peer=rank - step))
+        if ops and x.numel():  # same shape on every rank: all skip an empty exchange together
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return out

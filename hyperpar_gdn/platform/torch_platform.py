@@ -1,0 +1,200 @@
+"""The PyTorch platform: CPU (gloo), CUDA (NCCL) and Ascend NPU (HCCL through torch-npu).
+
+``torch_npu`` is imported only when the ``npu`` platform is constructed, never at import time:
+once installed it changes what a plain ``import torch`` does, and it cannot be imported on a
+machine without Ascend CANN.
+
+Process groups come from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``). Without ``RANK`` and ``WORLD_SIZE`` a single process joins a
+1-rank group backed by an in-memory store, so collectives over ``group=None`` work unchanged.
+
+Example::
+
+    platform = TorchPlatform("cpu")
+    platform.init_distributed(timeout_s=60)
+    group = platform.new_group([0, 1])     # every process calls this, in the same order
+    y = platform.collectives.all_gather(x, group)
+    platform.destroy()
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .base import Group, Platform
+from .torch_collectives import TorchCollectives
+from .torch_ops import TorchOps
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+class TorchPlatform(Platform):
+    """PyTorch on ``name`` = ``"cpu"``, ``"cuda"`` or ``"npu"``.
+
+    Attributes:
+        name: the platform name.
+        backend: the process-group backend (``gloo``, ``nccl`` or ``hccl``).
+        ops: tensor functions (:class:`TorchOps`).
+        collectives: differentiable collectives (:class:`TorchCollectives`).
+    """
+
+    def __init__(self, name: str) -> None:
+        if name not in _BACKENDS:
+            raise ValueError(
+                f"TorchPlatform name {name!r} is unknown; valid values are {', '.join(_BACKENDS)}"
+            )
+        self.name = name
+        self.backend = _BACKENDS[name]
+        if name == "npu":
+            try:
+                importlib.import_module("torch_npu")
+            except ImportError as err:
+                raise RuntimeError(
+                    "platform 'npu' needs torch_npu (and Ascend CANN); importing it failed: " + str(err)
+                ) from err
+        elif name == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("platform 'cuda' selected but torch.cuda.is_available() is False")
+        self.ops = TorchOps()
+        self.collectives = TorchCollectives()
+
+    def __repr__(self) -> str:
+        return f"TorchPlatform({self.name!r})"
+
+    # --- device -----------------------------------------------------------------------------------
+    @property
+    def local_rank(self) -> int:
+        """``LOCAL_RANK`` from the launcher (0 when unset)."""
+        return _env_int("LOCAL_RANK", 0)
+
+    @property
+    def device(self) -> torch.device:
+        if self.name == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.name, self.local_rank)
+
+    def _set_device(self) -> None:
+        if self.name == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        elif self.name == "npu":
+            torch.npu.set_device(self.local_rank)  # type: ignore[attr-defined]
+
+    # --- process groups ---------------------------------------------------------------------------
+    def init_distributed(self, *, timeout_s: float = 600.0, store: dist.Store | None = None) -> None:
+        """Join the default process group (idempotent).
+
+        With ``RANK`` and ``WORLD_SIZE`` set (torchrun), rendezvous through ``env://``
+        (``MASTER_ADDR``/``MASTER_PORT``), or through ``store`` when one is given (a c10d store
+        shared by the ranks, e.g. a ``FileStore``: the test harness uses one). With neither set,
+        start a 1-rank group on an in-memory store. ``timeout_s`` bounds every collective and the
+        rendezvous.
+        """
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be positive")
+        if dist.is_initialized():
+            current = dist.get_backend()
+            if current != self.backend:
+                raise RuntimeError(
+                    f"a default process group with backend {current!r} already exists; "
+                    f"platform {self.name!r} needs {self.backend!r}"
+                )
+            return
+        self._set_device()
+        timeout = timedelta(seconds=timeout_s)
+        present = [var for var in _LAUNCH_VARS if os.environ.get(var, "").strip()]
+        device_id = self.device if self.name == "cuda" else None
+        if len(present) == len(_LAUNCH_VARS) and store is not None:
+            rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+            dist.init_process_group(
+                self.backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+            )
+        elif len(present) == len(_LAUNCH_VARS):
+            dist.init_process_group(self.backend, init_method="env://", timeout=timeout, device_id=device_id)
+        elif not present:
+            dist.init_process_group(
+                self.backend,
+                store=store if store is not None else dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=timeout,
+                device_id=device_id,
+            )
+        else:
+            missing = [var for var in _LAUNCH_VARS if var not in present]
+            raise ValueError(
+                f"launcher environment is incomplete: {', '.join(present)} set but {', '.join(missing)} "
+                "missing; set both (torchrun does) or neither (single process)"
+            )
+
+    def is_initialized(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def rank(self) -> int:
+        """Global rank; before :meth:`init_distributed`, ``RANK`` from the environment (or 0)."""
+        return dist.get_rank() if self.is_initialized() else _env_int("RANK", 0)
+
+    def world_size(self) -> int:
+        """World size; before :meth:`init_distributed`, ``WORLD_SIZE`` from the environment (or 1)."""
+        return dist.get_world_size() if self.is_initialized() else _env_int("WORLD_SIZE", 1)
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """A process group over global ``ranks``, given in ascending order (torch orders group
+        ranks by global rank, so group rank i is ``ranks[i]``; an unsorted list is an error rather
+        than a silent reordering).
+
+        Collective: every process of the default group calls it with the same ``ranks``, in the
+        same order, members or not. Non-members get a handle they must not use.
+        """
+        if not self.is_initialized():
+            raise RuntimeError(f"new_group({list(ranks)}) needs init_distributed() first")
+        ranks = [int(r) for r in ranks]
+        world = self.world_size()
+        if (
+            not ranks
+            or ranks[0] < 0
+            or ranks[-1] >= world
+            or any(a >= b for a, b in itertools.pairwise(ranks))
+        ):
+            raise ValueError(f"new_group ranks={ranks} must be distinct ranks in [0, {world}), ascending")
+        return dist.new_group(ranks=ranks)
+
+    def destroy(self) -> None:
+        """Destroy the default process group and every group created from it."""
+        if self.is_initialized():
+            dist.destroy_process_group()
+
+    # --- torch DeviceMesh interop -------------------------------------------------------------------
+    def adopt_mesh(self, obj: object) -> tuple[Group, list[int], str | None] | None:
+        """``(group, global ranks in group order, axis name)`` of a 1-D
+        ``torch.distributed.device_mesh.DeviceMesh`` (or a named 1-D slice of one); ``None`` when
+        ``obj`` is not a torch DeviceMesh. Raises ``ValueError`` for a mesh that is not 1-D.
+        """
+        from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+        if not isinstance(obj, TorchDeviceMesh):
+            return None
+        if obj.ndim != 1:
+            raise ValueError(
+                f"a torch DeviceMesh of shape {tuple(obj.shape)} (dim names {obj.mesh_dim_names}) is not "
+                "1-D; pass the context-parallel axis, e.g. mesh['cp']"
+            )
+        group = obj.get_group()
+        names = obj.mesh_dim_names
+        return group, dist.get_process_group_ranks(group), names[0] if names else None

@@ -213,3 +213,24 @@ class Platform(ABC):
     @abstractmethod
     def destroy(self) -> None:
         """Tear down the process groups this platform created."""
+
+    # --- helpers for scripts and checks that must not name a framework ------------------------
+    @abstractmethod
+    def manual_seed(self, seed: int) -> None:
+        """Seed the framework's generator (identical parameters on every rank)."""
+
+    @abstractmethod
+    def from_numpy(self, array: Any, *, dtype: str = "float32") -> Tensor:
+        """A tensor on this platform's device; dtype is "float32", "float64", "bfloat16" or an
+        integer type name."""
+
+    @abstractmethod
+    def to_numpy(self, x: Tensor) -> Any:
+        """A numpy copy (bf16 becomes float32)."""
+
+    @abstractmethod
+    def value_and_grads(
+        self, fn: Callable[..., Tensor], inputs: Sequence[Tensor], cotangent: Tensor, module: Any
+    ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
+        """Run ``out = fn(*inputs)`` and differentiate ``sum(out * cotangent)`` with respect to
+        ``inputs`` and the trainable parameters of ``module`` (by parameter name)."""

@@ -22,9 +22,11 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -198,3 +200,31 @@ class TorchPlatform(Platform):
         group = obj.get_group()
         names = obj.mesh_dim_names
         return group, dist.get_process_group_ranks(group), names[0] if names else None
+
+    # --- helpers for scripts and checks ----------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def from_numpy(self, array: Any, *, dtype: str = "float32") -> torch.Tensor:
+        return torch.as_tensor(np.asarray(array)).to(device=self.device, dtype=getattr(torch, dtype))
+
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        x = x.detach().cpu()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+
+    def value_and_grads(
+        self,
+        fn: Callable[..., torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        cotangent: torch.Tensor,
+        module: Any,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+        inputs = [x.detach().requires_grad_(True) for x in inputs]
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        out = fn(*inputs)
+        grads = torch.autograd.grad(out, [*inputs, *(p for _, p in named)], cotangent, allow_unused=True)
+        param_grads = {
+            name: torch.zeros_like(p) if g is None else g
+            for (name, p), g in zip(named, grads[len(inputs) :], strict=True)
+        }
+        return out.detach(), list(grads[: len(inputs)]), param_grads

@@ -1,0 +1,1 @@
+"""The three context-parallel modes, written once against the platform contract."""

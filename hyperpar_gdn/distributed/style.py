@@ -1,0 +1,163 @@
+"""Parallel styles: how a module is parallelized over a device mesh, applied from outside."""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gdn_layer_forward
+from hyperpar_gdn.platform import Tensor
+
+from .cp.common import CPGroup, LayerCall
+from .cp.state_passing import state_passing_forward
+from .cp.ulysses import ulysses_forward
+from .dtensor import DTensor
+from .mesh import as_cp_mesh
+
+MODES = ("ulysses", "p2p", "all_gather")
+_HANDLE = "_hyperpar_cp"
+
+
+class ParallelStyle(ABC):
+    """One job: ``apply(module, mesh)`` parallelizes ``module`` in place and returns it."""
+
+    @abstractmethod
+    def apply(self, module: Any, mesh: Any) -> Any: ...
+
+
+class LinearAttentionContextParallel(ParallelStyle):
+    """Context parallelism for a Qwen3.5 Gated DeltaNet layer.
+
+    After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard of the
+    sequence, ``[B, T/cp, hidden]`` (rank r of the mesh holds tokens [r*T/cp, (r+1)*T/cp)), and
+    gives exactly the single-device result. Parameters are untouched (state dict and optimizer
+    as before); their gradients are this rank's share (sum them over the CP ranks, as data
+    parallelism does). ``undo(module)`` restores the original forward.
+
+    Works on ``hyperpar_gdn.models.GatedDeltaNet``, on transformers' ``Qwen3_5GatedDeltaNet``
+    (without a cache) and on the MindSpore layer.
+
+    Args:
+        mode: ``"ulysses"`` (head parallel, two all-to-alls; heads divisible by cp),
+            ``"p2p"`` (state passing along a chain) or ``"all_gather"`` (one all-gather of
+            fp32 state summaries). See docs/modes.md.
+        chunk_size: tokens per chunk of the gated delta rule.
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+        LinearAttentionContextParallel(mode="p2p").apply(layer, mesh)
+        y_local = layer(x_local)        # x_local: [B, T/4, hidden]
+    """
+
+    def __init__(self, mode: str = "ulysses", *, chunk_size: int = 64) -> None:
+        if mode not in MODES:
+            raise ValueError(
+                f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}"
+            )
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+        self.mode = mode
+        self.chunk_size = chunk_size
+
+    def apply(self, module: Any, mesh: Any) -> Any:
+        cp_mesh = as_cp_mesh(mesh)
+        dims = LayerDims.of(module)
+        cp = cp_mesh.size()
+        if self.mode == "ulysses" and (dims.num_k_heads % cp or dims.num_v_heads % cp):
+            raise ValueError(
+                f"mode='ulysses' splits heads over cp={cp}: num_k_heads={dims.num_k_heads} and "
+                f"num_v_heads={dims.num_v_heads} must both be divisible by it; use mode='p2p' or 'all_gather'"
+            )
+        if getattr(module, _HANDLE, None) is not None:
+            raise ValueError(
+                f"{type(module).__name__} already has context parallelism applied; undo() it first"
+            )
+        attr = "construct" if hasattr(module, "construct") else "forward"
+        original = getattr(module, attr)
+        bind = _signature_binder(original)
+        platform = cp_mesh.platform
+        group = CPGroup(
+            xp=platform.ops,
+            comm=platform.collectives,
+            group=cp_mesh.get_group(),
+            rank=cp_mesh.get_local_rank(),
+            size=cp,
+        )
+
+        def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            attention_mask = bind(hidden_states, *args, **kwargs)
+            return self._forward(module, group, hidden_states, attention_mask)
+
+        setattr(module, _HANDLE, (attr, attr in vars(module), original))
+        setattr(module, attr, forward)
+        return module
+
+    @staticmethod
+    def undo(module: Any) -> Any:
+        """Restore the module's own forward."""
+        handle = getattr(module, _HANDLE, None)
+        if handle is None:
+            raise ValueError(f"{type(module).__name__} has no context parallelism applied")
+        attr, was_instance_attr, original = handle
+        if was_instance_attr:
+            setattr(module, attr, original)
+        else:
+            delattr(module, attr)
+        delattr(module, _HANDLE)
+        return module
+
+    def _forward(self, module: Any, cp: CPGroup, x: Any, attention_mask: Any) -> Any:
+        placements = None
+        if isinstance(x, DTensor):
+            placements, mesh, x = x.placements, x.device_mesh, x.to_local()
+        if isinstance(attention_mask, DTensor):
+            attention_mask = attention_mask.to_local()
+        dims = LayerDims.of(module)
+        _check_shard(self.mode, dims, cp, x, attention_mask)
+        call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
+        if cp.size == 1:
+            y = gdn_layer_forward(cp.xp, call.weights, dims, x, attention_mask, chunk_size=self.chunk_size)
+        elif self.mode == "ulysses":
+            y = ulysses_forward(cp, call, x, attention_mask)
+        else:
+            y = state_passing_forward(self.mode, cp, call, x, attention_mask)
+        return y if placements is None else DTensor.from_local(y, mesh, placements)
+
+
+def _signature_binder(forward: Callable) -> Callable[..., Tensor | None]:
+    """Bind a call as the original forward would and return its attention mask.
+
+    Refuses a cache: context parallelism is for training and prefill of whole sequences."""
+    signature = inspect.signature(forward)
+
+    def bind(hidden_states: Any, *args: Any, **kwargs: Any) -> Tensor | None:
+        bound = signature.bind(hidden_states, *args, **kwargs).arguments
+        for name in ("cache", "cache_params", "past_key_values"):
+            if bound.get(name) is not None:
+                raise NotImplementedError(
+                    f"{name}= is not supported under context parallelism; "
+                    "supported: full-sequence forward/backward without a cache"
+                )
+        return bound.get("attention_mask")
+
+    return bind
+
+
+def _check_shard(mode: str, dims: LayerDims, cp: CPGroup, x: Tensor, attention_mask: Tensor | None) -> None:
+    """Local checks, identical on every rank with the same shapes, before any communication."""
+    shape = tuple(x.shape)
+    if len(shape) != 3 or shape[-1] != dims.hidden_size:
+        raise ValueError(f"the local shard must be [B, T/cp, hidden_size={dims.hidden_size}]; got {shape}")
+    halo = dims.conv_kernel_size - 1
+    if mode != "ulysses" and cp.size > 1 and shape[1] < halo:
+        raise ValueError(
+            f"mode={mode!r}: the local shard has T/cp={shape[1]} tokens, fewer than the conv halo "
+            f"W-1={halo} (conv_kernel_size={dims.conv_kernel_size}); use fewer ranks or a longer sequence"
+        )
+    if attention_mask is not None and tuple(attention_mask.shape) != shape[:2]:
+        raise ValueError(
+            f"attention_mask must be this rank's shard [B, T/cp] = {shape[:2]}; got {tuple(attention_mask.shape)}"
+        )

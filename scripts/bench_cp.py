@@ -1,0 +1,316 @@
+"""Benchmark the context-parallel modes against one device: time, memory and traffic per rank.
+
+For each mode and cp in --cp-sizes, ranks are forked processes in a real gloo group (on this
+machine; the same code runs on cuda/npu through HP_PLATFORM with torchrun-style launching left
+to the user). Two sweeps:
+
+- fixed total T (``--seq-len``): each rank holds T/cp tokens; speed-up over cp=1 is the point.
+- fixed local T (``--local-seq-len``): each rank holds the same tokens whatever cp; the cost of CP.
+
+Threads: ``--total-threads`` is split evenly over the ranks (cp=1 gets all of them), so every
+run uses the same machine. Per rank and configuration it records the median forward+backward
+time over ``--repeats`` (after a warm-up), the activation memory (bytes of the distinct storages saved
+for backward, parameters excluded, counted by a saved-tensor hook), the peak RSS growth of the process during the step,
+and the bytes the platform's collectives sent, next to the DESIGN.md formulas
+(:func:`expected_bytes`). Results: JSON (``--out``) and a PNG plot beside it.
+
+Usage: ``python scripts/bench_cp.py [--seq-len 8192 --local-seq-len 2048 --cp-sizes 1 2 4]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import socket
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MODES = ("ulysses", "p2p", "all_gather")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    batch: int = 1
+    hidden: int = 512
+    num_k_heads: int = 4
+    num_v_heads: int = 4
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+    conv_kernel_size: int = 4
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+
+def expected_bytes(mode: str, shape: LayerShape, *, seq_len: int, cp: int, rank: int, itemsize: int) -> int:
+    """Bytes this rank sends in one forward+backward, from DESIGN.md section 3.
+
+    ulysses: two all-to-alls each way, (cp-1)/cp of the local rows leave the rank.
+    p2p: one fp32 state [B, H, K, V] forward (not from the last rank) and one backward (not from
+    rank 0), plus the conv halo (W-1 tokens of C channels) each way.
+    all_gather: the packed fp32 summary [B, H, K, V+K] to cp-1 peers forward, and its gradient
+    to cp-1 peers backward (a reduce-scatter), plus the halo.
+    """
+    if cp == 1:
+        return 0
+    s = shape
+    t_local = seq_len // cp
+    if mode == "ulysses":
+        rows = s.batch * t_local * (s.conv_dim + 2 * s.num_v_heads + s.value_dim)
+        return 2 * rows * (cp - 1) // cp * itemsize
+    halo = s.batch * (s.conv_kernel_size - 1) * s.conv_dim * itemsize
+    halo_bytes = halo * ((rank < cp - 1) + (rank > 0))  # forward to rank+1, gradient to rank-1
+    state = s.batch * s.num_v_heads * s.head_k_dim * s.head_v_dim * 4
+    if mode == "p2p":
+        return halo_bytes + state * ((rank < cp - 1) + (rank > 0))
+    packed = s.batch * s.num_v_heads * s.head_k_dim * (s.head_v_dim + s.head_k_dim) * 4
+    return halo_bytes + 2 * packed * (cp - 1)
+
+
+def _rank_main(rank: int, cp: int, port: int, threads: int, job: dict[str, Any], queue: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(cp),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(threads),
+        HP_PLATFORM=os.environ.get("HP_PLATFORM", "cpu"),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        queue.put((rank, "ok", _measure(rank, cp, job)))
+    except BaseException:  # report to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def _measure(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
+    from hyperpar_gdn.models import GatedDeltaNet
+    from hyperpar_gdn.platform import get_platform
+
+    platform = get_platform()
+    platform.init_distributed(timeout_s=300)
+    shape = LayerShape(**job["shape"])
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(
+        shape.hidden,
+        shape.num_k_heads,
+        shape.num_v_heads,
+        shape.head_k_dim,
+        shape.head_v_dim,
+        shape.conv_kernel_size,
+    )
+    if cp > 1:
+        mesh = init_device_mesh(platform.name, (cp,), mesh_dim_names=("cp",))
+        LinearAttentionContextParallel(mode=job["mode"]).apply(layer, mesh)
+    t_local = job["seq_len"] // cp
+    x = torch.randn(shape.batch, t_local, shape.hidden, requires_grad=True)
+    comm = platform.collectives
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        layer(x).sum().backward()
+
+    for _ in range(job["warmup"]):
+        step()
+    comm.reset_bytes()
+    times = []
+    for _ in range(job["repeats"]):
+        if cp > 1:
+            platform.collectives.barrier(None)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    bytes_sent = comm.reset_bytes() // job["repeats"]
+
+    # activations: distinct storages saved for backward, parameters excluded
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    out.sum().backward()
+    rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
+    platform.destroy()
+    return {
+        "rank": rank,
+        "time_s": statistics.median(times),
+        "times_s": times,
+        "activation_bytes": sum(storages.values()),
+        "peak_rss_growth_bytes": rss_growth,
+        "bytes_sent": bytes_sent,
+        "expected_bytes": expected_bytes(
+            job["mode"], shape, seq_len=job["seq_len"], cp=cp, rank=rank, itemsize=4
+        ),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_job(cp: int, total_threads: int, job: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
+    """Run one configuration on ``cp`` forked ranks; per-rank results in rank order."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    threads = max(1, total_threads // cp)
+    procs = [ctx.Process(target=_rank_main, args=(r, cp, port, threads, job, queue)) for r in range(cp)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(results) < cp:
+            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(cp)]
+
+
+def summarize(rows: list[dict[str, Any]]) -> None:
+    base = {(r["sweep"], r["mode"]): r for r in rows if r["cp"] == 1}
+    print(
+        f"{'sweep':<12}{'mode':<11}{'cp':>3}{'T/cp':>7}{'time/rank s':>13}{'speed-up':>10}"
+        f"{'act MiB':>10}{'act ratio':>11}{'sent KiB':>11}{'expected':>11}"
+    )
+    for r in rows:
+        b = base.get((r["sweep"], r["mode"]))
+        r["speedup_vs_cp1"] = b["time_s"] / r["time_s"] if b else None
+        r["activation_ratio_vs_cp1"] = r["activation_bytes"] / b["activation_bytes"] if b else None
+        print(
+            f"{r['sweep']:<12}{r['mode']:<11}{r['cp']:>3}{r['local_seq_len']:>7}{r['time_s']:>13.3f}"
+            f"{(r['speedup_vs_cp1'] or 0):>10.2f}{r['activation_bytes'] / 2**20:>10.1f}"
+            f"{(r['activation_ratio_vs_cp1'] or 0):>11.3f}{r['bytes_sent'] / 1024:>11.1f}"
+            f"{r['expected_bytes'] / 1024:>11.1f}"
+        )
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for sweep, ax in zip(("fixed_total", "fixed_local"), axes[:2], strict=True):
+        for mode in MODES:
+            pts = sorted((r["cp"], r["time_s"]) for r in rows if r["sweep"] == sweep and r["mode"] == mode)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+        ax.set(
+            xlabel="cp",
+            ylabel="forward+backward s (slowest rank)",
+            title=f"time, {sweep.replace('_', ' ')} T",
+        )
+        ax.legend()
+    for mode in MODES:
+        pts = sorted(
+            (r["cp"], r["activation_bytes"] / 2**20)
+            for r in rows
+            if r["sweep"] == "fixed_total" and r["mode"] == mode
+        )
+        if pts:
+            axes[2].plot(*zip(*pts, strict=True), marker="o", label=mode)
+    axes[2].set(xlabel="cp", ylabel="MiB per rank", title="activation memory, fixed total T")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-len", type=int, default=8192, help="total T of the fixed-total sweep")
+    parser.add_argument(
+        "--local-seq-len", type=int, default=2048, help="T/cp of the fixed-local sweep (0: skip)"
+    )
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--total-threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_cp.json"))
+    args = parser.parse_args()
+
+    shape = LayerShape(batch=args.batch)
+    sweeps = [("fixed_total", args.seq_len, None)]
+    if args.local_seq_len:
+        sweeps.append(("fixed_local", None, args.local_seq_len))
+    rows = []
+    for sweep, total, local in sweeps:
+        for mode in args.modes:
+            for cp in args.cp_sizes:
+                seq_len = total if total is not None else local * cp
+                if seq_len % cp:
+                    raise SystemExit(f"--seq-len {seq_len} is not divisible by cp={cp}")
+                job = {
+                    "mode": mode,
+                    "seq_len": seq_len,
+                    "shape": asdict(shape),
+                    "repeats": args.repeats,
+                    "warmup": args.warmup,
+                }
+                ranks = run_job(cp, args.total_threads, job, timeout_s=args.timeout)
+                slowest = max(ranks, key=lambda r: r["time_s"])
+                rows.append(
+                    {
+                        "sweep": sweep,
+                        "mode": mode,
+                        "cp": cp,
+                        "seq_len": seq_len,
+                        "local_seq_len": seq_len // cp,
+                        "threads_per_rank": max(1, args.total_threads // cp),
+                        "time_s": slowest["time_s"],
+                        "activation_bytes": max(r["activation_bytes"] for r in ranks),
+                        "peak_rss_growth_bytes": max(r["peak_rss_growth_bytes"] for r in ranks),
+                        "bytes_sent": max(r["bytes_sent"] for r in ranks),
+                        "expected_bytes": max(r["expected_bytes"] for r in ranks),
+                        "ranks": ranks,
+                    }
+                )
+                print(f"done {sweep} {mode} cp={cp}: {slowest['time_s']:.3f}s", flush=True)
+    summarize(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"shape": asdict(shape), "total_threads": args.total_threads, "rows": rows}
+    args.out.write_text(json.dumps(payload, indent=2))
+    png = args.out.with_suffix(".png")
+    plot(rows, png)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Check every context-parallel mode against the single-device layer on this machine's devices.
+
+Launch with one process per device, on any platform:
+
+    torchrun --nproc-per-node 4 scripts/selfcheck.py              # HP_PLATFORM picks cpu/cuda/npu
+    HP_PLATFORM=mindspore msrun --worker_num=4 --local_worker_num=4 scripts/selfcheck.py
+
+Every rank builds the same layer and input, runs the whole sequence on its own device (the
+reference), then each mode on its shard, and compares the output shard, the input-gradient shard
+and the parameter gradients (summed over ranks), as errors relative to each tensor's scale.
+Rank 0 prints a table and, last, ``selfcheck: <ok>/<total> ok``; the exit code is 0 only if
+every mode that applies passed (ulysses needs the head counts divisible by the ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
+from hyperpar_gdn.distributed.verify import compare_with_reference
+from hyperpar_gdn.platform import Platform, get_platform
+
+MODES = ("ulysses", "p2p", "all_gather")
+
+
+def build_layer(platform: Platform, args: argparse.Namespace) -> Any:
+    """The GDN layer of the platform's framework, with weights fixed by the seed."""
+    if platform.name == "mindspore":
+        from hyperpar_gdn.models.mindspore import GatedDeltaNet
+    else:
+        from hyperpar_gdn.models import GatedDeltaNet
+    platform.manual_seed(args.seed)
+    layer = GatedDeltaNet(args.hidden, args.k_heads, args.v_heads, args.head_dim, args.head_dim)
+    return layer.to(platform.device) if hasattr(layer, "to") else layer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-len", type=int, default=512, help="total tokens T, split over the ranks")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--k-heads", type=int, default=4)
+    parser.add_argument("--v-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-4, help="max error relative to each tensor's scale"
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, seconds")
+    args = parser.parse_args()
+
+    platform = get_platform()
+    platform.init_distributed(timeout_s=args.timeout)
+    rank, world = platform.rank(), platform.world_size()
+    if args.seq_len % world:
+        raise SystemExit(f"--seq-len {args.seq_len} is not divisible by the {world} ranks")
+    mesh = init_device_mesh(platform.name, (world,), mesh_dim_names=("cp",))
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal((args.batch, args.seq_len, args.hidden))
+    cotangent = rng.standard_normal(x.shape)
+
+    rows, ok, total = [], 0, 0
+    try:
+        for mode in MODES:
+            if mode == "ulysses" and (args.k_heads % world or args.v_heads % world):
+                rows.append(
+                    (mode, f"skipped: {args.k_heads}/{args.v_heads} heads not divisible by {world}", "", "")
+                )
+                continue
+            total += 1
+            layer = LinearAttentionContextParallel(mode=mode).apply(build_layer(platform, args), mesh)
+            start = time.perf_counter()
+            errors = compare_with_reference(platform, mesh, layer, build_layer(platform, args), x, cotangent)
+            elapsed = time.perf_counter() - start
+            worst_name, worst = max(errors.items(), key=lambda item: item[1])
+            passed = worst <= args.tolerance
+            ok += passed
+            rows.append((mode, f"{worst:.2e} ({worst_name})", f"{elapsed:.2f}s", "ok" if passed else "FAIL"))
+    finally:
+        if rank == 0:
+            print(
+                f"platform={platform.name} ranks={world} T={args.seq_len} B={args.batch} hidden={args.hidden}"
+            )
+            print(f"{'mode':<12}{'max rel error':<44}{'time':<10}result")
+            for mode, err, elapsed, result in rows:
+                print(f"{mode:<12}{err:<44}{elapsed:<10}{result}")
+            print(f"selfcheck: {ok}/{total} ok", flush=True)
+        platform.destroy()
+    return 0 if ok == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,7 +35,9 @@ the DESIGN.md traffic estimates use.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -58,6 +60,27 @@ def _rank_and_size(group: Group | None, what: str) -> tuple[int, int]:
             f"{dist.get_process_group_ranks(group)}"
         )
     return rank, dist.get_world_size(group)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a peer died, raised, or never arrived)."""
+
+
+@contextmanager
+def _named(what: str, group: Group | None) -> Iterator[None]:
+    """Re-raise a backend failure as a CollectiveError that names the collective and the group."""
+    try:
+        yield
+    except (ValueError, CollectiveError):
+        raise
+    except Exception as err:
+        ranks = (
+            dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        )
+        raise CollectiveError(
+            f"collective {what} over global ranks {ranks} failed on rank {dist.get_rank()} "
+            f"(a peer died, raised, or missed it within the process-group timeout): {type(err).__name__}: {err}"
+        ) from err
 
 
 def _row_bytes(x: torch.Tensor) -> int:
@@ -111,6 +134,9 @@ class TorchCollectives(Collectives):
 
     def __init__(self) -> None:
         self.bytes_sent = 0
+        # gloo applies the process-group timeout to collectives but not to point-to-point waits;
+        # the platform sets this so that a missing peer fails every wait in time
+        self.timeout: timedelta | None = None
 
     # --- differentiable ---------------------------------------------------------------------------
     def all_to_all(
@@ -166,7 +192,8 @@ class TorchCollectives(Collectives):
             raise ValueError(
                 f"send dst={dst} must be another group rank in [0, {world}); this is rank {rank}"
             )
-        dist.send(x.detach().contiguous(), group=group, group_dst=dst)
+        with _named(f"send to group rank {dst}", group):
+            self._wait(dist.isend(x.detach().contiguous(), group=group, group_dst=dst))
         self.bytes_sent += x.numel() * x.element_size()
 
     def recv(self, like: torch.Tensor, src: int, group: Group | None) -> torch.Tensor:
@@ -177,12 +204,14 @@ class TorchCollectives(Collectives):
                 f"recv src={src} must be another group rank in [0, {world}); this is rank {rank}"
             )
         buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        dist.recv(buf, group=group, group_src=src)
+        with _named(f"recv from group rank {src}", group):
+            self._wait(dist.irecv(buf, group=group, group_src=src))
         return buf
 
     def barrier(self, group: Group | None) -> None:
         _rank_and_size(group, "barrier")
-        dist.barrier(group=group)
+        with _named("barrier", group):
+            dist.barrier(group=group)
 
     def all_reduce_sum(self, x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
         """Sum ``x`` over the group in place and return it (not differentiable)."""
@@ -191,19 +220,26 @@ class TorchCollectives(Collectives):
             raise ValueError(
                 f"all_reduce_sum works in place and needs a contiguous x (shape {tuple(x.shape)})"
             )
-        with torch.no_grad():
+        with torch.no_grad(), _named("all_reduce_sum", group):
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
         self.bytes_sent += x.numel() * x.element_size() * (world - 1)
         return x
 
     # --- implementations (also used by the backwards) ---------------------------------------------
+    def _wait(self, work: Any) -> None:
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=self.timeout)
+
     def _all_to_all(
         self, x: torch.Tensor, send: list[int], recv: list[int], group: Group | None
     ) -> torch.Tensor:
         rank, _ = _rank_and_size(group, "all_to_all")
         x = x.contiguous()
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+        with _named("all_to_all", group):
+            dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
         self.bytes_sent += (sum(send) - send[rank]) * _row_bytes(x)
         return out
 
@@ -212,7 +248,8 @@ class TorchCollectives(Collectives):
         flat = x.contiguous().reshape(-1)
         out = flat.new_empty(world * flat.numel())
         if flat.numel():
-            _all_gather_single(out, flat, group=group)
+            with _named("all_gather", group):
+                _all_gather_single(out, flat, group=group)
         self.bytes_sent += flat.numel() * flat.element_size() * (world - 1)
         return out.view(world, *x.shape)
 
@@ -222,7 +259,8 @@ class TorchCollectives(Collectives):
         flat = grad.contiguous().reshape(-1)
         parts = flat.new_empty(flat.numel())
         if flat.numel():
-            dist.all_to_all_single(parts, flat, group=group)  # row j of every rank lands on rank j
+            with _named("all_gather backward (reduce-scatter)", group):
+                dist.all_to_all_single(parts, flat, group=group)  # row j of every rank lands on rank j
         self.bytes_sent += flat.numel() // world * flat.element_size() * (world - 1)
         return parts.view(world, *shape).sum(0)
 
@@ -237,6 +275,7 @@ class TorchCollectives(Collectives):
         if 0 <= rank - step < world:
             ops.append(dist.P2POp(dist.irecv, out, group=group, group_peer=rank - step))
         if ops and x.numel():  # same shape on every rank: all skip an empty exchange together
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            with _named("shift_right" if step > 0 else "shift_right backward", group):
+                for work in dist.batch_isend_irecv(ops):
+                    self._wait(work)
         return out

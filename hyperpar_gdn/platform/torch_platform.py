@@ -120,6 +120,7 @@ class TorchPlatform(Platform):
             return
         self._set_device()
         timeout = timedelta(seconds=timeout_s)
+        self.collectives.timeout = timeout  # point-to-point waits honour it too
         present = [var for var in _LAUNCH_VARS if os.environ.get(var, "").strip()]
         device_id = self.device if self.name == "cuda" else None
         if len(present) == len(_LAUNCH_VARS) and store is not None:

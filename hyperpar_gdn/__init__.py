@@ -19,6 +19,8 @@ _EXPORTS = {
     "init_device_mesh": "hyperpar_gdn.distributed.mesh",
     "LinearAttentionContextParallel": "hyperpar_gdn.distributed.style",
     "ParallelStyle": "hyperpar_gdn.distributed.style",
+    "SoftmaxAttentionContextParallel": "hyperpar_gdn.distributed.attention_style",
+    "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "get_platform": "hyperpar_gdn.platform",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,22 @@
+"""Training the hybrid LM with context (and data) parallelism; ``scripts/train.py`` is the entry point.
+
+- :mod:`.config`: :class:`TrainConfig` (every option) and its command line.
+- :mod:`.data`: byte tokens, deterministic batches, each rank's shard.
+- :mod:`.checkpoint`: ``step-N/`` directories of named parts, written atomically.
+- :mod:`.loop`: :class:`Trainer` (build, train, close).
+"""
+
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .config import MODEL_SIZES, TrainConfig, parse_args
+from .loop import Trainer, TrainResult
+
+__all__ = [
+    "MODEL_SIZES",
+    "CheckpointError",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "load_checkpoint",
+    "parse_args",
+    "save_checkpoint",
+]

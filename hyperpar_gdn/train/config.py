@@ -1,0 +1,226 @@
+"""Training options: one keyword-only dataclass, its command line, and the model size presets.
+
+Checks that need only the options live in ``TrainConfig.__post_init__``; those that need the
+world size (known once the process group is up) in :meth:`TrainConfig.layout`. Every error names
+the command-line option to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hyperpar_gdn.distributed.style import MODES
+from hyperpar_gdn.models.lm import HybridLMConfig
+
+MODEL_SIZES: dict[str, HybridLMConfig] = {
+    # ~0.25M parameters: the embedded default, under a minute on two CPU ranks.
+    "tiny": HybridLMConfig(
+        hidden_size=64,
+        num_layers=4,
+        intermediate_size=192,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+    # ~6.9M parameters.
+    "small": HybridLMConfig(
+        hidden_size=256,
+        num_layers=8,
+        intermediate_size=768,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+    ),
+    # ~0.27B parameters, Qwen3.5-like head sizes: for accelerators.
+    "base": HybridLMConfig(
+        hidden_size=1024,
+        num_layers=16,
+        intermediate_size=3072,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    ),
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """Every option of ``scripts/train.py`` (its flag is the field name with dashes).
+
+    Attributes:
+        cp_mode: context-parallel mode of the GDN layers (softmax layers all-gather K and V).
+        cp_size: ranks per CP group; the world is split into world/cp_size data-parallel
+            replicas. None: every rank in one CP group.
+        steps: optimizer steps to reach (a resumed run continues up to this step).
+        seq_len: tokens per sequence (the whole sequence, before the CP split).
+        batch_size: sequences per step over all DP replicas (the global batch).
+        model_size: a key of :data:`MODEL_SIZES`.
+        lr, warmup_steps, weight_decay, grad_clip: AdamW with linear warmup to ``lr`` then
+            constant; decay on matrices only; clip the global gradient norm (0: off).
+        seed: model init and data order.
+        data: a text file read as bytes; None: the built-in corpus.
+        metrics_json: where rank 0 writes the per-step losses, tokens/s and peak memory.
+        save: checkpoint root; ``step-N/`` directories go under it.
+        save_every: also save every this many steps (0: only at the last step).
+        resume: a ``step-N`` directory, or a root whose latest ``step-N`` is taken.
+        check_parity: rank 0 also trains a no-CP copy on the whole global batch and compares.
+        parity_tol: the largest allowed per-step loss difference under ``check_parity``.
+        log_every: print a step line every this many steps (and at the last step).
+        timeout_s: process-group timeout.
+    """
+
+    cp_mode: str = "ulysses"
+    cp_size: int | None = None
+    steps: int = 60
+    seq_len: int = 128
+    batch_size: int = 8
+    model_size: str = "tiny"
+    lr: float = 1e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    data: str | None = None
+    metrics_json: str | None = None
+    save: str | None = None
+    save_every: int = 0
+    resume: str | None = None
+    check_parity: bool = False
+    parity_tol: float = 1e-4
+    log_every: int = 1
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.cp_mode not in MODES:
+            raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(MODES)}")
+        if self.model_size not in MODEL_SIZES:
+            raise ValueError(
+                f"--model-size {self.model_size!r} is unknown; choose one of {', '.join(MODEL_SIZES)}"
+            )
+        for name in ("steps", "seq_len", "batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1; got {getattr(self, name)}")
+        for name in ("warmup_steps", "save_every", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0; got {getattr(self, name)}")
+        for name in ("lr", "parity_tol", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{_flag(name)} must be > 0; got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0; got {getattr(self, name)}")
+        if self.cp_size is not None:
+            if self.cp_size < 1:
+                raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
+            if self.seq_len % self.cp_size:
+                raise ValueError(f"--seq-len {self.seq_len} must be divisible by --cp-size {self.cp_size}")
+        if self.save_every and self.save is None:
+            raise ValueError(f"--save-every {self.save_every} needs --save DIR (where to write checkpoints)")
+
+    @property
+    def model(self) -> HybridLMConfig:
+        return MODEL_SIZES[self.model_size]
+
+    def layout(self, world_size: int) -> tuple[int, int]:
+        """(dp, cp) for ``world_size`` ranks; checks the options that depend on it."""
+        cp = world_size if self.cp_size is None else self.cp_size
+        launch = "the number of ranks (torchrun --nproc-per-node x --nnodes)"
+        if world_size % cp:
+            raise ValueError(f"--cp-size {cp} does not divide {launch} = {world_size}")
+        dp = world_size // cp
+        if self.seq_len % cp:
+            raise ValueError(f"--seq-len {self.seq_len} must be divisible by the CP size {cp}")
+        if self.batch_size % dp:
+            raise ValueError(
+                f"--batch-size {self.batch_size} must be divisible by the {dp} data-parallel replicas "
+                f"({world_size} ranks / --cp-size {cp})"
+            )
+        model, local = self.model, self.seq_len // cp
+        halo = model.linear_conv_kernel_dim - 1
+        if cp > 1 and self.cp_mode != "ulysses" and local < halo:
+            raise ValueError(
+                f"--cp-mode {self.cp_mode}: --seq-len {self.seq_len} / cp {cp} = {local} tokens per rank, "
+                f"fewer than the conv halo {halo}; use a longer --seq-len or a smaller --cp-size"
+            )
+        if (
+            cp > 1
+            and self.cp_mode == "ulysses"
+            and (model.linear_num_key_heads % cp or model.linear_num_value_heads % cp)
+        ):
+            raise ValueError(
+                f"--cp-mode ulysses splits the GDN heads over cp={cp}, but --model-size {self.model_size} has "
+                f"{model.linear_num_key_heads} key and {model.linear_num_value_heads} value heads; "
+                "use --cp-mode p2p or all_gather, or a smaller --cp-size"
+            )
+        return dp, cp
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(
+        description="Train the hybrid GDN/softmax LM with context parallelism "
+        "(launch with torchrun; HP_PLATFORM=cpu|cuda|npu picks the platform).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--cp-mode", choices=MODES, default=defaults.cp_mode, help="CP mode of the GDN layers")
+    add(
+        "--cp-size",
+        type=int,
+        default=None,
+        help="ranks per CP group, None = all ranks; the other ranks do data parallelism",
+    )
+    add("--steps", type=int, default=defaults.steps, help="optimizer steps to reach")
+    add("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence, before the CP split")
+    add("--batch-size", type=int, default=defaults.batch_size, help="sequences per step, all DP replicas")
+    add("--model-size", choices=list(MODEL_SIZES), default=defaults.model_size, help="model preset")
+    add("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate")
+    add("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear warmup steps")
+    add("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (matrices)")
+    add("--grad-clip", type=float, default=defaults.grad_clip, help="max global grad norm (0: off)")
+    add("--seed", type=int, default=defaults.seed, help="model init and data order")
+    add("--data", default=None, help="text file read as byte tokens; None = the built-in corpus")
+    add("--metrics-json", default=None, help="JSON file for per-step losses, tokens/s, peak memory (rank 0)")
+    add("--save", default=None, help="checkpoint root directory (step-N/ under it); None = no checkpoints")
+    add("--save-every", type=int, default=defaults.save_every, help="save every N steps (0: at the end)")
+    add("--resume", default=None, help="a step-N checkpoint directory, or a root (its latest step-N)")
+    add("--check-parity", action="store_true", help="compare every step's loss with a no-CP run on rank 0")
+    add(
+        "--parity-tol", type=float, default=defaults.parity_tol, help="max loss difference for --check-parity"
+    )
+    add("--log-every", type=int, default=defaults.log_every, help="print a step line every N steps")
+    add("--timeout-s", type=float, default=defaults.timeout_s, help="process-group timeout (seconds)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """The command line -> :class:`TrainConfig`; a bad combination exits with usage (code 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(args))
+    except ValueError as err:
+        parser.error(str(err))

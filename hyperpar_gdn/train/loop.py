@@ -1,0 +1,419 @@
+"""The training loop: build (process groups, mesh, model, optimizer, data, checkpoint), train, close.
+
+Parallelism: the world is a 2-D mesh ``(dp, cp)``. Every rank of a CP group holds a contiguous
+``1/cp`` of each sequence of its DP replica's rows; the model's mixers are context parallel, the
+rest of the model works token by token. Each rank's loss term is ``sum of its token losses /
+tokens of its DP replica``; its parameter gradients are its share, summed over the CP group and
+then averaged over the DP groups. The result is the gradient of the mean loss over every token of
+the global batch: the same step as one device on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hyperpar_gdn.distributed.mesh import init_device_mesh
+from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+from hyperpar_gdn.models.lm import HybridLM
+from hyperpar_gdn.platform import get_platform, platform_name
+
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_atomic
+from .config import TrainConfig
+from .data import BatchSampler, load_tokens, shard_batch
+from .log import logger, setup_logging
+
+SUPPORTED_PLATFORMS = ("cpu", "cuda", "npu")
+# Options a resumed run must share with its checkpoint to draw the same batches and shapes.
+_SAME_STREAM = ("model_size", "seq_len", "batch_size", "seed", "data")
+# Options that change the loss curve if they differ (a warning only).
+_SAME_CURVE = ("lr", "warmup_steps", "weight_decay", "grad_clip")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    seconds: float
+    tokens_per_s: float
+    peak_memory_bytes: int
+    reference_loss: float | None = None
+
+
+@dataclass
+class TrainResult:
+    """What a run did; rank 0's view (other ranks hold the same losses and parity verdict)."""
+
+    records: list[StepRecord] = field(default_factory=list)
+    start_step: int = 0
+    wall_s: float = 0.0
+    peak_memory_bytes: int = 0  # the largest over ranks
+    memory_kind: str = ""
+    parity_max_diff: float | None = None
+    parity_first_bad_step: int | None = None
+    parity_ok: bool = True
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.records]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Mean over the steps after the first (which includes one-off start-up work)."""
+        timed = self.records[1:] or self.records
+        return sum(r.tokens_per_s for r in timed) / max(len(timed), 1)
+
+
+class Trainer:
+    """Builds everything in its constructor; :meth:`train` runs to ``config.steps``; :meth:`close`
+    releases the process group if this trainer created it."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        name = platform_name()
+        if name not in SUPPORTED_PLATFORMS:
+            raise NotImplementedError(
+                f"scripts/train.py trains on PyTorch only: HP_PLATFORM={' / '.join(SUPPORTED_PLATFORMS)} "
+                f"is supported, HP_PLATFORM={name} is not (MindSpore training under msrun is pending; "
+                "see docs/training.md)"
+            )
+        self.config = config
+        self.platform = get_platform(name)
+        self._owns_group = not self.platform.is_initialized()
+        self.platform.init_distributed(timeout_s=config.timeout_s)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        config = self.config
+        self.rank, self.world_size = self.platform.rank(), self.platform.world_size()
+        setup_logging(self.rank)
+        self.dp, self.cp = config.layout(self.world_size)
+        self.mesh = init_device_mesh(self.platform.name, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+        self.dp_rank, self.cp_rank = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("cp")
+        self.comm = self.platform.collectives
+        self.device = self.platform.device
+
+        torch.manual_seed(config.seed)
+        self.model = HybridLM(config.model).to(self.device)
+        self.reference = copy.deepcopy(self.model) if config.check_parity and self.rank == 0 else None
+        if self.cp > 1:
+            apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode)
+        self.optimizer = _adamw(self.model, config)
+        self.ref_optimizer = None if self.reference is None else _adamw(self.reference, config)
+        self.sampler = BatchSampler(
+            load_tokens(config.data), seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed
+        )
+        self.step = 0
+        if config.resume is not None:
+            self._resume(config.resume)
+
+    # --- training ---------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        config = self.config
+        result = TrainResult(start_step=self.step)
+        tokens_per_step = config.batch_size * config.seq_len
+        logger.info(
+            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s), model %s: %s parameters, "
+            "%d tokens per step, steps %d..%d",
+            self.platform.name,
+            self.world_size,
+            self.dp,
+            self.cp,
+            config.cp_mode,
+            config.model_size,
+            f"{self.model.num_parameters():,}",
+            tokens_per_step,
+            self.step + 1,
+            config.steps,
+        )
+        start = time.perf_counter()
+        while self.step < config.steps:
+            batch = self.sampler.next_batch()
+            t0 = time.perf_counter()
+            loss = self._train_step(batch)
+            _synchronize(self.device)
+            seconds = time.perf_counter() - t0
+            self.step += 1
+            memory, result.memory_kind = peak_memory(self.device)
+            record = StepRecord(self.step, loss, seconds, tokens_per_step / seconds, memory)
+            if self.reference is not None:
+                record.reference_loss = self._reference_step(batch)
+            result.records.append(record)
+            if self.step % config.log_every == 0 or self.step == config.steps:
+                logger.info(_step_line(record, config.steps, result.memory_kind))
+            self._maybe_save()
+        result.wall_s = time.perf_counter() - start
+        result.peak_memory_bytes = self._max_over_ranks(peak_memory(self.device)[0])
+        self._finish_parity(result)
+        self._summarize(result)
+        if config.metrics_json is not None and self.rank == 0:
+            write_atomic(
+                Path(config.metrics_json), (json.dumps(self._metrics(result), indent=2) + "\n").encode()
+            )
+        return result
+
+    def close(self) -> None:
+        if self._owns_group:
+            self.platform.destroy()
+
+    def _train_step(self, batch: torch.Tensor) -> float:
+        """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
+        inputs, labels = shard_batch(
+            batch, dp_rank=self.dp_rank, dp_size=self.dp, cp_rank=self.cp_rank, cp_size=self.cp
+        )
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        logits = self.model(inputs)
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+        (loss_sum / (labels.numel() * self.cp)).backward()  # / tokens of this DP replica
+        self._sync_gradients()
+        _optimizer_step(self.model, self.optimizer, self.config, self.step + 1)
+        dtype = _stat_dtype(self.device)
+        totals = torch.stack([loss_sum.detach().to(dtype), loss_sum.new_tensor(labels.numel(), dtype=dtype)])
+        self.comm.all_reduce_sum(totals, None)
+        return (totals[0] / totals[1]).item()
+
+    def _reference_step(self, batch: torch.Tensor) -> float:
+        """The same step without any parallelism, on the whole global batch (rank 0 only)."""
+        assert self.reference is not None and self.ref_optimizer is not None
+        batch = batch.to(self.device)
+        logits = self.reference(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        _optimizer_step(self.reference, self.ref_optimizer, self.config, self.step)
+        return loss.item()
+
+    def _sync_gradients(self) -> None:
+        """Sum the gradient shares over the CP group, then average over the DP groups."""
+        if self.cp == 1 and self.dp == 1:
+            return
+        params = list(self.model.parameters())
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        if self.cp > 1:
+            self.comm.all_reduce_sum(flat, self.mesh.get_group("cp"))
+        if self.dp > 1:
+            self.comm.all_reduce_sum(flat, self.mesh.get_group("dp"))
+            flat /= self.dp
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def _maybe_save(self) -> None:
+        config = self.config
+        due = self.step == config.steps or (config.save_every and self.step % config.save_every == 0)
+        if config.save is None or not due:
+            return
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                path = save_checkpoint(
+                    config.save,
+                    self.step,
+                    {
+                        "model": self.model.state_dict(),
+                        "optimizer": self.optimizer.state_dict(),
+                        "data": self.sampler.state_dict(),
+                        "train": {"step": self.step, "rng_cpu": torch.get_rng_state()},
+                    },
+                    meta={"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp},
+                )
+                logger.info("saved %s", path)
+            except Exception as err:  # every rank must learn of it, or they wait forever
+                failure = err
+        failed = self._max_over_ranks(int(failure is not None))
+        if failure is not None:
+            raise failure
+        if failed:
+            raise CheckpointError(
+                f"rank 0 failed to save the step-{self.step} checkpoint under {config.save}"
+            )
+
+    def _resume(self, path: str) -> None:
+        step, parts, meta = load_checkpoint(path)
+        saved = meta.get("config", {})
+        mine = self.config.to_dict()
+        stream = [
+            f"--{k.replace('_', '-')} {saved.get(k)!r} (now {mine[k]!r})"
+            for k in _SAME_STREAM
+            if saved.get(k) != mine[k]
+        ]
+        if stream:
+            raise ValueError(
+                f"checkpoint {path} was written by a run with different data or shapes: {'; '.join(stream)}"
+            )
+        curve = [
+            f"--{k.replace('_', '-')} {saved.get(k)!r} (now {mine[k]!r})"
+            for k in _SAME_CURVE
+            if saved.get(k) != mine[k]
+        ]
+        if curve:
+            logger.warning("resuming with changed options, the loss curve will differ: %s", "; ".join(curve))
+        if step >= self.config.steps:
+            raise ValueError(
+                f"--resume {path} is at step {step}; --steps {self.config.steps} leaves nothing to train"
+            )
+        for model, optimizer in ((self.model, self.optimizer), (self.reference, self.ref_optimizer)):
+            if model is not None and optimizer is not None:
+                model.load_state_dict(parts["model"])
+                optimizer.load_state_dict(parts["optimizer"])
+        self.sampler.load_state_dict(parts["data"])
+        torch.set_rng_state(parts["train"]["rng_cpu"])
+        self.step = step
+        logger.info("resumed from %s at step %d", path, step)
+
+    # --- reporting --------------------------------------------------------------------------------
+    def _max_over_ranks(self, value: int) -> int:
+        slots = torch.zeros(self.world_size, dtype=_stat_dtype(self.device), device=self.device)
+        slots[self.rank] = value
+        self.comm.all_reduce_sum(slots, None)
+        return int(slots.max().item())
+
+    def _finish_parity(self, result: TrainResult) -> None:
+        if not self.config.check_parity:
+            return
+        failed = 0
+        if self.rank == 0:
+            diffs = {
+                r.step: abs(r.loss - r.reference_loss) for r in result.records if r.reference_loss is not None
+            }
+            result.parity_max_diff = max(diffs.values(), default=0.0)
+            bad = [
+                step for step, d in diffs.items() if not (math.isfinite(d) and d <= self.config.parity_tol)
+            ]
+            result.parity_first_bad_step = bad[0] if bad else None
+            failed = int(bool(bad))
+        result.parity_ok = not self._max_over_ranks(failed)
+
+    def _summarize(self, result: TrainResult) -> None:
+        if not result.records:
+            return
+        first, last = result.records[0], result.records[-1]
+        logger.info(
+            "done: steps %d..%d in %.1f s | loss %.4f -> %.4f | %s tok/s | peak %s (%s, max over ranks)",
+            first.step,
+            last.step,
+            result.wall_s,
+            first.loss,
+            last.loss,
+            f"{result.tokens_per_s:,.0f}",
+            _mib(result.peak_memory_bytes),
+            result.memory_kind,
+        )
+        if result.parity_max_diff is not None:
+            verdict = "OK" if result.parity_ok else "FAILED"
+            logger.info(
+                "parity %s: largest |loss(cp) - loss(no cp)| over %d steps = %.3g (--parity-tol %.3g)",
+                verdict,
+                len(result.records),
+                result.parity_max_diff,
+                self.config.parity_tol,
+            )
+            if result.parity_first_bad_step is not None:
+                logger.info(
+                    "the difference first exceeded the tolerance at step %d. A large first-step difference "
+                    "is a CP error; one that grows over many steps is two runs drifting apart (training "
+                    "amplifies rounding differences; see docs/training.md)",
+                    result.parity_first_bad_step,
+                )
+
+    def _metrics(self, result: TrainResult) -> dict[str, Any]:
+        parity = None
+        if self.config.check_parity:
+            parity = {
+                "reference_losses": [r.reference_loss for r in result.records],
+                "max_abs_diff": result.parity_max_diff,
+                "first_step_above_tolerance": result.parity_first_bad_step,
+                "tolerance": self.config.parity_tol,
+                "ok": result.parity_ok,
+            }
+        return {
+            "losses": result.losses,
+            "steps": [r.step for r in result.records],
+            "start_step": result.start_step,
+            "step_seconds": [r.seconds for r in result.records],
+            "tokens_per_s_per_step": [r.tokens_per_s for r in result.records],
+            "tokens_per_s": result.tokens_per_s,
+            "peak_memory_bytes": result.peak_memory_bytes,
+            "memory_kind": result.memory_kind,
+            "wall_s": result.wall_s,
+            "platform": self.platform.name,
+            "world_size": self.world_size,
+            "dp_size": self.dp,
+            "cp_size": self.cp,
+            "num_parameters": self.model.num_parameters(),
+            "parity": parity,
+            "config": asdict(self.config),
+            "model": self.config.model.to_dict(),
+        }
+
+
+def _adamw(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (>= 2-D) only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, step: int
+) -> None:
+    """Clip, set the learning rate of ``step`` (1-based), step, clear the gradients."""
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    scale = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr * scale
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, kind): the allocator's peak on an accelerator, the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "allocated"
+    if device.type == "npu":
+        return torch.npu.max_memory_allocated(device), "allocated"  # type: ignore[attr-defined]
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"
+
+
+def _stat_dtype(device: torch.device) -> torch.dtype:
+    """float64 for loss sums and statistics, but float32 on NPUs (HCCL reduces fewer dtypes)."""
+    return torch.float32 if device.type == "npu" else torch.float64
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)  # type: ignore[attr-defined]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _step_line(record: StepRecord, steps: int, memory_kind: str) -> str:
+    width = len(str(steps))
+    line = (
+        f"step {record.step:>{width}}/{steps} | loss {record.loss:.4f} | {record.tokens_per_s:>9,.0f} tok/s | "
+        f"peak {_mib(record.peak_memory_bytes)} {memory_kind} | {record.seconds:.3f} s"
+    )
+    if record.reference_loss is not None:
+        line += f" | no-cp {record.reference_loss:.4f} (diff {abs(record.loss - record.reference_loss):.1e})"
+    return line

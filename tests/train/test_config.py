@@ -1,0 +1,129 @@
+"""Training options: errors name the option to change; the command line maps onto TrainConfig;
+MindSpore is refused clearly; the README's first command is the embedded default."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, parse_args
+from hyperpar_gdn.train.data import BatchSampler, load_tokens, shard_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"cp_mode": "ring"}, "--cp-mode 'ring' is not a mode"),
+        ({"seq_len": 100, "cp_size": 3}, "--seq-len 100 must be divisible by --cp-size 3"),
+        ({"save_every": 5}, "--save-every 5 needs --save DIR"),
+        ({"lr": 0.0}, "--lr must be > 0; got 0.0"),
+        ({"model_size": "huge"}, "--model-size 'huge' is unknown"),
+        ({"steps": 0}, "--steps must be >= 1; got 0"),
+    ],
+)
+def test_option_errors_name_the_option(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "world", "message"),
+    [
+        ({"cp_size": 3, "seq_len": 129}, 4, "--cp-size 3 does not divide the number of ranks"),
+        (
+            {"cp_size": 1, "batch_size": 3},
+            2,
+            "--batch-size 3 must be divisible by the 2 data-parallel replicas",
+        ),
+        ({"seq_len": 4, "cp_mode": "p2p"}, 2, "2 tokens per rank, fewer than the conv halo 3"),
+        ({"model_size": "small", "seq_len": 64}, 8, "--cp-mode ulysses splits the GDN heads over cp=8"),
+    ],
+)
+def test_layout_errors_name_the_option(options: dict[str, object], world: int, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**options).layout(world)
+
+
+def test_layout_splits_the_world_into_dp_and_cp() -> None:
+    assert TrainConfig().layout(2) == (1, 2)
+    assert TrainConfig(cp_size=2).layout(8) == (4, 2)
+    assert TrainConfig(cp_size=1).layout(4) == (4, 1)
+
+
+def test_command_line_maps_onto_the_config() -> None:
+    config = parse_args(
+        "--cp-mode p2p --cp-size 2 --steps 7 --seq-len 32 --model-size small --lr 0.01 --seed 4 "
+        "--data x.txt --metrics-json m.json --save ck --save-every 3 --resume ck --check-parity".split()
+    )
+    assert config == TrainConfig(
+        cp_mode="p2p",
+        cp_size=2,
+        steps=7,
+        seq_len=32,
+        model_size="small",
+        lr=0.01,
+        seed=4,
+        data="x.txt",
+        metrics_json="m.json",
+        save="ck",
+        save_every=3,
+        resume="ck",
+        check_parity=True,
+    )
+    assert parse_args([]) == TrainConfig()
+
+
+def test_bad_command_line_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--save-every", "2"])
+    assert exit_info.value.code == 2
+    assert "--save-every 2 needs --save DIR" in capsys.readouterr().err
+
+
+def test_mindspore_is_refused_with_what_is_supported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HP_PLATFORM", "mindspore")
+    with pytest.raises(NotImplementedError, match=r"HP_PLATFORM=cpu / cuda / npu is supported.*mindspore"):
+        Trainer(TrainConfig())
+
+
+def test_model_sizes_grow() -> None:
+    from hyperpar_gdn.models.lm import HybridLM
+
+    counts = [HybridLM(MODEL_SIZES[name]).num_parameters() for name in ("tiny", "small")]
+    assert 200_000 < counts[0] < 300_000 < 4_000_000 < counts[1] < 8_000_000
+
+
+def test_batches_are_a_function_of_seed_and_position(tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 4)
+    tokens = load_tokens(str(text))
+    assert tokens.tolist()[:3] == [0, 1, 2] and tokens.numel() == 1024
+    a = BatchSampler(tokens, seq_len=16, batch_size=4, seed=1)
+    first, second = a.next_batch(), a.next_batch()
+    b = BatchSampler(tokens, seq_len=16, batch_size=4, seed=1)
+    b.load_state_dict({"position": 1, "seed": 1, "num_tokens": 1024})
+    assert first.shape == (4, 17) and (second == b.next_batch()).all() and not (first == second).all()
+    assert ((first[:, 1:] - first[:, :-1]) % 256 == 1).all()  # contiguous windows of the text
+    inputs, labels = shard_batch(first, dp_rank=1, dp_size=2, cp_rank=1, cp_size=2)
+    assert (inputs == first[2:, 8:16]).all() and (labels == first[2:, 9:17]).all()
+    with pytest.raises(FileNotFoundError, match="--data .*missing.txt: no such file"):
+        load_tokens(str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="the data has 1024 tokens; --seq-len 2000 needs at least 2001"):
+        BatchSampler(tokens, seq_len=2000, batch_size=1, seed=0)
+
+
+def test_readme_first_command_runs_the_embedded_default() -> None:
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh|console)?\n(.*?)```", readme, flags=re.S)
+    lines = [line.strip() for block in blocks for line in block.splitlines()]
+    commands = [line for line in lines if line and not line.startswith("#")]
+    assert commands, "README.md has no command block"
+    launch = shlex.split(commands[0].split("&&")[-1])  # after the set-up steps
+    while launch and re.fullmatch(r"[A-Z_]+=\S*", launch[0]):  # environment assignments
+        launch.pop(0)
+    assert launch == ["torchrun", "--nproc-per-node", "2", "scripts/train.py"], commands[0]

@@ -1,0 +1,174 @@
+"""A Qwen3.5 Gated DeltaNet layer as a ``mindspore.nn.Cell``, with the torch layer's parameter names.
+
+The maths is :func:`hyperpar_gdn.ops.layer.gdn_layer_forward`, the same code the torch layer and
+the context-parallel modes run; only the parameters are MindSpore's. Parameters (shapes as in
+torch and transformers, so weights copy over one to one):
+
+    in_proj_qkv.weight [C, hidden]   in_proj_z.weight [H*Dv, hidden]   in_proj_b.weight [H, hidden]
+    in_proj_a.weight [H, hidden]     conv1d.weight [C, 1, W]           A_log [H]   dt_bias [H]
+    norm.weight [Dv]                 out_proj.weight [hidden, H*Dv]
+
+with C = 2*Hk*Dk + H*Dv.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, nn
+
+from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gated_rms_norm, gdn_layer_forward
+from hyperpar_gdn.platform import ops_for
+
+__all__ = ["CausalDepthwiseConv1d", "GatedDeltaNet", "GatedRMSNorm"]
+
+_FROM_TORCH_DTYPES = {
+    "float32": ms.float32,
+    "float64": ms.float64,
+    "bfloat16": ms.bfloat16,
+    "float16": ms.float16,
+}
+
+
+class GatedRMSNorm(nn.Cell):
+    """``weight * x / rms(x) * silu(gate)`` over the last dim (normalised in fp32).
+
+    Example:
+        >>> norm = GatedRMSNorm(8)
+        >>> tuple(norm(ms.ops.ones((2, 3, 8)), ms.ops.ones((2, 3, 8))).shape)
+        (2, 3, 8)
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = Parameter(ms.Tensor(np.ones(dim, np.float32)), name="weight")
+        self.variance_epsilon = eps
+
+    def construct(self, x: ms.Tensor, gate: ms.Tensor) -> ms.Tensor:
+        return gated_rms_norm(ops_for(x), x, gate, self.weight, self.variance_epsilon)
+
+
+class CausalDepthwiseConv1d(nn.Cell):
+    """Depthwise causal conv over time with torch's weight layout ``[C, 1, W]`` (MindSpore's own
+    ``nn.Conv1d`` keeps ``[C, 1, 1, W]``), no bias: ``[B, C, T] -> [B, C, T]``."""
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        bound = 1.0 / np.sqrt(kernel_size)  # torch's default init for a depthwise conv
+        init = np.random.uniform(-bound, bound, (channels, 1, kernel_size)).astype(np.float32)
+        self.weight = Parameter(ms.Tensor(init), name="weight")
+        self.kernel_size = kernel_size
+
+    def construct(self, x: ms.Tensor) -> ms.Tensor:
+        channels, _, width = self.weight.shape
+        return ops_for(x).depthwise_conv1d(x, self.weight.reshape(channels, width), left_pad=width - 1)
+
+
+class GatedDeltaNet(nn.Cell):
+    """Qwen3.5 GDN layer for MindSpore; same constructor and parameter names as
+    :class:`hyperpar_gdn.models.GatedDeltaNet` (torch) and transformers' ``Qwen3_5GatedDeltaNet``.
+
+    Args:
+        hidden_size: model width.
+        num_k_heads, num_v_heads: query/key heads and value heads (num_v_heads a multiple).
+        head_k_dim, head_v_dim: per-head dims.
+        conv_kernel_size: width W of the causal depthwise conv.
+        norm_eps: epsilon of the gated RMSNorm.
+
+    construct(hidden_states ``[B, T, hidden]``, attention_mask ``[B, T]`` or None) -> ``[B, T, hidden]``.
+    Runs in PyNative mode (the GDN maths is Python around MindSpore ops).
+
+    Example:
+        >>> layer = GatedDeltaNet(64, 2, 4, 16, 16)
+        >>> tuple(layer(ms.ops.randn(2, 10, 64)).shape)
+        (2, 10, 64)
+        >>> ms_layer = GatedDeltaNet.from_torch(torch_layer)   # same weights as a torch layer
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel_size: int = 4,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
+        self.hidden_size = hidden_size
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim = num_k_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.layer_norm_epsilon = norm_eps
+
+        self.in_proj_qkv = nn.Dense(hidden_size, self.conv_dim, has_bias=False)
+        self.in_proj_z = nn.Dense(hidden_size, self.value_dim, has_bias=False)
+        self.in_proj_b = nn.Dense(hidden_size, num_v_heads, has_bias=False)
+        self.in_proj_a = nn.Dense(hidden_size, num_v_heads, has_bias=False)
+        self.conv1d = CausalDepthwiseConv1d(self.conv_dim, conv_kernel_size)
+        self.dt_bias = Parameter(ms.Tensor(np.ones(num_v_heads, np.float32)), name="dt_bias")
+        a = np.random.uniform(0.01, 16, num_v_heads)
+        self.A_log = Parameter(ms.Tensor(np.log(a).astype(np.float32)), name="A_log")
+        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
+        self.out_proj = nn.Dense(self.value_dim, hidden_size, has_bias=False)
+
+    def construct(self, hidden_states: ms.Tensor, attention_mask: ms.Tensor | None = None) -> ms.Tensor:
+        dims = LayerDims.of(self)
+        shape = tuple(hidden_states.shape)
+        if len(shape) != 3 or shape[-1] != dims.hidden_size:
+            raise ValueError(f"hidden_states must be [B, T, hidden_size={dims.hidden_size}]; got {shape}")
+        return gdn_layer_forward(
+            ops_for(hidden_states), LayerWeights.of(self), dims, hidden_states, attention_mask
+        )
+
+    @classmethod
+    def from_torch(cls, module: Any) -> GatedDeltaNet:
+        """A MindSpore layer with the dimensions and a copy of the weights (and their dtype) of a
+        torch GDN layer: ours (:class:`hyperpar_gdn.models.GatedDeltaNet`) or transformers'
+        ``Qwen3_5GatedDeltaNet``. Raises ``ValueError`` naming any parameter that is missing or
+        whose shape differs."""
+        dims = LayerDims.of(module)
+        layer = cls(
+            dims.hidden_size,
+            dims.num_k_heads,
+            dims.num_v_heads,
+            dims.head_k_dim,
+            dims.head_v_dim,
+            conv_kernel_size=dims.conv_kernel_size,
+            norm_eps=dims.norm_eps,
+        )
+        layer.load_torch_state_dict(module.state_dict())
+        return layer
+
+    def load_torch_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy torch tensors (a torch layer's ``state_dict()``) into this layer's parameters, by
+        name, keeping the torch dtype (float32, float64, bfloat16 or float16). Every parameter
+        must be present with its shape; other entries (buffers) are ignored."""
+        params = dict(self.parameters_and_names())
+        missing = sorted(set(params) - set(state_dict))
+        if missing:
+            raise ValueError(f"the torch state dict lacks {', '.join(missing)} (it has {sorted(state_dict)})")
+        for name, param in params.items():
+            tensor = state_dict[name].detach().cpu()
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{name}: torch shape {tuple(tensor.shape)} differs from this layer's {tuple(param.shape)}"
+                )
+            dtype_name = str(tensor.dtype).removeprefix("torch.")
+            if dtype_name not in _FROM_TORCH_DTYPES:
+                raise ValueError(f"{name}: torch dtype {tensor.dtype} is not supported")
+            value = ms.Tensor(tensor.float().numpy() if dtype_name == "bfloat16" else tensor.numpy())
+            target = _FROM_TORCH_DTYPES[dtype_name]
+            if param.dtype != target:
+                param.set_dtype(target)  # set_data alone would cast the value to the old dtype
+            param.set_data(value.astype(target))

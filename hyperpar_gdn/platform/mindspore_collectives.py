@@ -1,0 +1,362 @@
+"""Differentiable collectives for MindSpore 2.10 (MCCL on CPU, HCCL on Ascend), in PyNative mode.
+
+Groups are :class:`MindSporeGroup` handles (a MindSpore group name plus the global ranks in group
+rank order) made by :meth:`MindSporePlatform.new_group`; ``None`` means the world. Ranks named in
+arguments (``dst``, ``src``) and the order of splits and gathered slices are GROUP ranks, as in
+:mod:`.torch_collectives`. Every member of a group calls each collective in the same order.
+
+No built-in MindSpore collective carries gradients across ranks, so the differentiable ones
+(:meth:`~MindSporeCollectives.all_to_all`, :meth:`~MindSporeCollectives.all_gather`,
+:meth:`~MindSporeCollectives.shift_right`) are ``Cell``\\ s with a ``bprop`` whose backward is the
+reverse collective; every member must run the backward too (it communicates).
+
+What each collective is built from (measured on CPU, see DESIGN.md section 4 and docs/backends.md):
+
+- ``all_to_all``: ``AlltoAllV`` (``all_to_all_single``) on Ascend; on CPU, which has no AlltoAll,
+  one ``isend`` per non-empty outgoing part and one ``irecv`` per non-empty incoming part, all
+  posted before waiting (MCCL buffers sends, so no pairing order is needed).
+- ``all_gather``: the list ``all_gather`` (the ``AllGather`` primitive works on CPU only for the
+  world group). Its backward is a reduce-scatter: ``reduce_scatter_tensor`` on Ascend; on CPU,
+  which has none, an even ``all_to_all`` of the gradient followed by a sum over senders in group
+  rank order (deterministic, as the torch platform's).
+- ``shift_right``: one ``isend`` to the next rank and one ``irecv`` from the previous one.
+- ``all_reduce_sum``: an all-gather and a sum in group rank order (MCCL's AllReduce fails on
+  float64); it returns a NEW tensor and leaves ``x`` unchanged (see the method).
+
+Byte accounting (``bytes_sent``) follows :mod:`.torch_collectives` exactly: the logical payload of
+this rank's data that lands on OTHER ranks, in forward and backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mindspore as ms
+import mindspore.ops.communication as comm_ops
+from mindspore import nn, ops
+
+from .base import Collectives, Group
+
+
+@dataclass(frozen=True)
+class MindSporeGroup:
+    """A MindSpore communication group: its ``name`` and its global ``ranks`` in group rank order.
+
+    ``local=True`` marks the 1-rank world of a process started without a launcher, where no
+    communication library is initialised and every collective is a local copy.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    local: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def group_rank(self, global_rank: int) -> int:
+        """This group's rank of ``global_rank``; -1 if it is not a member."""
+        return self.ranks.index(global_rank) if global_rank in self.ranks else -1
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a peer died, raised, or never arrived within
+    ``MS_CPU_COMM_OP_TIMEOUT`` / ``HCCL_EXEC_TIMEOUT``); the message names the collective, the
+    group's global ranks and this rank, as the torch platform's does."""
+
+
+@contextmanager
+def _named(what: str, group: MindSporeGroup, rank: int) -> Iterator[None]:
+    """Re-raise a MindSpore communication failure as a :class:`CollectiveError`."""
+    try:
+        yield
+    except (ValueError, CollectiveError):
+        raise
+    except Exception as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CollectiveError(
+            f"collective {what} over global ranks {list(group.ranks)} failed on rank {rank} "
+            f"(a peer died, raised, or missed it within the communication timeout): "
+            f"{type(err).__name__}: {first_line}"
+        ) from err
+
+
+def _nbytes(x: ms.Tensor) -> int:
+    return math.prod(x.shape) * x.itemsize
+
+
+def _row_bytes(x: ms.Tensor) -> int:
+    return math.prod(x.shape[1:]) * x.itemsize
+
+
+class _AllToAllCell(nn.Cell):
+    """One differentiable all-to-all; the backward sends the gradient rows back the same way."""
+
+    def __init__(self, owner: MindSporeCollectives, send: list[int], recv: list[int], group: MindSporeGroup):
+        super().__init__(auto_prefix=False)
+        self._owner, self._send, self._recv, self._group = owner, send, recv, group
+
+    def construct(self, x: ms.Tensor) -> ms.Tensor:
+        return self._owner._all_to_all(x, self._send, self._recv, self._group)
+
+    def bprop(self, x: ms.Tensor, out: ms.Tensor, dout: ms.Tensor) -> tuple[ms.Tensor]:
+        return (self._owner._all_to_all(dout, self._recv, self._send, self._group, "all_to_all backward"),)
+
+
+class _AllGatherCell(nn.Cell):
+    """One differentiable all-gather; the backward reduce-scatters the gradient to its owners."""
+
+    def __init__(self, owner: MindSporeCollectives, group: MindSporeGroup):
+        super().__init__(auto_prefix=False)
+        self._owner, self._group = owner, group
+
+    def construct(self, x: ms.Tensor) -> ms.Tensor:
+        return self._owner._all_gather(x, self._group)
+
+    def bprop(self, x: ms.Tensor, out: ms.Tensor, dout: ms.Tensor) -> tuple[ms.Tensor]:
+        return (self._owner._reduce_scatter(dout, self._group),)
+
+
+class _ShiftRightCell(nn.Cell):
+    """One differentiable shift to the next rank; the backward shifts the gradient back."""
+
+    def __init__(self, owner: MindSporeCollectives, group: MindSporeGroup):
+        super().__init__(auto_prefix=False)
+        self._owner, self._group = owner, group
+
+    def construct(self, x: ms.Tensor) -> ms.Tensor:
+        return self._owner._shift(x, self._group, step=1)
+
+    def bprop(self, x: ms.Tensor, out: ms.Tensor, dout: ms.Tensor) -> tuple[ms.Tensor]:
+        return (self._owner._shift(dout, self._group, step=-1),)
+
+
+class MindSporeCollectives(Collectives):
+    """Differentiable collectives over MindSpore communication groups.
+
+    The platform calls :meth:`bind` once its world is set up; before that every collective raises
+    ``RuntimeError``. See the module docstring for what each collective is built from and for the
+    ``bytes_sent`` convention.
+
+    Args:
+        native_all_to_all: use the backend's AlltoAllV and ReduceScatter (Ascend/HCCL) instead of
+            building them from isend/irecv (CPU/MCCL has neither).
+    """
+
+    def __init__(self, *, native_all_to_all: bool = False) -> None:
+        self.bytes_sent = 0
+        self.native_all_to_all = native_all_to_all
+        self._world: MindSporeGroup | None = None
+        self._rank = 0
+
+    def bind(self, world: MindSporeGroup, rank: int) -> None:
+        """Use ``world`` for ``group=None``; ``rank`` is this process's global rank."""
+        self._world, self._rank = world, rank
+
+    def unbind(self) -> None:
+        self._world = None
+
+    # --- differentiable ---------------------------------------------------------------------------
+    def all_to_all(
+        self, x: ms.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group | None
+    ) -> ms.Tensor:
+        """Split ``x`` ``[N, ...]`` along dim 0 by ``send_splits`` (one per group rank, zeros allowed;
+        they sum to N); part j goes to group rank j. Returns ``[sum(recv_splits), ...]``: the parts
+        the group ranks sent here, in group rank order. ``recv_splits[j]`` must equal what rank j
+        put in its ``send_splits`` for this rank (not checked: that would cost a collective).
+
+        Example (2 ranks; rank 0 keeps 1 row and sends 2, rank 1 sends 0 and keeps 3)::
+
+            rank 0: all_to_all(x0 [3, D], [1, 2], [1, 0], g) -> [1, D] = x0[:1]
+            rank 1: all_to_all(x1 [3, D], [0, 3], [2, 3], g) -> [5, D] = cat(x0[1:], x1)
+        """
+        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+        g, _ = self._resolve(group, "all_to_all")
+        world = g.size
+        if len(x.shape) == 0:
+            raise ValueError("all_to_all needs x with at least one dim (split along dim 0), got a 0-d tensor")
+        if len(send) != world or len(recv) != world:
+            raise ValueError(
+                f"all_to_all needs one split per group rank (world={world}); "
+                f"got send_splits={send}, recv_splits={recv}"
+            )
+        if min(send + recv) < 0:
+            raise ValueError(f"all_to_all splits must be >= 0; got send_splits={send}, recv_splits={recv}")
+        if sum(send) != x.shape[0]:
+            raise ValueError(
+                f"all_to_all send_splits={send} sum to {sum(send)} but x has {x.shape[0]} rows "
+                f"(x.shape={tuple(x.shape)})"
+            )
+        return _AllToAllCell(self, send, recv, g)(x)
+
+    def all_gather(self, x: ms.Tensor, group: Group | None) -> ms.Tensor:
+        """``[world, *x.shape]``: every group rank's ``x`` (same shape on every rank), stacked in
+        group rank order. The gradient is reduce-scattered: rank r gets the sum over ranks of
+        their gradient for slice r."""
+        g, _ = self._resolve(group, "all_gather")
+        return _AllGatherCell(self, g)(x)
+
+    def shift_right(self, x: ms.Tensor, group: Group | None) -> ms.Tensor:
+        """Send ``x`` (same shape on every rank) to group rank + 1 and return what group rank - 1
+        sent; zeros on group rank 0; the last rank's ``x`` goes nowhere (its gradient is zero).
+        The gradient of the result travels from rank r to rank r - 1."""
+        g, _ = self._resolve(group, "shift_right")
+        return _ShiftRightCell(self, g)(x)
+
+    # --- raw, not differentiable ------------------------------------------------------------------
+    def send(self, x: ms.Tensor, dst: int, group: Group | None) -> None:
+        """Blocking send of ``x`` to GROUP rank ``dst`` (MCCL buffers it: it returns before the
+        receiver has posted its receive)."""
+        g, rank = self._resolve(group, "send")
+        if not 0 <= dst < g.size or dst == rank:
+            raise ValueError(
+                f"send dst={dst} must be another group rank in [0, {g.size}); this is rank {rank}"
+            )
+        with _named(f"send to group rank {dst}", g, self._rank):
+            comm_ops.send(x.contiguous(), dst=g.ranks[dst], group=g.name)
+        self.bytes_sent += _nbytes(x)
+
+    def recv(self, like: ms.Tensor, src: int, group: Group | None) -> ms.Tensor:
+        """Blocking receive from GROUP rank ``src`` into a new tensor shaped like ``like``."""
+        g, rank = self._resolve(group, "recv")
+        if not 0 <= src < g.size or src == rank:
+            raise ValueError(
+                f"recv src={src} must be another group rank in [0, {g.size}); this is rank {rank}"
+            )
+        buf = ops.zeros(tuple(like.shape), like.dtype)
+        with _named(f"recv from group rank {src}", g, self._rank):
+            comm_ops.recv(buf, src=g.ranks[src], group=g.name)
+        return buf
+
+    def barrier(self, group: Group | None) -> None:
+        g, _ = self._resolve(group, "barrier")
+        if g.size > 1:
+            with _named("barrier", g, self._rank):
+                comm_ops.barrier(group=g.name)
+
+    def all_reduce_sum(self, x: ms.Tensor, group: Group | None = None) -> ms.Tensor:
+        """The sum of ``x`` over the group (not differentiable), summed in group rank order.
+
+        Unlike the torch platform this is NOT in place: MindSpore tensors handed out by autograd
+        are not meant to be written to, so ``x`` is left unchanged. Use the return value (as
+        ``hyperpar_gdn.distributed.verify`` does)."""
+        g, _ = self._resolve(group, "all_reduce_sum")
+        if g.size == 1:
+            return x.copy()
+        gathered = self._all_gather(x, g)  # counts x.nbytes * (world - 1), as an all-reduce does
+        total = gathered[0]
+        for j in range(1, g.size):
+            total = total + gathered[j]
+        return total
+
+    # --- implementations (also used by the backwards) ---------------------------------------------
+    def _resolve(self, group: Group | None, what: str) -> tuple[MindSporeGroup, int]:
+        """(the group, this process's rank in it); errors name the group and the rank."""
+        if self._world is None:
+            raise RuntimeError(f"{what} needs an initialized platform (MindSporePlatform.init_distributed())")
+        g = self._world if group is None else group
+        if not isinstance(g, MindSporeGroup):
+            raise TypeError(
+                f"{what}: group must be a MindSporeGroup from MindSporePlatform.new_group() or None, "
+                f"got {type(g).__name__}"
+            )
+        rank = g.group_rank(self._rank)
+        if rank < 0:
+            raise ValueError(f"{what}: global rank {self._rank} is not a member of the group {list(g.ranks)}")
+        return g, rank
+
+    def _all_to_all(
+        self, x: ms.Tensor, send: list[int], recv: list[int], g: MindSporeGroup, what: str = "all_to_all"
+    ) -> ms.Tensor:
+        with _named(what, g, self._rank):
+            return self._all_to_all_unnamed(x, send, recv, g)
+
+    def _all_to_all_unnamed(
+        self, x: ms.Tensor, send: list[int], recv: list[int], g: MindSporeGroup
+    ) -> ms.Tensor:
+        rank = g.group_rank(self._rank)
+        rows = x.shape[1:]
+        self.bytes_sent += (sum(send) - send[rank]) * _row_bytes(x)
+        if g.size == 1:
+            return x.copy()
+        if self.native_all_to_all:  # Ascend: AlltoAllV
+            out = ops.zeros((sum(recv), *rows), x.dtype)
+            comm_ops.all_to_all_single(out, x.contiguous(), recv, send, group=g.name)
+            return out
+        offsets = [0]
+        for s in send:
+            offsets.append(offsets[-1] + s)
+        handles = []
+        for j in range(g.size):
+            if j != rank and send[j]:
+                part = x[offsets[j] : offsets[j + 1]].contiguous()
+                handles.append((comm_ops.isend(part, dst=g.ranks[j], group=g.name), part))
+        parts: list[ms.Tensor | None] = [None] * g.size
+        for j in range(g.size):
+            if j != rank and recv[j]:
+                parts[j] = ops.zeros((recv[j], *rows), x.dtype)
+                handles.append((comm_ops.irecv(parts[j], src=g.ranks[j], group=g.name), parts[j]))
+        if recv[rank]:
+            parts[rank] = x[offsets[rank] : offsets[rank + 1]]
+        for handle, _ in handles:
+            handle.wait()
+        present = [p for p in parts if p is not None]
+        if not present:
+            return ops.zeros((0, *rows), x.dtype)
+        return present[0].copy() if len(present) == 1 else ops.cat(present, 0)
+
+    def _all_gather(self, x: ms.Tensor, g: MindSporeGroup) -> ms.Tensor:
+        shape = tuple(x.shape)
+        self.bytes_sent += _nbytes(x) * (g.size - 1)
+        if g.size == 1:
+            return x.reshape(1, *shape).copy()
+        if math.prod(shape) == 0:  # same shape on every rank: all skip an empty exchange together
+            return ops.zeros((g.size, *shape), x.dtype)
+        flat = x.reshape(-1).contiguous()
+        outs = [ops.zeros(flat.shape, x.dtype) for _ in range(g.size)]
+        with _named("all_gather", g, self._rank):
+            comm_ops.all_gather(outs, flat, group=g.name)
+        return ops.cat(outs, 0).reshape(g.size, *shape)  # cat, not stack: CPU stack has no bf16
+
+    def _reduce_scatter(self, grad: ms.Tensor, g: MindSporeGroup) -> ms.Tensor:
+        shape = tuple(grad.shape[1:])
+        if g.size == 1:
+            return grad[0].copy()
+        if self.native_all_to_all:  # Ascend: ReduceScatter (sums in the backend's order)
+            self.bytes_sent += _nbytes(grad) // g.size * (g.size - 1)
+            out = ops.zeros((math.prod(shape),), grad.dtype)
+            with _named("all_gather backward (reduce-scatter)", g, self._rank):
+                comm_ops.reduce_scatter_tensor(out, grad.reshape(-1).contiguous(), group=g.name)
+            return out.reshape(shape)
+        # row j of every rank lands on rank j; _all_to_all counts the rows that leave this rank
+        parts = self._all_to_all(grad, [1] * g.size, [1] * g.size, g, "all_gather backward (reduce-scatter)")
+        total = parts[0]
+        for j in range(1, g.size):
+            total = total + parts[j]
+        return total
+
+    def _shift(self, x: ms.Tensor, g: MindSporeGroup, *, step: int) -> ms.Tensor:
+        rank = g.group_rank(self._rank)
+        out = ops.zeros(tuple(x.shape), x.dtype)
+        send_to, recv_from = rank + step, rank - step
+        handles = []
+        if 0 <= send_to < g.size:
+            self.bytes_sent += _nbytes(x)
+        if math.prod(x.shape) == 0 or g.size == 1:  # same shape on every rank: all skip together
+            return out
+        with _named("shift_right" if step > 0 else "shift_right backward", g, self._rank):
+            if 0 <= send_to < g.size:
+                part = x.contiguous()
+                handles.append((comm_ops.isend(part, dst=g.ranks[send_to], group=g.name), part))
+            if 0 <= recv_from < g.size:
+                handles.append((comm_ops.irecv(out, src=g.ranks[recv_from], group=g.name), out))
+            for handle, _ in handles:
+                handle.wait()
+        return out
+
+    def __repr__(self) -> str:
+        world = None if self._world is None else list(self._world.ranks)
+        return f"MindSporeCollectives(world={world}, native_all_to_all={self.native_all_to_all})"

@@ -1,0 +1,492 @@
+"""msrun worker for the MindSpore tests: one job per world size runs every section and case.
+
+Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_cp_worker.py
+--sections collectives cp bad_input mesh2d``); each rank writes ``{"rank", "world", "sections":
+{name: {"ok", "seconds", "data" or "error"}}}`` after every section. The pytest modules assert:
+
+- ``collectives`` (tests/platform/test_mindspore_platform.py): raw values and gradients of every
+  differentiable collective, ``send``/``recv``, ``all_reduce_sum``, byte counts, subgroups;
+- ``cp`` (tests/distributed/test_context_parallel_mindspore.py): every mode on every case against
+  the single-device MindSpore layer and the torch layer with the same weights (output shard,
+  input-gradient shard, parameter gradients summed over ranks);
+- ``bad_input``: the (type, message) of each bad call on every rank, compared with torch's;
+- ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
+  ``hyperpar_gdn.distributed.verify.compare_with_reference``;
+- ``stall`` (last): the last rank never joins a collective; the others must fail on their own
+  within the communication timeout with a ``CollectiveError``.
+
+The functions :func:`torch_layer`, :func:`case_inputs` and :func:`bad_input_checks` are also used
+by the pytest side (they name no framework-specific launcher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for msrun_harness
+
+from msrun_harness import start_watchdog, write_result  # noqa: E402
+
+from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh  # noqa: E402
+from hyperpar_gdn.distributed.verify import compare_with_reference, relative_error  # noqa: E402
+from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
+
+MODES = ("ulysses", "p2p", "all_gather")
+SECTIONS = ("collectives", "cp", "bad_input", "mesh2d", "stall")
+HIDDEN = 32
+PARAMS = (
+    "in_proj_qkv.weight",
+    "in_proj_z.weight",
+    "in_proj_b.weight",
+    "in_proj_a.weight",
+    "conv1d.weight",
+    "A_log",
+    "dt_bias",
+    "norm.weight",
+    "out_proj.weight",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    num_k_heads: int
+    num_v_heads: int
+    seq_len: int
+    masked: bool = False
+    dtype: str = "float32"
+
+    def __str__(self) -> str:
+        return f"Hk{self.num_k_heads}-H{self.num_v_heads}-T{self.seq_len}{'-mask' if self.masked else ''}-{self.dtype}"
+
+
+# The torch CP test's cases (tests/distributed/test_context_parallel.py) less bf16, which MindSpore
+# cannot run on CPU (no bf16 matmul kernel), plus a float64 case that must agree to rounding.
+CASES = (
+    Case(4, 4, 96),  # local T 48 or 24: not a multiple of the 64 chunk
+    Case(2, 4, 200),  # GQA, T/cp = 100 or 50; ulysses cannot split 2 key heads over 4 ranks
+    Case(4, 8, 160, masked=True),  # padding mask
+    Case(4, 4, 64, dtype="float64"),
+)
+
+
+def torch_layer(case: Case, hidden: int = HIDDEN) -> Any:
+    """The torch layer of the torch CP tests: seeded, every parameter moved off its init."""
+    import torch
+
+    from hyperpar_gdn.models import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(hidden, case.num_k_heads, case.num_v_heads, 16, 8)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer.to(getattr(torch, case.dtype))
+
+
+def case_inputs(case: Case, hidden: int = HIDDEN) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """x, cotangent ``[2, T, hidden]`` and the mask ``[2, T]`` (left and right padding) or None."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, case.seq_len, hidden))
+    cot = rng.standard_normal((2, case.seq_len, hidden))
+    mask = None
+    if case.masked:
+        mask = np.ones((2, case.seq_len))
+        mask[0, :7] = 0
+        mask[1, -30:] = 0
+    return x, cot, mask
+
+
+Triple = tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]
+
+
+def torch_reference(
+    layer: Any, x: np.ndarray, cot: np.ndarray, mask: np.ndarray | None, dtype: str
+) -> Triple:
+    """Output, input gradient and parameter gradients of the torch layer on the whole sequence."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    xt = torch.tensor(x, dtype=tdtype, requires_grad=True)
+    mt = None if mask is None else torch.tensor(mask, dtype=tdtype)
+    layer.zero_grad()
+    out = layer(xt, attention_mask=mt)
+    out.backward(torch.tensor(cot, dtype=tdtype))
+    grads = {name: p.grad.detach().numpy().copy() for name, p in layer.named_parameters()}
+    return out.detach().numpy(), xt.grad.detach().numpy(), grads
+
+
+def platform_run(
+    platform: Platform, module: Any, x: np.ndarray, cot: np.ndarray, mask: np.ndarray | None, dtype: str
+) -> tuple[Any, Any, dict[str, Any]]:
+    """``platform.value_and_grads`` of ``module(x, attention_mask=mask)`` (platform tensors; any
+    platform)."""
+    mask_t = None if mask is None else platform.from_numpy(mask, dtype=dtype)
+    out, (dx,), grads = platform.value_and_grads(
+        lambda inp: module(inp, attention_mask=mask_t),
+        [platform.from_numpy(x, dtype=dtype)],
+        platform.from_numpy(cot, dtype=dtype),
+        module,
+    )
+    return out, dx, grads
+
+
+def _errors(actual: Triple, expected: Triple, local: slice) -> dict[str, float]:
+    out, dx, grads = actual
+    ref_out, ref_dx, ref_grads = expected
+    errors = {
+        "output": relative_error(out, ref_out[:, local]),
+        "grad_input": relative_error(dx, ref_dx[:, local]),
+    }
+    for name in PARAMS:
+        errors[f"grad_{name}"] = relative_error(grads[name], ref_grads[name])
+    return errors
+
+
+# --- sections -------------------------------------------------------------------------------------
+
+
+def section_cp(platform: Platform, world: int) -> dict[str, Any]:
+    from hyperpar_gdn.models.mindspore import GatedDeltaNet
+
+    mesh = init_device_mesh("mindspore", (world,), mesh_dim_names=("cp",))
+    rank, group = mesh.get_local_rank(), mesh.get_group()
+    results: dict[str, Any] = {}
+    for case in CASES:
+        layer_t = torch_layer(case)
+        x, cot, mask = case_inputs(case)
+        ref_t = torch_reference(layer_t, x, cot, mask, case.dtype)
+        out, dx, grads = platform_run(platform, GatedDeltaNet.from_torch(layer_t), x, cot, mask, case.dtype)
+        ref_m = (
+            platform.to_numpy(out),
+            platform.to_numpy(dx),
+            {name: platform.to_numpy(g) for name, g in grads.items()},
+        )
+        results[f"{case}/single_device_vs_torch"] = _errors(ref_m, ref_t, slice(None))
+        truth = ref_t
+        if case.dtype != "float64":  # the float64 torch layer with the same weights: the truth
+            truth_case = Case(case.num_k_heads, case.num_v_heads, case.seq_len, case.masked, "float64")
+            truth = torch_reference(torch_layer(truth_case), x, cot, mask, "float64")
+        results[f"{case}/single_device_vs_truth"] = _errors(ref_m, truth, slice(None))
+        t_local = case.seq_len // world
+        local = slice(rank * t_local, (rank + 1) * t_local)
+        for mode in MODES:
+            key = f"{case}/{mode}"
+            if mode == "ulysses" and (case.num_k_heads % world or case.num_v_heads % world):
+                results[key] = {
+                    "skipped": f"heads {case.num_k_heads}/{case.num_v_heads} not divisible by {world}"
+                }
+                continue
+            layer = LinearAttentionContextParallel(mode=mode).apply(GatedDeltaNet.from_torch(layer_t), mesh)
+            platform.collectives.reset_bytes()
+            start = time.perf_counter()
+            out, dx, grads = platform_run(
+                platform,
+                layer,
+                x[:, local],
+                cot[:, local],
+                None if mask is None else mask[:, local],
+                case.dtype,
+            )
+            seconds = time.perf_counter() - start
+            sent = platform.collectives.reset_bytes()
+            totals = {
+                name: platform.to_numpy(platform.collectives.all_reduce_sum(g, group))
+                for name, g in grads.items()
+            }
+            cp_run = (platform.to_numpy(out), platform.to_numpy(dx), totals)
+            results[key] = {
+                "vs_mindspore": _errors(cp_run, ref_m, local),
+                "vs_torch": _errors(cp_run, ref_t, local),
+                "vs_truth": _errors(cp_run, truth, local),
+                "grad_names": sorted(grads),
+                "seconds": seconds,
+                "bytes_sent": sent,
+            }
+    return results
+
+
+def bad_input_checks(
+    platform: Platform, mesh: Any, new_layer: Callable[[int, int], Any], hidden: int = HIDDEN
+) -> dict[str, Any]:
+    """Call the CP API wrongly, identically on every rank; return ``{check: [error type, message]}``
+    and, last, ``in_step``: one all-gather of the ranks after the errors (every rank got there).
+
+    ``new_layer(num_k_heads, num_v_heads)`` makes a fresh layer of this platform's framework."""
+    cp, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    rng = np.random.default_rng(0)
+
+    def tensor(*shape: int) -> Any:
+        return platform.from_numpy(rng.standard_normal(shape))
+
+    outcomes: dict[str, Any] = {}
+
+    def expect(name: str, call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except Exception as exc:  # recorded and compared, not swallowed
+            outcomes[name] = [type(exc).__name__, str(exc)]
+        else:
+            outcomes[name] = ["no error", ""]
+
+    expect("unknown_mode", lambda: LinearAttentionContextParallel(mode="ring"))
+    expect("chunk_size", lambda: LinearAttentionContextParallel(mode="p2p", chunk_size=0))
+    expect(
+        "ulysses_heads", lambda: LinearAttentionContextParallel(mode="ulysses").apply(new_layer(1, 3), mesh)
+    )
+    for mode in MODES:
+        layer = LinearAttentionContextParallel(mode=mode).apply(new_layer(4, 4), mesh)
+        expect(f"{mode}/hidden", lambda layer=layer: layer(tensor(2, 8, hidden + 1)))
+        expect(f"{mode}/rank2", lambda layer=layer: layer(tensor(8, hidden)))
+        expect(
+            f"{mode}/mask_shape",
+            lambda layer=layer: layer(
+                tensor(2, 8, hidden), attention_mask=platform.from_numpy(np.ones((2, 9)))
+            ),
+        )
+        if mode != "ulysses":
+            expect(f"{mode}/shorter_than_halo", lambda layer=layer: layer(tensor(2, 2, hidden)))
+        expect(
+            f"{mode}/applied_twice",
+            lambda mode=mode, layer=layer: LinearAttentionContextParallel(mode=mode).apply(layer, mesh),
+        )
+    expect(
+        "all_to_all/split_count",
+        lambda: platform.collectives.all_to_all(tensor(3, 2), [1] * (cp + 1), [1] * (cp + 1), group),
+    )
+    expect(
+        "all_to_all/split_sum",
+        lambda: platform.collectives.all_to_all(tensor(3, 2), [2] * cp, [2] * cp, group),
+    )
+    expect(
+        "all_to_all/negative",
+        lambda: platform.collectives.all_to_all(
+            tensor(3, 2), [3 + cp - 1] + [-1] * (cp - 1), [1] * cp, group
+        ),
+    )
+    expect("send/self", lambda: platform.collectives.send(tensor(2), rank, group))
+    expect("recv/out_of_range", lambda: platform.collectives.recv(tensor(2), cp, group))
+    gathered = platform.collectives.all_gather(platform.from_numpy(np.array([float(rank)])), group)
+    outcomes["in_step"] = platform.to_numpy(gathered).ravel().tolist()
+    return outcomes
+
+
+def section_bad_input(platform: Platform, world: int) -> dict[str, Any]:
+    from hyperpar_gdn.models.mindspore import GatedDeltaNet
+
+    mesh = init_device_mesh("mindspore", (world,), mesh_dim_names=("cp",))
+    return bad_input_checks(platform, mesh, lambda hk, h: GatedDeltaNet(HIDDEN, hk, h, 16, 8))
+
+
+class _Solo:
+    """The one-rank "mesh" that verify.compare_with_reference needs for a single-device run."""
+
+    def get_local_rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+def section_mesh2d(platform: Platform, world: int) -> dict[str, Any]:
+    """CP along the cp axis of a (dp=2, cp=world/2) mesh, checked by verify.compare_with_reference
+    against the float32 single-device layer and against the float64 truth (with the single-device
+    float32 layer's own distance to the truth beside it)."""
+    from hyperpar_gdn.models.mindspore import GatedDeltaNet
+
+    mesh = init_device_mesh("mindspore", (2, world // 2), mesh_dim_names=("dp", "cp"))
+    cp_mesh = mesh["cp"]
+    case = Case(4, 4, 64, masked=True)
+    layer_t = torch_layer(case)
+    truth = GatedDeltaNet.from_torch(torch_layer(Case(4, 4, 64, masked=True, dtype="float64")))
+    x, cot, mask = case_inputs(case)
+    results: dict[str, Any] = {"cp_ranks": cp_mesh.rank_list, "dp_ranks": mesh.get_rank_list("dp")}
+    results["single_vs_truth"] = compare_with_reference(
+        platform,
+        _Solo(),
+        GatedDeltaNet.from_torch(layer_t),
+        truth,
+        x,
+        cot,
+        attention_mask=mask,
+        reference_dtype="float64",
+    )
+    for mode in MODES:
+        layer = LinearAttentionContextParallel(mode=mode).apply(GatedDeltaNet.from_torch(layer_t), cp_mesh)
+        results[mode] = {
+            "vs_single": compare_with_reference(
+                platform, cp_mesh, layer, GatedDeltaNet.from_torch(layer_t), x, cot, attention_mask=mask
+            ),
+            "vs_truth": compare_with_reference(
+                platform, cp_mesh, layer, truth, x, cot, attention_mask=mask, reference_dtype="float64"
+            ),
+        }
+    return results
+
+
+def section_stall(platform: Platform, world: int) -> dict[str, Any]:
+    """The last rank stays alive but never joins an all-gather: the others must fail by themselves
+    within the communication timeout, with a CollectiveError naming the collective."""
+    comm, rank = platform.collectives, platform.rank()
+    timeout = float(os.environ["MS_CPU_COMM_OP_TIMEOUT"])
+    if rank == world - 1:
+        time.sleep(timeout + 3)
+        return {"stalled_s": timeout + 3}
+    start = time.perf_counter()
+    try:
+        comm.all_gather(platform.from_numpy(np.ones(4)), None)
+        outcome = ["no error", ""]
+    except Exception as exc:
+        outcome = [type(exc).__name__, str(exc)]
+    return {"error": outcome, "waited_s": time.perf_counter() - start, "timeout_s": timeout}
+
+
+def section_collectives(platform: Platform, world: int) -> dict[str, Any]:
+    """Raw results of every collective on inputs the test can recompute from the ranks."""
+    import mindspore as ms
+
+    comm, rank = platform.collectives, platform.rank()
+    out: dict[str, Any] = {}
+
+    def grad_of(fn: Callable[[Any], Any], x: Any, cot: Any) -> tuple[Any, Any]:
+        return ms.value_and_grad(fn, grad_position=0, sens_param=True)(x, cot)  # no bf16 sum on CPU
+
+    def np_(x: Any) -> list[Any]:
+        return platform.to_numpy(x).tolist()
+
+    for dtype in ("float32", "float64", "bfloat16"):
+        send = [(rank + 2 * j) % 3 for j in range(world)]  # rank r sends (r + 2j) % 3 rows to j
+        recv = [(j + 2 * rank) % 3 for j in range(world)]
+        rows = sum(send)
+        # integers below 256: exact in bfloat16
+        x = platform.from_numpy(16 * rank + np.arange(rows * 2).reshape(rows, 2), dtype=dtype)
+        cot = platform.from_numpy(np.full((sum(recv), 2), rank + 1.0), dtype=dtype)
+        comm.reset_bytes()
+        value, dx = grad_of(lambda inp, s=send, r=recv: comm.all_to_all(inp, s, r, None), x, cot)
+        out[f"all_to_all/{dtype}"] = {
+            "send": send,
+            "recv": recv,
+            "out": np_(value),
+            "dx": np_(dx),
+            "dtype": str(value.dtype),
+            "bytes": comm.reset_bytes(),
+        }
+
+        x = platform.from_numpy(np.full((2, 3), rank + 1.0), dtype=dtype)
+        cot = platform.from_numpy(
+            np.arange(world)[:, None, None] + np.zeros((world, 2, 3)) + 1.0, dtype=dtype
+        )
+        cot = cot * platform.from_numpy(np.array(rank + 1.0), dtype=dtype)
+        value, dx = grad_of(lambda inp: comm.all_gather(inp, None), x, cot)
+        out[f"all_gather/{dtype}"] = {"out": np_(value), "dx": np_(dx), "bytes": comm.reset_bytes()}
+
+        x = platform.from_numpy(np.full((2,), rank + 1.0), dtype=dtype)
+        cot = platform.from_numpy(np.full((2,), 10.0 * (rank + 1)), dtype=dtype)
+        value, dx = grad_of(lambda inp: comm.shift_right(inp, None), x, cot)
+        out[f"shift_right/{dtype}"] = {"out": np_(value), "dx": np_(dx), "bytes": comm.reset_bytes()}
+
+    # zero rows everywhere, and an empty gather
+    empty = platform.from_numpy(np.zeros((0, 3)))
+    out["all_to_all/empty"] = list(comm.all_to_all(empty, [0] * world, [0] * world, None).shape)
+    out["all_gather/empty"] = list(comm.all_gather(empty, None).shape)
+
+    # raw send/recv along the chain, in float64
+    comm.reset_bytes()
+    if rank + 1 < world:
+        comm.send(platform.from_numpy(np.arange(4) + 10.0 * rank, dtype="float64"), rank + 1, None)
+    if rank > 0:
+        got = comm.recv(platform.from_numpy(np.zeros(4), dtype="float64"), rank - 1, None)
+        out["recv"] = {"values": np_(got), "dtype": str(got.dtype)}
+    out["send_bytes"] = comm.reset_bytes()
+
+    for dtype in ("float32", "float64"):
+        x = platform.from_numpy(np.full((3,), rank + 1.0), dtype=dtype)
+        total = comm.all_reduce_sum(x, None)
+        out[f"all_reduce_sum/{dtype}"] = {
+            "total": np_(total),
+            "input_after": np_(x),
+            "bytes": comm.reset_bytes(),
+        }
+    comm.barrier(None)
+
+    if world >= 4:  # subgroups: the two halves, and a group this rank is not in
+        halves = [
+            platform.new_group(list(range(0, world // 2))),
+            platform.new_group(list(range(world // 2, world))),
+        ]
+        mine, other = (halves[0], halves[1]) if rank < world // 2 else (halves[1], halves[0])
+        gathered = comm.all_gather(platform.from_numpy(np.array([rank + 1.0])), mine)
+        half = world // 2
+        swapped = comm.all_to_all(
+            platform.from_numpy(np.full((half, 1), float(rank))), [1] * half, [1] * half, mine
+        )
+        shifted = comm.shift_right(platform.from_numpy(np.array([rank + 1.0])), mine)
+        total = comm.all_reduce_sum(platform.from_numpy(np.array([rank + 1.0])), mine)
+        try:
+            comm.all_gather(platform.from_numpy(np.array([1.0])), other)
+            foreign = ["no error", ""]
+        except Exception as exc:
+            foreign = [type(exc).__name__, str(exc)]
+        comm.barrier(mine)
+        out["subgroup"] = {
+            "ranks": list(mine.ranks),
+            "same_handle": platform.new_group(list(mine.ranks)) is mine,
+            "all_gather": platform.to_numpy(gathered).ravel().tolist(),
+            "all_to_all": platform.to_numpy(swapped).ravel().tolist(),
+            "shift_right": platform.to_numpy(shifted).ravel().tolist(),
+            "all_reduce_sum": platform.to_numpy(total).ravel().tolist(),
+            "foreign_group": foreign,
+        }
+    return out
+
+
+SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
+    "collectives": section_collectives,
+    "cp": section_cp,
+    "bad_input": section_bad_input,
+    "mesh2d": section_mesh2d,
+    "stall": section_stall,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--comm-timeout", type=float, default=20.0, help="seconds a collective may wait")
+    args = parser.parse_args()
+    start_watchdog()
+    import torch
+
+    torch.set_num_threads(1)
+    platform = get_platform()
+    platform.init_distributed(timeout_s=args.comm_timeout)  # msrun's scheduler process stays in here
+    rank, world = platform.rank(), platform.world_size()
+    result: dict[str, Any] = {"rank": rank, "world": world, "sections": {}}
+    failed = False
+    for name in args.sections:
+        start = time.perf_counter()
+        try:
+            entry = {"ok": True, "data": SECTION_FUNCTIONS[name](platform, world)}
+        except Exception:
+            entry = {"ok": False, "error": traceback.format_exc()}
+            failed = True
+        entry["seconds"] = time.perf_counter() - start
+        result["sections"][name] = entry
+        write_result(rank, result)
+        if failed:  # the other ranks may now wait in a collective: exit non-zero, msrun stops them
+            return 1
+    platform.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,6 +8,8 @@ see ``msrun_harness.cp_worker_job``); the torch side of the comparisons runs on 
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ pytest.importorskip("mindspore")
 
 import msrun_cp_worker as worker  # noqa: E402  (tests/distributed is on sys.path under pytest)
 from distributed_harness import run_ranks  # noqa: E402
-from msrun_harness import cp_worker_job, section_data  # noqa: E402
+from msrun_harness import cp_worker_job, run_msrun, section_data  # noqa: E402
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh  # noqa: E402
 from hyperpar_gdn.platform import get_platform  # noqa: E402
@@ -156,3 +158,16 @@ def test_a_stalled_peer_gives_a_named_collective_error_in_time() -> None:
     assert kind == "CollectiveError", f"{kind}: {message}"
     assert message.startswith("collective all_gather over global ranks [0, 1] failed on rank 0"), message
     assert waiting["timeout_s"] - 1 <= waiting["waited_s"] <= waiting["timeout_s"] + 10, waiting
+
+
+def test_selfcheck_runs_under_msrun() -> None:
+    """scripts/selfcheck.py under msrun prints the torch run's table, every mode ok."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "selfcheck.py"
+    args = ["--seq-len", "64", "--hidden", "32", "--head-dim", "16", "--timeout", "60"]
+    outcome = run_msrun(script, 2, args, timeout_s=180)
+    log = outcome.logs.get("worker_0.log", "")
+    assert outcome.returncode == 0 and not outcome.timed_out, outcome.describe()
+    assert "platform=mindspore ranks=2 T=64 B=2 hidden=32" in log, log
+    for mode in worker.MODES:
+        assert re.search(rf"^{mode}\s+\S+ \(\w[\w.]*\)\s+[\d.]+s\s+ok$", log, re.MULTILINE), log
+    assert log.rstrip().endswith("selfcheck: 3/3 ok"), log

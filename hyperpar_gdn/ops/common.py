@@ -1,6 +1,7 @@
-"""Input checks and the preprocessing shared by every gated-delta-rule function.
+"""Input checks, preprocessing and layout changes shared by the gated-delta-rule functions.
 
-Legend: B batch, T tokens, Hk query/key heads, H value heads, K key dim, V value dim.
+Legend: B batch, T tokens, Hk query/key heads, H value heads, K key dim, V value dim, N chunks,
+C chunk size, D any last dim.
 """
 
 from __future__ import annotations
@@ -53,3 +54,19 @@ def prepare_qkv(
         q, k = l2norm(xp, q), l2norm(xp, k)
     q = q * xp.scalar(q.shape[-1] ** -0.5, q)
     return xp, (q, k, v, g, beta)
+
+
+def to_chunks(xp: TensorOps, x: Tensor, chunk_size: int) -> Tensor:
+    """``[B, T, H, D]`` -> chunk-major ``[N, B, H, C, D]`` (contiguous), zero-padding T up to N * C."""
+    b, t, h, d = x.shape
+    n = -(-t // chunk_size)
+    x = xp.pad_dim(x, 1, 0, n * chunk_size - t).reshape(b, n, chunk_size, h, d)
+    return xp.permute(x, (1, 0, 3, 2, 4))
+
+
+def from_chunks(xp: TensorOps, x: Tensor, seq_len: int) -> Tensor:
+    """Chunk-major ``[N, B, H, C, D]`` -> ``[B, T, H, D]`` (contiguous up to the padding, which is
+    sliced off: T = ``seq_len``)."""
+    n, b, h, c, d = x.shape
+    x = xp.permute(x, (1, 0, 3, 2, 4)).reshape(b, n * c, h, d)
+    return x if seq_len == n * c else x[:, :seq_len]

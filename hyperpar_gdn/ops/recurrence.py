@@ -1,15 +1,15 @@
 """The sequential part of the chunked gated delta rule, with a hand-written backward.
 
-Everything state-independent (gates, decay masks, the triangular solve) is computed batched over
+Everything state-independent (gates, decay masks, the triangular inverse) is computed batched over
 chunks by :mod:`hyperpar_gdn.ops.chunk`; only the chunk-to-chunk state recurrence runs in a Python
 loop here. Autograd never sees the loop: slicing chunk ``i`` out of whole tensors under autograd
 costs a full-size zero gradient per slice, which is where a naive chunked version spends its time.
 
 Shapes (chunk-major: chunk i is the contiguous block x[i]), with N chunks of C tokens:
 
-    qg, w, kd  [N, B, H, C, K]     q*exp(G), T(beta*exp(G)*k), k*exp(G_last - G)
+    qg, w, kd  [N, B, H, C, K]     q*exp(G), Tinv(beta*exp(G)*k), k*exp(G_last - G)
     P          [N, B, H, C, C]     tril(q k^T * D)
-    u          [N, B, H, C, V]     T(beta*v)
+    u          [N, B, H, C, V]     Tinv(beta*v)
     gl         [N, B, H]           exp(G_last)
     S          [B, H, K, V]        the state entering a chunk
 
@@ -19,6 +19,8 @@ Per chunk i:  vn = u_i - w_i S;  o_i = qg_i S + P_i vn;  S <- gl_i S + kd_i^T vn
 from __future__ import annotations
 
 from hyperpar_gdn.platform.base import Tensor, TensorOps
+
+from .common import from_chunks, to_chunks
 
 
 def _t(xp: TensorOps, x: Tensor) -> Tensor:
@@ -44,73 +46,91 @@ def forward_states(
 
 def backward_states(
     xp: TensorOps,
+    states: Tensor,
+    vn: Tensor,
     w: Tensor,
     kd: Tensor,
     gl: Tensor,
     d_final: Tensor,
-    dvn_extra: Tensor | None = None,
-    ds_extra: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Reverse loop of :func:`forward_states`.
+    outputs: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Reverse loop of :func:`forward_states`, given its ``states`` and ``vn``, from the gradient
+    ``d_final`` of the final state.
 
-    ``dvn_extra`` ``[N, B, H, C, V]`` and ``ds_extra`` ``[N, B, H, K, V]`` are gradients that reach
-    vn and S directly (from the outputs). Returns (d vn ``[N, B, H, C, V]``, d state leaving each
-    chunk ``[N, B, H, K, V]``, d initial state ``[B, H, K, V]``).
+    Returns the gradients of u ``[N, B, H, C, V]`` (= that of vn), w and kd ``[N, B, H, C, K]``,
+    gl ``[N, B, H]`` and the initial state ``[B, H, K, V]``. Those of kd and gl need the gradient
+    of the state leaving each chunk, so they are taken inside the loop rather than from a stacked
+    ``[N, B, H, K, V]`` tensor.
+
+    ``outputs`` = (qg, p, do) when the chunk outputs o_i = qg_i S + p_i vn were taken too: do
+    ``[N, B, H, C, V]`` then also reaches vn (p_i^T do_i) and S (qg_i^T do_i), added in the loop.
     """
     n = w.shape[0]
     w_t = _t(xp, w)
     gl = gl.reshape(gl.shape + (1, 1))
     ds = d_final
     dvns: list[Tensor] = [None] * n  # type: ignore[list-item]
-    ds_next: list[Tensor] = [None] * n  # type: ignore[list-item]
+    dkds: list[Tensor] = [None] * n  # type: ignore[list-item]
+    dgls: list[Tensor] = [None] * n  # type: ignore[list-item]
+    if outputs is not None:
+        qg, p, do = outputs
+        qg_t, p_t = _t(xp, qg), _t(xp, p)
     for i in range(n - 1, -1, -1):
-        ds_next[i] = ds
+        # ds is the gradient of the state leaving chunk i.
+        dkds[i] = xp.matmul(vn[i], _t(xp, ds))
+        dgls[i] = xp.sum(states[i] * ds, (-2, -1))
         dvn = xp.matmul(kd[i], ds)
-        if dvn_extra is not None:
-            dvn = dvn + dvn_extra[i]
+        if outputs is not None:
+            dvn = dvn + xp.matmul(p_t[i], do[i])
         ds = gl[i] * ds - xp.matmul(w_t[i], dvn)
-        if ds_extra is not None:
-            ds = ds + ds_extra[i]
+        if outputs is not None:
+            ds = ds + xp.matmul(qg_t[i], do[i])
         dvns[i] = dvn
-    return xp.stack(dvns, 0), xp.stack(ds_next, 0), ds
+    dvn = xp.stack(dvns, 0)
+    dw = -xp.matmul(dvn, _t(xp, states))
+    return dvn, dw, xp.stack(dkds, 0), xp.stack(dgls, 0), ds
 
 
-def _state_input_grads(
-    xp: TensorOps, states: Tensor, vn: Tensor, dvn: Tensor, ds_next: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of (u, w, kd, gl) given the loop's saved and reverse quantities."""
-    states_t = _t(xp, states)
-    dw = -xp.matmul(dvn, states_t)
-    dkd = xp.matmul(vn, _t(xp, ds_next))
-    dgl = xp.sum(states * ds_next, (-2, -1))
-    return dvn, dw, dkd, dgl
-
-
-def _outputs_forward(xp: TensorOps, qg, p, u, w, kd, gl, s0):
+def outputs_forward(
+    xp: TensorOps, qg, p, u, w, kd, gl, s0, *, seq_len: int
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, ...]]:
+    """Outputs o ``[B, T, H, V]`` (T = ``seq_len``) and the final state, and what the backward
+    needs (the states entering each chunk and the corrected values)."""
     states, vn, s_final = forward_states(xp, u, w, kd, gl, s0)
     o = xp.matmul(qg, states) + xp.matmul(p, vn)
-    return (o, s_final), (qg, p, w, kd, gl, states, vn)
+    return (from_chunks(xp, o, seq_len), s_final), (qg, p, w, kd, gl, states, vn)
 
 
-def _outputs_backward(xp: TensorOps, saved, do, ds_final):
+def outputs_backward(
+    xp: TensorOps, saved: tuple[Tensor, ...], do: Tensor, ds_final: Tensor
+) -> tuple[Tensor, ...]:
+    """Gradients of (qg, p, u, w, kd, gl, s0) from do ``[B, T, H, V]`` and d final state."""
     qg, p, w, kd, gl, states, vn = saved
-    dvn, ds_next, ds0 = backward_states(
-        xp, w, kd, gl, ds_final, xp.matmul(_t(xp, p), do), xp.matmul(_t(xp, qg), do)
-    )
-    du, dw, dkd, dgl = _state_input_grads(xp, states, vn, dvn, ds_next)
+    do = to_chunks(xp, do, qg.shape[3])  # [N, B, H, C, V], contiguous
+    du, dw, dkd, dgl, ds0 = backward_states(xp, states, vn, w, kd, gl, ds_final, (qg, p, do))
     dqg = xp.matmul(do, _t(xp, states))
     dp = xp.matmul(do, _t(xp, vn))
     return dqg, dp, du, dw, dkd, dgl, ds0
 
 
 def chunk_outputs(
-    xp: TensorOps, qg: Tensor, p: Tensor, u: Tensor, w: Tensor, kd: Tensor, gl: Tensor, s0: Tensor
+    xp: TensorOps,
+    qg: Tensor,
+    p: Tensor,
+    u: Tensor,
+    w: Tensor,
+    kd: Tensor,
+    gl: Tensor,
+    s0: Tensor,
+    *,
+    seq_len: int,
 ) -> tuple[Tensor, Tensor]:
-    """Outputs ``[N, B, H, C, V]`` and final state of the chunks, entering with state ``s0``.
-    The states entering each chunk are kept for the backward."""
+    """Outputs ``[B, T, H, V]`` (the first ``seq_len`` tokens) and final state ``[B, H, K, V]`` of
+    the chunks, entering with state ``s0``. The states entering each chunk are kept for the
+    backward."""
     return xp.custom_vjp(
-        lambda *a: _outputs_forward(xp, *a),
-        lambda saved, do, ds: _outputs_backward(xp, saved, do, ds),
+        lambda *a: outputs_forward(xp, *a, seq_len=seq_len),
+        lambda saved, do, ds: outputs_backward(xp, saved, do, ds),
         qg,
         p,
         u,
@@ -129,8 +149,7 @@ def _final_forward(xp: TensorOps, u, w, kd, gl, s0):
 def _final_backward(xp: TensorOps, saved, ds_final):
     u, w, kd, gl, s0 = saved
     states, vn, _ = forward_states(xp, u, w, kd, gl, s0)  # recomputed rather than kept
-    dvn, ds_next, ds0 = backward_states(xp, w, kd, gl, ds_final)
-    return (*_state_input_grads(xp, states, vn, dvn, ds_next), ds0)
+    return backward_states(xp, states, vn, w, kd, gl, ds_final)
 
 
 def chunk_final_state(xp: TensorOps, u: Tensor, w: Tensor, kd: Tensor, gl: Tensor, s0: Tensor) -> Tensor:

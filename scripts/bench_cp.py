@@ -14,7 +14,13 @@ for backward, parameters excluded, counted by a saved-tensor hook), the peak RSS
 and the bytes the platform's collectives sent, next to the DESIGN.md formulas
 (:func:`expected_bytes`). Results: JSON (``--out``) and a PNG plot beside it.
 
-Usage: ``python scripts/bench_cp.py [--seq-len 8192 --local-seq-len 2048 --cp-sizes 1 2 4]``
+``--backend mindspore`` (or ``--backend torch mindspore``) times the MindSpore layer too: its ranks
+are MCCL workers started by ``msrun`` (cp=1: one plain process), each running this script in
+worker mode; the same rows get ``backend="mindspore"``. MindSpore has no saved-tensor hook, so
+its activation memory is not measured (``None``); time, RSS growth and bytes sent are.
+
+Usage: ``python scripts/bench_cp.py [--seq-len 8192 --local-seq-len 2048 --cp-sizes 1 2 4]
+[--backend torch mindspore]``
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ import json
 import multiprocessing
 import os
 import resource
+import shutil
+import signal
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -33,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("ulysses", "p2p", "all_gather")
+BACKENDS = ("torch", "mindspore")
 
 
 @dataclass(frozen=True)
@@ -200,19 +212,157 @@ def run_job(cp: int, total_threads: int, job: dict[str, Any], *, timeout_s: floa
     return [results[r] for r in range(cp)]
 
 
+# --- MindSpore: msrun workers (MCCL on CPU) ------------------------------------------------------
+
+
+def _measure_mindspore(job: dict[str, Any], threads: int) -> dict[str, Any]:
+    """One rank's measurement of the MindSpore layer (the worker mode of this script)."""
+    import mindspore as ms
+    import numpy as np
+
+    from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
+    from hyperpar_gdn.models.mindspore import GatedDeltaNet
+    from hyperpar_gdn.platform import get_platform
+
+    platform = get_platform("mindspore")
+    platform.init_distributed(timeout_s=300)  # msrun's scheduler process stays in here
+    ms.set_context(runtime_num_threads=threads)
+    rank, cp = platform.rank(), platform.world_size()
+    shape = LayerShape(**job["shape"])
+    platform.manual_seed(0)
+    layer = GatedDeltaNet(
+        shape.hidden,
+        shape.num_k_heads,
+        shape.num_v_heads,
+        shape.head_k_dim,
+        shape.head_v_dim,
+        shape.conv_kernel_size,
+    )
+    if cp > 1:
+        mesh = init_device_mesh("mindspore", (cp,), mesh_dim_names=("cp",))
+        LinearAttentionContextParallel(mode=job["mode"]).apply(layer, mesh)
+    t_local = job["seq_len"] // cp
+    x = platform.from_numpy(np.random.default_rng(rank).standard_normal((shape.batch, t_local, shape.hidden)))
+    grad_fn = ms.value_and_grad(
+        lambda inp: layer(inp).sum(), grad_position=0, weights=layer.trainable_params()
+    )
+    comm = platform.collectives
+
+    for _ in range(job["warmup"]):
+        grad_fn(x)
+    comm.reset_bytes()
+    times = []
+    for _ in range(job["repeats"]):
+        if cp > 1:
+            comm.barrier(None)
+        start = time.perf_counter()
+        grad_fn(x)
+        times.append(time.perf_counter() - start)
+    bytes_sent = comm.reset_bytes() // job["repeats"]
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    grad_fn(x)
+    rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
+    platform.destroy()
+    return {
+        "rank": rank,
+        "time_s": statistics.median(times),
+        "times_s": times,
+        "activation_bytes": None,
+        "peak_rss_growth_bytes": rss_growth,
+        "bytes_sent": bytes_sent,
+        "expected_bytes": expected_bytes(
+            job["mode"], shape, seq_len=job["seq_len"], cp=cp, rank=rank, itemsize=4
+        ),
+    }
+
+
+def _mindspore_worker(job_path: Path, out_dir: Path, threads: int) -> None:
+    job = json.loads(job_path.read_text())
+    result = _measure_mindspore(job, threads)
+    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
+
+
+def run_job_mindspore(
+    cp: int, total_threads: int, job: dict[str, Any], *, timeout_s: float
+) -> list[dict[str, Any]]:
+    """Run one configuration on ``cp`` msrun workers (cp=1: one process without a launcher);
+    per-rank results in rank order."""
+    threads = max(1, total_threads // cp)
+    work = Path(tempfile.mkdtemp(prefix="bench-cp-ms-"))
+    try:
+        job_path, out_dir = work / "job.json", work / "out"
+        out_dir.mkdir()
+        job_path.write_text(json.dumps(job))
+        worker = [
+            str(Path(__file__).resolve()),
+            "--worker-job",
+            str(job_path),
+            "--worker-out",
+            str(out_dir),
+            "--total-threads",
+            str(threads),
+        ]
+        if cp == 1:
+            command = [sys.executable, *worker]
+        else:
+            command = [
+                sys.executable,
+                "-m",
+                "mindspore.parallel.cluster.run",
+                f"--worker_num={cp}",
+                f"--local_worker_num={cp}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={_free_port()}",
+                "--join=True",
+                f"--log_dir={work / 'logs'}",
+                *worker,
+            ]
+        env = {
+            **os.environ,
+            "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+            "HP_PLATFORM": "mindspore",
+            "OMP_NUM_THREADS": str(threads),
+            "GLOG_v": os.environ.get("GLOG_v", "3"),
+        }
+        with open(work / "launcher.log", "w") as log:
+            proc = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGINT)  # msrun kills its workers on SIGINT
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        results = [out_dir / f"rank{r}.json" for r in range(cp)]
+        if proc.returncode != 0 or not all(path.exists() for path in results):
+            logs = [(work / "launcher.log").read_text()[-4000:]]
+            for path in sorted((work / "logs").glob("*.log")) if (work / "logs").exists() else []:
+                logs.append(f"--- {path.name}\n" + path.read_text()[-4000:])
+            raise RuntimeError(f"MindSpore cp={cp} failed (exit code {proc.returncode}):\n" + "\n".join(logs))
+        return [json.loads(path.read_text()) for path in results]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def summarize(rows: list[dict[str, Any]]) -> None:
-    base = {(r["sweep"], r["mode"]): r for r in rows if r["cp"] == 1}
+    base = {(r["backend"], r["sweep"], r["mode"]): r for r in rows if r["cp"] == 1}
     print(
-        f"{'sweep':<12}{'mode':<11}{'cp':>3}{'T/cp':>7}{'time/rank s':>13}{'speed-up':>10}"
+        f"{'backend':<11}{'sweep':<12}{'mode':<11}{'cp':>3}{'T/cp':>7}{'time/rank s':>13}{'speed-up':>10}"
         f"{'act MiB':>10}{'act ratio':>11}{'sent KiB':>11}{'expected':>11}"
     )
     for r in rows:
-        b = base.get((r["sweep"], r["mode"]))
+        b = base.get((r["backend"], r["sweep"], r["mode"]))
         r["speedup_vs_cp1"] = b["time_s"] / r["time_s"] if b else None
-        r["activation_ratio_vs_cp1"] = r["activation_bytes"] / b["activation_bytes"] if b else None
+        measured = b is not None and r["activation_bytes"] is not None and b["activation_bytes"]
+        r["activation_ratio_vs_cp1"] = r["activation_bytes"] / b["activation_bytes"] if measured else None
+        activation = "-" if r["activation_bytes"] is None else f"{r['activation_bytes'] / 2**20:.1f}"
         print(
-            f"{r['sweep']:<12}{r['mode']:<11}{r['cp']:>3}{r['local_seq_len']:>7}{r['time_s']:>13.3f}"
-            f"{(r['speedup_vs_cp1'] or 0):>10.2f}{r['activation_bytes'] / 2**20:>10.1f}"
+            f"{r['backend']:<11}{r['sweep']:<12}{r['mode']:<11}{r['cp']:>3}{r['local_seq_len']:>7}"
+            f"{r['time_s']:>13.3f}{(r['speedup_vs_cp1'] or 0):>10.2f}{activation:>10}"
             f"{(r['activation_ratio_vs_cp1'] or 0):>11.3f}{r['bytes_sent'] / 1024:>11.1f}"
             f"{r['expected_bytes'] / 1024:>11.1f}"
         )
@@ -225,11 +375,18 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    backends = sorted({r["backend"] for r in rows})
     for sweep, ax in zip(("fixed_total", "fixed_local"), axes[:2], strict=True):
-        for mode in MODES:
-            pts = sorted((r["cp"], r["time_s"]) for r in rows if r["sweep"] == sweep and r["mode"] == mode)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+        for backend in backends:
+            for mode in MODES:
+                pts = sorted(
+                    (r["cp"], r["time_s"])
+                    for r in rows
+                    if r["backend"] == backend and r["sweep"] == sweep and r["mode"] == mode
+                )
+                if pts:
+                    label = mode if len(backends) == 1 else f"{backend} {mode}"
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=label)
         ax.set(
             xlabel="cp",
             ylabel="forward+backward s (slowest rank)",
@@ -240,7 +397,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         pts = sorted(
             (r["cp"], r["activation_bytes"] / 2**20)
             for r in rows
-            if r["sweep"] == "fixed_total" and r["mode"] == mode
+            if r["sweep"] == "fixed_total" and r["mode"] == mode and r["activation_bytes"] is not None
         )
         if pts:
             axes[2].plot(*zip(*pts, strict=True), marker="o", label=mode)
@@ -264,14 +421,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     parser.add_argument("--out", type=Path, default=Path("results/bench_cp.json"))
+    parser.add_argument(
+        "--backend", nargs="+", default=["torch"], choices=BACKENDS, help="frameworks to time, in turn"
+    )
+    parser.add_argument("--worker-job", type=Path, help=argparse.SUPPRESS)  # MindSpore worker mode
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker_job is not None:
+        _mindspore_worker(args.worker_job, args.worker_out, args.total_threads)
+        return
 
     shape = LayerShape(batch=args.batch)
     sweeps = [("fixed_total", args.seq_len, None)]
     if args.local_seq_len:
         sweeps.append(("fixed_local", None, args.local_seq_len))
     rows = []
-    for sweep, total, local in sweeps:
+    for backend, (sweep, total, local) in ((b, sweep) for b in args.backend for sweep in sweeps):
+        run = run_job if backend == "torch" else run_job_mindspore
         for mode in args.modes:
             for cp in args.cp_sizes:
                 seq_len = total if total is not None else local * cp
@@ -284,10 +450,11 @@ def main() -> None:
                     "repeats": args.repeats,
                     "warmup": args.warmup,
                 }
-                ranks = run_job(cp, args.total_threads, job, timeout_s=args.timeout)
+                ranks = run(cp, args.total_threads, job, timeout_s=args.timeout)
                 slowest = max(ranks, key=lambda r: r["time_s"])
                 rows.append(
                     {
+                        "backend": backend,
                         "sweep": sweep,
                         "mode": mode,
                         "cp": cp,
@@ -295,14 +462,16 @@ def main() -> None:
                         "local_seq_len": seq_len // cp,
                         "threads_per_rank": max(1, args.total_threads // cp),
                         "time_s": slowest["time_s"],
-                        "activation_bytes": max(r["activation_bytes"] for r in ranks),
+                        "activation_bytes": None
+                        if ranks[0]["activation_bytes"] is None
+                        else max(r["activation_bytes"] for r in ranks),
                         "peak_rss_growth_bytes": max(r["peak_rss_growth_bytes"] for r in ranks),
                         "bytes_sent": max(r["bytes_sent"] for r in ranks),
                         "expected_bytes": max(r["expected_bytes"] for r in ranks),
                         "ranks": ranks,
                     }
                 )
-                print(f"done {sweep} {mode} cp={cp}: {slowest['time_s']:.3f}s", flush=True)
+                print(f"done {backend} {sweep} {mode} cp={cp}: {slowest['time_s']:.3f}s", flush=True)
     summarize(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"shape": asdict(shape), "total_threads": args.total_threads, "rows": rows}

@@ -18,7 +18,9 @@ Implementations (backend ``torch``):
   are taken with respect to the raw q and k like the others'.
 
 A backend is a class with the methods of :class:`TorchBackend`; ``BACKENDS`` maps ``--backend``
-names to them (a MindSpore backend would be added there).
+names to them. ``--backend mindspore`` (:class:`MindSporeBackend`) times ``ours`` on MindSpore
+tensors beside ``ours_torch`` and ``transformers`` on torch tensors of the same values; the matmul
+rates are then MindSpore's.
 
 Usage: ``python scripts/bench_ops.py [--T 4096 --H 4 --K 128 --repeats 5 --threads 2]``;
 writes ``results/bench_ops.json`` unless ``--out`` says otherwise.
@@ -250,7 +252,140 @@ class TorchBackend:
         }
 
 
-BACKENDS: dict[str, type[TorchBackend]] = {"torch": TorchBackend}
+# --- the MindSpore backend (beside torch) ------------------------------------------------------------
+
+
+class MindSporeBackend(TorchBackend):
+    """``ours`` on MindSpore tensors (PyNative, CPU, kernels launched synchronously as the
+    MindSpore platform runs them), beside the torch implementations on the same input values:
+    ``ours_torch`` (the same code on torch tensors) and ``transformers`` (the reference for the
+    speed-ups and the agreement). Matmul rates are MindSpore's; the FLOP counter runs the torch
+    twin of ``ours`` (the same algorithm, so the same count).
+
+    Two thread pools share the cores here: torch's OpenMP threads spin after each parallel region
+    and starve MindSpore's (measured: torch 20-50x slower beside MindSpore with 2 threads each).
+    Run with ``OMP_WAIT_POLICY=PASSIVE`` or ``--threads 1``; anything else is flagged in the report.
+    """
+
+    name = "mindspore"
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        super().__init__(cfg)
+        import mindspore
+
+        from hyperpar_gdn.platform.mindspore_ops import enable_launch_blocking
+
+        self.ms = mindspore
+        mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
+        if cfg.threads is not None:
+            mindspore.set_context(runtime_num_threads=cfg.threads)
+        enable_launch_blocking()
+        self._grad_fns: dict[int, Callable] = {}
+        self._torch_ours: Callable | None = None
+
+    def info(self) -> dict[str, Any]:
+        policy = os.environ.get("OMP_WAIT_POLICY", "")
+        fair = policy.upper() == "PASSIVE" or self.cfg.threads == 1
+        return {
+            **super().info(),
+            "mindspore": self.ms.__version__,
+            "omp_wait_policy": policy or None,
+            "thread_pools_fair": fair,
+        }
+
+    def make_inputs(self) -> dict[str, Any]:
+        """The torch inputs, plus MindSpore copies of them under ``ms_<name>``."""
+        inputs = super().make_inputs()
+        for name in ("q", "k", "v", "g", "beta", "do"):
+            inputs[f"ms_{name}"] = self.ms.Tensor(inputs[name].detach().numpy())
+        return inputs
+
+    def implementations(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        from hyperpar_gdn.ops import chunk_gated_delta_rule
+
+        torch_impls = super().implementations()
+        self._torch_ours = torch_impls["ours"]
+        c = self.cfg.chunk_size
+
+        def ours(x: dict[str, Any]) -> Any:
+            o, _ = chunk_gated_delta_rule(
+                x["ms_q"],
+                x["ms_k"],
+                x["ms_v"],
+                x["ms_g"],
+                x["ms_beta"],
+                chunk_size=c,
+                use_qk_l2norm_in_kernel=True,
+            )
+            return o
+
+        ours.framework = "mindspore"  # type: ignore[attr-defined]
+        return {"ours": ours, "ours_torch": torch_impls["ours"], "transformers": torch_impls["transformers"]}
+
+    @staticmethod
+    def _is_mindspore(fn: Callable) -> bool:
+        return getattr(fn, "framework", None) == "mindspore"
+
+    def forward(self, fn: Callable, x: dict[str, Any]) -> Any:
+        return fn(x) if self._is_mindspore(fn) else super().forward(fn, x)
+
+    def forward_backward(self, fn: Callable, x: dict[str, Any]) -> tuple[Any, list[Any]]:
+        if not self._is_mindspore(fn):
+            return super().forward_backward(fn, x)
+        names = [name[1:] for name in GRAD_NAMES]
+        grad_fn = self._grad_fns.get(id(fn))
+        if grad_fn is None:
+
+            def of_tensors(*tensors: Any) -> Any:
+                return fn({f"ms_{name}": t for name, t in zip(names, tensors, strict=True)})
+
+            grad_fn = self.ms.value_and_grad(
+                of_tensors, grad_position=tuple(range(len(names))), sens_param=True
+            )
+            self._grad_fns[id(fn)] = grad_fn
+        o, grads = grad_fn(*(x[f"ms_{name}"] for name in names), x["ms_do"])
+        return o, list(grads)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        if isinstance(x, self.ms.Tensor):
+            return x.asnumpy().astype(np.float64)
+        return super().to_numpy(x)
+
+    def measured_flops(self, fn: Callable, x: dict[str, Any]) -> int:
+        assert self._torch_ours is not None, "implementations() first"
+        return super().measured_flops(self._torch_ours, x)
+
+    def matmul_rates(self, size: int, repeats: int) -> dict[str, Any]:
+        """As TorchBackend.matmul_rates, with MindSpore's matmul (``mint.matmul``)."""
+        ms, cfg = self.ms, self.cfg
+        mint = ms.mint
+        rng = np.random.default_rng(cfg.seed)
+
+        def randn(*shape: int) -> Any:  # mint.randn has no CPU kernel in MindSpore 2.10
+            return ms.Tensor(rng.standard_normal(shape).astype(np.float32))
+
+        a, b = randn(size, size), randn(size, size)
+        large = median_time(lambda: mint.matmul(a, b), repeats, warmup=1)
+        sa, sb = randn(cfg.H, cfg.chunk_size, cfg.K), randn(cfg.H, cfg.K, cfg.V)
+        calls = 100
+
+        def small_batch() -> None:
+            for _ in range(calls):
+                mint.matmul(sa, sb)
+
+        small = median_time(small_batch, repeats, warmup=1) / calls
+        small_flops = 2 * cfg.H * cfg.chunk_size * cfg.K * cfg.V
+        return {
+            "large_shape": [size, size, size],
+            "large_seconds": large,
+            "large_gflops": 2 * size**3 / large / 1e9,
+            "small_shape": [[cfg.H, cfg.chunk_size, cfg.K], [cfg.H, cfg.K, cfg.V]],
+            "small_seconds_per_call": small,
+            "small_gflops": small_flops / small / 1e9,
+        }
+
+
+BACKENDS: dict[str, type[TorchBackend]] = {"torch": TorchBackend, "mindspore": MindSporeBackend}
 
 
 # --- measurement -----------------------------------------------------------------------------------
@@ -377,6 +512,10 @@ def print_report(result: dict[str, Any]) -> None:
             f"{errors['o']:>10.1e}{grad_err:>11.1e}"
         )
     mm, flops = result["matmul"], result["flops"]
+    if result["machine"].get("thread_pools_fair") is False:
+        print(
+            "WARNING: torch and MindSpore thread pools contend; rerun with OMP_WAIT_POLICY=PASSIVE or --threads 1"
+        )
     print(
         f"matmul fp32: {mm['large_gflops']:.1f} GFLOP/s large {mm['large_shape'][0]}^3, "
         f"{mm['small_gflops']:.1f} GFLOP/s small batched {mm['small_shape']}"

@@ -1,7 +1,9 @@
-"""Train the hybrid GDN/softmax-attention LM with context parallelism.
+"""Train the hybrid GDN/softmax-attention LM with context parallelism, on PyTorch or MindSpore.
 
     torchrun --nproc-per-node 2 scripts/train.py                   # the embedded default, CPU/gloo
     HP_PLATFORM=cuda torchrun --nproc-per-node 8 scripts/train.py --cp-size 4 --model-size base
+    HP_PLATFORM=mindspore msrun --worker_num=2 --local_worker_num=2 --master_port=8118 \\
+        --join=True --log_dir=msrun_log scripts/train.py --cp-mode p2p   # MindSpore, MCCL on CPU
 
 Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code 1 when
 ``--check-parity`` finds a loss difference above ``--parity-tol``.
@@ -12,19 +14,26 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from hyperpar_gdn.train import Trainer, parse_args
+from hyperpar_gdn.platform import platform_name
+from hyperpar_gdn.train import Trainer, TrainResult, parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
+    trainer_class: type[Trainer] = Trainer
+    if platform_name() == "mindspore":
+        from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+
+        trainer_class = MindSporeTrainer
     trainer = None
+    result: TrainResult | None = None
     try:
-        trainer = Trainer(config)
+        trainer = trainer_class(config)
         result = trainer.train()
     finally:
         if trainer is not None:
             trainer.close()
-    return 0 if result.parity_ok else 1
+    return 0 if result is not None and result.parity_ok else 1
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ _HANDLE = "_hyperpar_attention_cp"
 
 
 class SoftmaxAttentionContextParallel(ParallelStyle):
-    """Context parallelism for :class:`~hyperpar_gdn.models.attention.CausalSelfAttention`.
+    """Context parallelism for :class:`~hyperpar_gdn.models.attention.CausalSelfAttention` (torch)
+    and :class:`~hyperpar_gdn.models.mindspore.CausalSelfAttention` (MindSpore): one
+    implementation over the mesh's platform (its TensorOps and differentiable all-gather).
 
     After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard
     ``[B, T/cp, hidden]`` (every rank the same T/cp) and gives exactly the single-device rows.
@@ -52,8 +54,9 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
         def forward(hidden_states: Any) -> Any:
             return _forward(module, cp_mesh, hidden_states)
 
-        setattr(module, _HANDLE, ("forward" in vars(module), module.forward))
-        module.forward = forward
+        attr = "construct" if hasattr(module, "construct") else "forward"  # a MindSpore Cell or torch
+        setattr(module, _HANDLE, (attr, attr in vars(module), getattr(module, attr)))
+        setattr(module, attr, forward)
         return module
 
     @staticmethod
@@ -62,11 +65,11 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
         handle = getattr(module, _HANDLE, None)
         if handle is None:
             raise ValueError(f"{type(module).__name__} has no context parallelism applied")
-        was_instance_attr, original = handle
+        attr, was_instance_attr, original = handle
         if was_instance_attr:
-            module.forward = original
+            setattr(module, attr, original)
         else:
-            del module.forward
+            delattr(module, attr)
         delattr(module, _HANDLE)
         return module
 

@@ -82,8 +82,8 @@ class Trainer:
         if name not in SUPPORTED_PLATFORMS:
             raise NotImplementedError(
                 f"scripts/train.py trains on PyTorch only: HP_PLATFORM={' / '.join(SUPPORTED_PLATFORMS)} "
-                f"is supported, HP_PLATFORM={name} is not (MindSpore training under msrun is pending; "
-                "see docs/training.md)"
+                f"is supported, HP_PLATFORM={name} is not (for mindspore use "
+                "hyperpar_gdn.train.mindspore_loop.MindSporeTrainer, which scripts/train.py picks)"
             )
         self.config = config
         self.platform = get_platform(name)
@@ -143,10 +143,10 @@ class Trainer:
             batch = self.sampler.next_batch()
             t0 = time.perf_counter()
             loss = self._train_step(batch)
-            _synchronize(self.device)
+            self._synchronize()
             seconds = time.perf_counter() - t0
             self.step += 1
-            memory, result.memory_kind = peak_memory(self.device)
+            memory, result.memory_kind = self._peak_memory()
             record = StepRecord(self.step, loss, seconds, tokens_per_step / seconds, memory)
             if self.reference is not None:
                 record.reference_loss = self._reference_step(batch)
@@ -155,7 +155,7 @@ class Trainer:
                 logger.info(_step_line(record, config.steps, result.memory_kind))
             self._maybe_save()
         result.wall_s = time.perf_counter() - start
-        result.peak_memory_bytes = self._max_over_ranks(peak_memory(self.device)[0])
+        result.peak_memory_bytes = self._max_over_ranks(self._peak_memory()[0])
         self._finish_parity(result)
         self._summarize(result)
         if config.metrics_json is not None and self.rank == 0:
@@ -167,6 +167,12 @@ class Trainer:
     def close(self) -> None:
         if self._owns_group:
             self.platform.destroy()
+
+    def _synchronize(self) -> None:
+        _synchronize(self.device)
+
+    def _peak_memory(self) -> tuple[int, str]:
+        return peak_memory(self.device)
 
     def _train_step(self, batch: torch.Tensor) -> float:
         """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""

@@ -1,0 +1,253 @@
+"""The training loop on MindSpore (PyNative, MCCL on CPU / HCCL on Ascend under ``msrun``).
+
+The same run as :class:`hyperpar_gdn.train.loop.Trainer`, and the same code wherever it is not
+framework maths: options (:class:`TrainConfig`), batches (:mod:`.data`, so both platforms draw the
+very same tokens), logging, parity check, summary and metrics (inherited). What differs:
+
+- the model is :class:`hyperpar_gdn.models.mindspore.HybridLM`, made with
+  :meth:`~hyperpar_gdn.models.mindspore.HybridLM.from_torch` from the torch model that
+  ``torch.manual_seed(--seed)`` draws: both platforms start from the same weights;
+- gradients come from ``mindspore.value_and_grad``; the loss term of each rank is its sum of token
+  losses over the tokens of its DP replica, gradients are summed over the CP group and averaged
+  over the DP groups: the gradient of the mean loss over the global batch, as on torch;
+- the optimizer is :class:`AdamW`, torch's ``AdamW`` maths (decay on matrices, betas (0.9, 0.95),
+  eps 1e-8) with torch's global-norm clipping, written with MindSpore tensors.
+
+Not yet on MindSpore: ``--save``/``--save-every``/``--resume`` (``NotImplementedError``).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+from collections.abc import Sequence
+
+import mindspore as ms
+import numpy as np
+import torch
+from mindspore import ops
+
+from hyperpar_gdn.distributed.mesh import init_device_mesh
+from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
+from hyperpar_gdn.models.mindspore import HybridLM
+from hyperpar_gdn.platform import get_platform, platform_name
+
+from .config import TrainConfig
+from .data import BatchSampler, load_tokens, shard_batch
+from .log import setup_logging
+from .loop import Trainer
+
+__all__ = ["AdamW", "MindSporeTrainer", "clip_grad_norm", "cross_entropy_sum"]
+
+_NOT_YET = ("save", "save_every", "resume")
+
+
+def cross_entropy_sum(logits_BTV: ms.Tensor, labels_BT: ms.Tensor) -> ms.Tensor:
+    """Sum over tokens of ``-log softmax(logits)[label]`` (fp32, or fp64 for fp64 logits)."""
+    b, t = labels_BT.shape
+    log_probs = ops.log_softmax(logits_BTV, -1)
+    picked = ops.gather_elements(log_probs, -1, labels_BT.reshape(b, t, 1))
+    return -picked.sum()
+
+
+def clip_grad_norm(grads: Sequence[ms.Tensor], max_norm: float) -> tuple[list[ms.Tensor], float]:
+    """torch's ``clip_grad_norm_``: scale every gradient by ``min(1, max_norm / (norm + 1e-6))``,
+    where norm is the 2-norm of all of them together. Returns (gradients, norm before clipping)."""
+    if max_norm <= 0:
+        raise ValueError(f"max_norm={max_norm} must be positive")
+    squares = [(g.astype(ms.float32) ** 2).sum() for g in grads]
+    total = ops.sqrt(ops.stack(squares).sum())
+    coef = ops.clamp(ms.Tensor(max_norm, ms.float32) / (total + 1e-6), max=1.0)
+    return [g * coef.astype(g.dtype) for g in grads], float(total.asnumpy())
+
+
+class AdamW:
+    """``torch.optim.AdamW`` (single-tensor implementation) on MindSpore parameters.
+
+    Weight decay applies to parameters with 2 or more dims only, as ``hyperpar_gdn.train.loop``
+    configures torch's. :meth:`step` takes the gradients in the order of ``params``.
+
+    Args:
+        params: the parameters to update (``mindspore.Parameter``).
+        weight_decay: decoupled weight decay of the matrices.
+        betas, eps: Adam's moment decays and denominator epsilon.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[ms.Parameter],
+        *,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ) -> None:
+        self.params = list(params)
+        self.weight_decay = weight_decay
+        self.betas = betas
+        self.eps = eps
+        self.exp_avg = [ops.zeros(p.shape, p.dtype) for p in self.params]
+        self.exp_avg_sq = [ops.zeros(p.shape, p.dtype) for p in self.params]
+        self.steps = 0
+
+    def step(self, grads: Sequence[ms.Tensor], lr: float) -> None:
+        if len(grads) != len(self.params):
+            raise ValueError(f"AdamW.step got {len(grads)} gradients for {len(self.params)} parameters")
+        self.steps += 1
+        beta1, beta2 = self.betas
+        step_size = lr / (1 - beta1**self.steps)
+        bias_correction2_sqrt = math.sqrt(1 - beta2**self.steps)
+        for i, (param, grad) in enumerate(zip(self.params, grads, strict=True)):
+            if tuple(grad.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"AdamW: gradient {i} has shape {tuple(grad.shape)}, its parameter {param.name} "
+                    f"{tuple(param.shape)}"
+                )
+            value = param.value()
+            if self.weight_decay and len(param.shape) >= 2:
+                value = value * (1 - lr * self.weight_decay)
+            self.exp_avg[i] = self.exp_avg[i] + (grad - self.exp_avg[i]) * (1 - beta1)  # torch's lerp
+            self.exp_avg_sq[i] = self.exp_avg_sq[i] * beta2 + grad * grad * (1 - beta2)
+            denom = ops.sqrt(self.exp_avg_sq[i]) / bias_correction2_sqrt + self.eps
+            param.set_data(value - self.exp_avg[i] / denom * step_size)
+
+
+class _Replica:
+    """A model, its optimizer and its loss-and-gradient function."""
+
+    def __init__(self, model: HybridLM, config: TrainConfig) -> None:
+        self.model = model
+        self.params = [p for p in model.get_parameters() if p.requires_grad]
+        self.optimizer = AdamW(self.params, weight_decay=config.weight_decay)
+
+        def loss_fn(inputs: ms.Tensor, labels: ms.Tensor, tokens: ms.Tensor) -> tuple[ms.Tensor, ms.Tensor]:
+            loss_sum = cross_entropy_sum(model(inputs), labels)
+            return loss_sum / tokens, loss_sum
+
+        self.value_and_grad = ms.value_and_grad(loss_fn, None, self.params, has_aux=True)
+
+    def loss_and_grads(
+        self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int
+    ) -> tuple[ms.Tensor, list[ms.Tensor]]:
+        """(sum of token losses, gradients of that sum / ``tokens``)."""
+        (_, loss_sum), grads = self.value_and_grad(
+            ms.Tensor(inputs.numpy()), ms.Tensor(labels.numpy()), ms.Tensor(float(tokens), ms.float32)
+        )
+        return loss_sum, list(grads)
+
+    def step(self, grads: Sequence[ms.Tensor], config: TrainConfig, step: int) -> None:
+        """Clip, the learning rate of ``step`` (1-based, linear warmup), AdamW."""
+        if config.grad_clip > 0:
+            grads, _ = clip_grad_norm(grads, config.grad_clip)
+        scale = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
+        self.optimizer.step(grads, config.lr * scale)
+
+
+class MindSporeTrainer(Trainer):
+    """:class:`~hyperpar_gdn.train.loop.Trainer` on MindSpore: the same options, batches, loss,
+    logging and metrics; ``HP_PLATFORM=mindspore msrun ... scripts/train.py`` builds this one.
+
+    Example::
+
+        trainer = MindSporeTrainer(TrainConfig(cp_mode="p2p", steps=10, seq_len=64, batch_size=4))
+        try:
+            result = trainer.train()
+        finally:
+            trainer.close()
+    """
+
+    def __init__(self, config: TrainConfig) -> None:
+        name = platform_name()
+        if name != "mindspore":
+            raise NotImplementedError(
+                f"MindSporeTrainer needs HP_PLATFORM=mindspore (got {name}); use Trainer for torch"
+            )
+        for option in _NOT_YET:
+            if getattr(config, option):
+                raise NotImplementedError(
+                    f"--{option.replace('_', '-')} is not implemented on MindSpore yet (checkpoints are "
+                    "torch files); train without it or use a torch platform (HP_PLATFORM=cpu|cuda|npu)"
+                )
+        self.config = config
+        self.platform = get_platform(name)
+        self._owns_group = not self.platform.is_initialized()
+        self.platform.init_distributed(timeout_s=config.timeout_s)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        config = self.config
+        self.rank, self.world_size = self.platform.rank(), self.platform.world_size()
+        setup_logging(self.rank)
+        self.dp, self.cp = config.layout(self.world_size)
+        self.mesh = init_device_mesh(self.platform.name, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+        self.dp_rank, self.cp_rank = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("cp")
+        self.comm = self.platform.collectives
+        self.device = self.platform.device
+
+        torch.manual_seed(config.seed)  # the torch Trainer's initial weights
+        initial = TorchHybridLM(config.model)
+        self.model = HybridLM.from_torch(initial)
+        self.replica = _Replica(self.model, config)
+        self.reference = None
+        if config.check_parity and self.rank == 0:
+            self.reference = _Replica(HybridLM.from_torch(initial), config)
+        if self.cp > 1:
+            apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode)
+        self.sampler = BatchSampler(
+            load_tokens(config.data), seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed
+        )
+        self.step = 0
+
+    def _train_step(self, batch: torch.Tensor) -> float:
+        """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
+        inputs, labels = shard_batch(
+            batch, dp_rank=self.dp_rank, dp_size=self.dp, cp_rank=self.cp_rank, cp_size=self.cp
+        )
+        loss_sum, grads = self.replica.loss_and_grads(inputs, labels, labels.numel() * self.cp)
+        grads = self._sync_grads(grads)
+        self.replica.step(grads, self.config, self.step + 1)
+        totals = ops.stack([loss_sum.astype(ms.float64), ms.Tensor(float(labels.numel()), ms.float64)])
+        totals = self.comm.all_reduce_sum(totals, None).asnumpy()
+        return float(totals[0] / totals[1])
+
+    def _sync_grads(self, grads: list[ms.Tensor]) -> list[ms.Tensor]:
+        """Sum the gradient shares over the CP group, then average over the DP groups."""
+        if self.cp == 1 and self.dp == 1:
+            return grads
+        flat = ops.cat([g.reshape(-1) for g in grads])
+        if self.cp > 1:
+            flat = self.comm.all_reduce_sum(flat, self.mesh.get_group("cp"))
+        if self.dp > 1:
+            flat = self.comm.all_reduce_sum(flat, self.mesh.get_group("dp")) / self.dp
+        out, offset = [], 0
+        for g in grads:
+            n = math.prod(g.shape)
+            out.append(flat[offset : offset + n].reshape(g.shape))
+            offset += n
+        return out
+
+    def _reference_step(self, batch: torch.Tensor) -> float:
+        """The same step without any parallelism, on the whole global batch (rank 0 only)."""
+        assert self.reference is not None
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        loss_sum, grads = self.reference.loss_and_grads(inputs, labels, labels.numel())
+        self.reference.step(grads, self.config, self.step)
+        return float(loss_sum.asnumpy()) / labels.numel()
+
+    def _maybe_save(self) -> None:
+        """Checkpoints are refused in the constructor (``--save`` is not implemented here yet)."""
+
+    def _max_over_ranks(self, value: int) -> int:
+        slots = np.zeros(self.world_size, np.float64)
+        slots[self.rank] = value
+        return int(self.comm.all_reduce_sum(ms.Tensor(slots), None).asnumpy().max())
+
+    def _synchronize(self) -> None:
+        """PyNative with launch_blocking (the platform's setting) has finished every kernel."""
+
+    def _peak_memory(self) -> tuple[int, str]:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"

@@ -1,0 +1,154 @@
+"""msrun worker for tests/train/test_train_mindspore.py: one 2-worker job, two sections.
+
+- ``lm_cp``: the MindSpore HybridLM under ``apply_context_parallel`` in every mode against the
+  single-device MindSpore model with the same fp64 weights: logits shard and every parameter
+  gradient summed over the ranks (relative errors), then ``undo_context_parallel``;
+- ``train``: ``scripts/train.py`` (its ``main``, as msrun would run it) with the options after
+  ``--``; rank 0 returns the losses of its ``--metrics-json``.
+
+Each rank writes ``{"rank", "sections": {name: {"ok", "seconds", "data" or "error"}}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # msrun_harness
+
+from msrun_harness import start_watchdog, write_result  # noqa: E402
+
+MODES = ("ulysses", "p2p", "all_gather")
+
+
+def lm_config() -> Any:
+    from hyperpar_gdn.models.lm import HybridLMConfig
+
+    return HybridLMConfig(
+        hidden_size=32,
+        num_layers=4,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
+
+
+def _rel(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def lm_cp_section(platform: Any) -> dict[str, Any]:
+    import mindspore as ms
+    import torch
+    from mindspore import ops
+
+    from hyperpar_gdn import init_device_mesh
+    from hyperpar_gdn.distributed.parallelize import apply_context_parallel, undo_context_parallel
+    from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
+    from hyperpar_gdn.models.mindspore import HybridLM
+
+    rank, world = platform.rank(), platform.world_size()
+    mesh = init_device_mesh("mindspore", (world,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    initial = TorchHybridLM(lm_config())
+    with torch.no_grad():  # move every parameter off its init so each gradient is exercised
+        for p in initial.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    initial = initial.to(torch.float64)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1)).numpy()
+    t = ids.shape[1] // world
+    shard = slice(rank * t, (rank + 1) * t)
+
+    def run(model: Any, inputs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        names = [name for name, _ in model.parameters_and_names()]
+
+        def loss(x: Any) -> tuple[Any, Any]:
+            logits = model(x)
+            return ops.logsumexp(logits, -1).sum(), logits
+
+        grad_fn = ms.value_and_grad(loss, None, list(model.get_parameters()), has_aux=True)
+        (_, logits), grads = grad_fn(ms.Tensor(inputs))
+        return logits.asnumpy(), {n: g.asnumpy() for n, g in zip(names, grads, strict=True)}
+
+    reference = HybridLM.from_torch(initial)
+    logits_ref, grads_ref = run(reference, ids)
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        model = HybridLM.from_torch(initial)
+        apply_context_parallel(model, mesh, mode=mode)
+        logits, grads = run(model, ids[:, shard])
+        errors = {"logits": _rel(logits, logits_ref[:, shard])}
+        for name, grad in grads.items():
+            summed = platform.collectives.all_reduce_sum(ms.Tensor(grad), mesh.get_group()).asnumpy()
+            errors[f"d{name}"] = _rel(summed, grads_ref[name])
+        undo_context_parallel(model)
+        errors["undo"] = _rel(model(ms.Tensor(ids)).asnumpy(), logits_ref)
+        out[mode] = errors
+    return out
+
+
+def train_section(platform: Any, options: list[str]) -> dict[str, Any]:
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics_path = Path(tmp) / "metrics.json"
+        code = script.main([*options, "--metrics-json", str(metrics_path)])
+        metrics = json.loads(metrics_path.read_text()) if platform.rank() == 0 else None
+    data: dict[str, Any] = {"exit_code": code}
+    if metrics is not None:
+        for key in ("losses", "steps", "platform", "world_size", "cp_size", "dp_size", "num_parameters"):
+            data[key] = metrics[key]
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sections", nargs="+", default=["lm_cp", "train"])
+    parser.add_argument("train_options", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    train_options = [a for a in args.train_options if a != "--"]
+    start_watchdog()
+
+    from hyperpar_gdn.platform import get_platform
+
+    platform = get_platform()
+    platform.init_distributed(timeout_s=60)
+    rank = platform.rank()
+    result: dict[str, Any] = {"rank": rank, "sections": {}}
+    for section in args.sections:
+        start = time.perf_counter()
+        try:
+            if section == "lm_cp":
+                data = lm_cp_section(platform)
+            elif section == "train":
+                data = train_section(platform, train_options)
+            else:
+                raise ValueError(f"unknown section {section!r}")
+            entry = {"ok": True, "data": data}
+        except Exception:
+            entry = {"ok": False, "error": traceback.format_exc()}
+        entry["seconds"] = time.perf_counter() - start
+        result["sections"][section] = entry
+        write_result(rank, result)
+    platform.destroy()
+
+
+if __name__ == "__main__":
+    main()

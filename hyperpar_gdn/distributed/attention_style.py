@@ -18,8 +18,6 @@ from typing import Any
 from .mesh import DeviceMesh, as_cp_mesh
 from .style import ParallelStyle
 
-_HANDLE = "_hyperpar_attention_cp"
-
 
 class SoftmaxAttentionContextParallel(ParallelStyle):
     """Context parallelism for :class:`~hyperpar_gdn.models.attention.CausalSelfAttention` (torch)
@@ -45,33 +43,10 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
                     f"{type(module).__name__} has no {name}(): SoftmaxAttentionContextParallel supports "
                     "hyperpar_gdn.models.attention.CausalSelfAttention"
                 )
-        if getattr(module, _HANDLE, None) is not None:
-            raise ValueError(
-                f"{type(module).__name__} already has context parallelism applied; undo() it first"
-            )
         cp_mesh = as_cp_mesh(mesh)
-
-        def forward(hidden_states: Any) -> Any:
-            return _forward(module, cp_mesh, hidden_states)
-
-        attr = "construct" if hasattr(module, "construct") else "forward"  # a MindSpore Cell or torch
-        setattr(module, _HANDLE, (attr, attr in vars(module), getattr(module, attr)))
-        setattr(module, attr, forward)
-        return module
-
-    @staticmethod
-    def undo(module: Any) -> Any:
-        """Restore the module's own forward."""
-        handle = getattr(module, _HANDLE, None)
-        if handle is None:
-            raise ValueError(f"{type(module).__name__} has no context parallelism applied")
-        attr, was_instance_attr, original = handle
-        if was_instance_attr:
-            setattr(module, attr, original)
-        else:
-            delattr(module, attr)
-        delattr(module, _HANDLE)
-        return module
+        return self._install(
+            module, lambda original: lambda hidden_states: _forward(module, cp_mesh, hidden_states)
+        )
 
 
 def _forward(module: Any, mesh: DeviceMesh, x_BTC: Any) -> Any:

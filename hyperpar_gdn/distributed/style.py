@@ -21,10 +21,40 @@ _HANDLE = "_hyperpar_cp"
 
 
 class ParallelStyle(ABC):
-    """One job: ``apply(module, mesh)`` parallelizes ``module`` in place and returns it."""
+    """One job: ``apply(module, mesh)`` parallelizes ``module`` in place and returns it.
+
+    A style replaces the module's forward (``construct`` for a MindSpore Cell) by an instance
+    attribute; :meth:`undo` restores it. Nothing is patched at class level."""
 
     @abstractmethod
     def apply(self, module: Any, mesh: Any) -> Any: ...
+
+    @staticmethod
+    def _install(module: Any, make_forward: Callable[[Callable], Callable]) -> Any:
+        """Replace the module's forward by ``make_forward(original_forward)``."""
+        if getattr(module, _HANDLE, None) is not None:
+            raise ValueError(
+                f"{type(module).__name__} already has context parallelism applied; undo() it first"
+            )
+        attr = "construct" if hasattr(module, "construct") else "forward"
+        original = getattr(module, attr)
+        setattr(module, _HANDLE, (attr, attr in vars(module), original))
+        setattr(module, attr, make_forward(original))
+        return module
+
+    @staticmethod
+    def undo(module: Any) -> Any:
+        """Restore the module's own forward."""
+        handle = getattr(module, _HANDLE, None)
+        if handle is None:
+            raise ValueError(f"{type(module).__name__} has no context parallelism applied")
+        attr, was_instance_attr, original = handle
+        if was_instance_attr:
+            setattr(module, attr, original)
+        else:
+            delattr(module, attr)
+        delattr(module, _HANDLE)
+        return module
 
 
 class LinearAttentionContextParallel(ParallelStyle):
@@ -71,13 +101,6 @@ class LinearAttentionContextParallel(ParallelStyle):
                 f"mode='ulysses' splits heads over cp={cp}: num_k_heads={dims.num_k_heads} and "
                 f"num_v_heads={dims.num_v_heads} must both be divisible by it; use mode='p2p' or 'all_gather'"
             )
-        if getattr(module, _HANDLE, None) is not None:
-            raise ValueError(
-                f"{type(module).__name__} already has context parallelism applied; undo() it first"
-            )
-        attr = "construct" if hasattr(module, "construct") else "forward"
-        original = getattr(module, attr)
-        bind = _signature_binder(original)
         platform = cp_mesh.platform
         group = CPGroup(
             xp=platform.ops,
@@ -87,27 +110,15 @@ class LinearAttentionContextParallel(ParallelStyle):
             size=cp,
         )
 
-        def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-            attention_mask = bind(hidden_states, *args, **kwargs)
-            return self._forward(module, group, hidden_states, attention_mask)
+        def make_forward(original: Callable) -> Callable:
+            bind = _signature_binder(original)
 
-        setattr(module, _HANDLE, (attr, attr in vars(module), original))
-        setattr(module, attr, forward)
-        return module
+            def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+                return self._forward(module, group, hidden_states, bind(hidden_states, *args, **kwargs))
 
-    @staticmethod
-    def undo(module: Any) -> Any:
-        """Restore the module's own forward."""
-        handle = getattr(module, _HANDLE, None)
-        if handle is None:
-            raise ValueError(f"{type(module).__name__} has no context parallelism applied")
-        attr, was_instance_attr, original = handle
-        if was_instance_attr:
-            setattr(module, attr, original)
-        else:
-            delattr(module, attr)
-        delattr(module, _HANDLE)
-        return module
+            return forward
+
+        return self._install(module, make_forward)
 
     def _forward(self, module: Any, cp: CPGroup, x: Any, attention_mask: Any) -> Any:
         placements = None

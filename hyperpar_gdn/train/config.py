@@ -140,7 +140,7 @@ class TrainConfig:
     def layout(self, world_size: int) -> tuple[int, int]:
         """(dp, cp) for ``world_size`` ranks; checks the options that depend on it."""
         cp = world_size if self.cp_size is None else self.cp_size
-        launch = "the number of ranks (torchrun --nproc-per-node x --nnodes)"
+        launch = "the number of ranks (torchrun --nproc-per-node x --nnodes, or msrun --worker_num)"
         if world_size % cp:
             raise ValueError(f"--cp-size {cp} does not divide {launch} = {world_size}")
         dp = world_size // cp
@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(
         description="Train the hybrid GDN/softmax LM with context parallelism "
-        "(launch with torchrun; HP_PLATFORM=cpu|cuda|npu picks the platform).",
+        "(launch with torchrun, HP_PLATFORM=cpu|cuda|npu picks the platform; or with msrun under "
+        "HP_PLATFORM=mindspore).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument

@@ -230,12 +230,7 @@ class Trainer:
                 path = save_checkpoint(
                     config.save,
                     self.step,
-                    {
-                        "model": self.model.state_dict(),
-                        "optimizer": self.optimizer.state_dict(),
-                        "data": self.sampler.state_dict(),
-                        "train": {"step": self.step, "rng_cpu": torch.get_rng_state()},
-                    },
+                    self._checkpoint_parts(),
                     meta={"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp},
                 )
                 logger.info("saved %s", path)
@@ -273,14 +268,33 @@ class Trainer:
             raise ValueError(
                 f"--resume {path} is at step {step}; --steps {self.config.steps} leaves nothing to train"
             )
-        for model, optimizer in ((self.model, self.optimizer), (self.reference, self.ref_optimizer)):
-            if model is not None and optimizer is not None:
-                model.load_state_dict(parts["model"])
-                optimizer.load_state_dict(parts["optimizer"])
+        self._load_parts(path, parts)
         self.sampler.load_state_dict(parts["data"])
         torch.set_rng_state(parts["train"]["rng_cpu"])
         self.step = step
         logger.info("resumed from %s at step %d", path, step)
+
+    def _checkpoint_parts(self) -> dict[str, Any]:
+        """The named parts of a checkpoint (``torch.save``-able, tensors only for the loader)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.sampler.state_dict(),
+            "train": {"step": self.step, "rng_cpu": torch.get_rng_state()},
+        }
+
+    def _load_parts(self, path: str, parts: dict[str, Any]) -> None:
+        """Load the model and optimizer parts (and the reference's, under --check-parity)."""
+        if "param_groups" not in parts["optimizer"]:
+            raise ValueError(
+                f"checkpoint {path} holds no torch AdamW state (optimizer format "
+                f"{parts['optimizer'].get('format')!r}: written on MindSpore?); resume it with "
+                "HP_PLATFORM=mindspore, or load only its model part"
+            )
+        for model, optimizer in ((self.model, self.optimizer), (self.reference, self.ref_optimizer)):
+            if model is not None and optimizer is not None:
+                model.load_state_dict(parts["model"])
+                optimizer.load_state_dict(parts["optimizer"])
 
     # --- reporting --------------------------------------------------------------------------------
     def _max_over_ranks(self, value: int) -> int:

@@ -11,9 +11,10 @@ very same tokens), logging, parity check, summary and metrics (inherited). What 
   losses over the tokens of its DP replica, gradients are summed over the CP group and averaged
   over the DP groups: the gradient of the mean loss over the global batch, as on torch;
 - the optimizer is :class:`AdamW`, torch's ``AdamW`` maths (decay on matrices, betas (0.9, 0.95),
-  eps 1e-8) with torch's global-norm clipping, written with MindSpore tensors.
-
-Not yet on MindSpore: ``--save``/``--save-every``/``--resume`` (``NotImplementedError``).
+  eps 1e-8) with torch's global-norm clipping, written with MindSpore tensors;
+- checkpoints have the same layout and parts; the ``model`` part is a torch state dict with the
+  torch model's names (a torch ``HybridLM`` loads it), the ``optimizer`` part is :class:`AdamW`'s
+  own state (format :data:`ADAMW_FORMAT`), so a run resumes on the platform that saved it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 import resource
 from collections.abc import Sequence
+from typing import Any
 
 import mindspore as ms
 import numpy as np
@@ -30,7 +32,7 @@ from mindspore import ops
 from hyperpar_gdn.distributed.mesh import init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
-from hyperpar_gdn.models.mindspore import HybridLM
+from hyperpar_gdn.models.mindspore import HybridLM, load_torch_state_dict
 from hyperpar_gdn.platform import get_platform, platform_name
 
 from .config import TrainConfig
@@ -38,9 +40,9 @@ from .data import BatchSampler, load_tokens, shard_batch
 from .log import setup_logging
 from .loop import Trainer
 
-__all__ = ["AdamW", "MindSporeTrainer", "clip_grad_norm", "cross_entropy_sum"]
+__all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm", "cross_entropy_sum"]
 
-_NOT_YET = ("save", "save_every", "resume")
+ADAMW_FORMAT = "hyperpar_gdn.train.mindspore_loop.AdamW/1"
 
 
 def cross_entropy_sum(logits_BTV: ms.Tensor, labels_BT: ms.Tensor) -> ms.Tensor:
@@ -72,6 +74,7 @@ class AdamW:
         params: the parameters to update (``mindspore.Parameter``).
         weight_decay: decoupled weight decay of the matrices.
         betas, eps: Adam's moment decays and denominator epsilon.
+        names: a name per parameter, for :meth:`state_dict` (default: the parameters' own).
     """
 
     def __init__(
@@ -81,8 +84,12 @@ class AdamW:
         weight_decay: float,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.params = list(params)
+        self.names = [p.name for p in self.params] if names is None else list(names)
+        if len(self.names) != len(self.params):
+            raise ValueError(f"AdamW got {len(self.names)} names for {len(self.params)} parameters")
         self.weight_decay = weight_decay
         self.betas = betas
         self.eps = eps
@@ -111,14 +118,52 @@ class AdamW:
             denom = ops.sqrt(self.exp_avg_sq[i]) / bias_correction2_sqrt + self.eps
             param.set_data(value - self.exp_avg[i] / denom * step_size)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The moments (torch tensors, so ``torch.load(weights_only=True)`` reads them), the step
+        count and the parameter names."""
+        return {
+            "format": ADAMW_FORMAT,
+            "steps": self.steps,
+            "names": list(self.names),
+            "exp_avg": [torch.from_numpy(m.asnumpy().copy()) for m in self.exp_avg],
+            "exp_avg_sq": [torch.from_numpy(v.asnumpy().copy()) for v in self.exp_avg_sq],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; the parameter names and shapes must match."""
+        if state.get("format") != ADAMW_FORMAT:
+            raise ValueError(
+                f"optimizer state has format {state.get('format')!r}, not {ADAMW_FORMAT!r} (torch's "
+                "AdamW state, from a torch run?): resume it on the platform that saved it"
+            )
+        if list(state["names"]) != self.names:
+            raise ValueError(
+                f"optimizer state is for parameters {state['names'][:3]}... ({len(state['names'])}), "
+                f"not {self.names[:3]}... ({len(self.names)})"
+            )
+        for i, (m, v, p) in enumerate(zip(state["exp_avg"], state["exp_avg_sq"], self.params, strict=True)):
+            if tuple(m.shape) != tuple(p.shape) or tuple(v.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"optimizer state of {self.names[i]} has shape {tuple(m.shape)}, not {tuple(p.shape)}"
+                )
+        self.exp_avg = [
+            ms.Tensor(m.numpy()).astype(p.dtype) for m, p in zip(state["exp_avg"], self.params, strict=True)
+        ]
+        self.exp_avg_sq = [
+            ms.Tensor(v.numpy()).astype(p.dtype)
+            for v, p in zip(state["exp_avg_sq"], self.params, strict=True)
+        ]
+        self.steps = int(state["steps"])
+
 
 class _Replica:
     """A model, its optimizer and its loss-and-gradient function."""
 
     def __init__(self, model: HybridLM, config: TrainConfig) -> None:
         self.model = model
-        self.params = [p for p in model.get_parameters() if p.requires_grad]
-        self.optimizer = AdamW(self.params, weight_decay=config.weight_decay)
+        named = [(name, p) for name, p in model.parameters_and_names() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.optimizer = AdamW(self.params, weight_decay=config.weight_decay, names=[n for n, _ in named])
 
         def loss_fn(inputs: ms.Tensor, labels: ms.Tensor, tokens: ms.Tensor) -> tuple[ms.Tensor, ms.Tensor]:
             loss_sum = cross_entropy_sum(model(inputs), labels)
@@ -162,12 +207,6 @@ class MindSporeTrainer(Trainer):
             raise NotImplementedError(
                 f"MindSporeTrainer needs HP_PLATFORM=mindspore (got {name}); use Trainer for torch"
             )
-        for option in _NOT_YET:
-            if getattr(config, option):
-                raise NotImplementedError(
-                    f"--{option.replace('_', '-')} is not implemented on MindSpore yet (checkpoints are "
-                    "torch files); train without it or use a torch platform (HP_PLATFORM=cpu|cuda|npu)"
-                )
         self.config = config
         self.platform = get_platform(name)
         self._owns_group = not self.platform.is_initialized()
@@ -201,6 +240,8 @@ class MindSporeTrainer(Trainer):
             load_tokens(config.data), seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed
         )
         self.step = 0
+        if config.resume is not None:
+            self._resume(config.resume)
 
     def _train_step(self, batch: torch.Tensor) -> float:
         """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
@@ -238,8 +279,26 @@ class MindSporeTrainer(Trainer):
         self.reference.step(grads, self.config, self.step)
         return float(loss_sum.asnumpy()) / labels.numel()
 
-    def _maybe_save(self) -> None:
-        """Checkpoints are refused in the constructor (``--save`` is not implemented here yet)."""
+    def _checkpoint_parts(self) -> dict[str, Any]:
+        """As the torch trainer's; ``model`` is a torch state dict (the torch model's names)."""
+        model = {name: torch.from_numpy(p.asnumpy().copy()) for name, p in self.model.parameters_and_names()}
+        return {
+            "model": model,
+            "optimizer": self.replica.optimizer.state_dict(),
+            "data": self.sampler.state_dict(),
+            "train": {"step": self.step, "rng_cpu": torch.get_rng_state()},
+        }
+
+    def _load_parts(self, path: str, parts: dict[str, Any]) -> None:
+        if parts["optimizer"].get("format") != ADAMW_FORMAT:
+            raise ValueError(
+                f"checkpoint {path} holds torch's AdamW state, not MindSpore's {ADAMW_FORMAT!r} (written "
+                "by the torch trainer?); resume it with HP_PLATFORM=cpu|cuda|npu, or load only its model part"
+            )
+        for replica in (self.replica, self.reference):
+            if replica is not None:
+                load_torch_state_dict(replica.model, parts["model"])
+                replica.optimizer.load_state_dict(parts["optimizer"])
 
     def _max_over_ranks(self, value: int) -> int:
         slots = np.zeros(self.world_size, np.float64)

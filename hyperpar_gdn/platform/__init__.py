@@ -13,12 +13,13 @@ import os
 import sys
 from functools import cache
 
-from .base import Collectives, Group, Platform, Tensor, TensorOps
+from .base import CollectiveError, Collectives, Group, Platform, Tensor, TensorOps
 
 PLATFORMS = ("cpu", "cuda", "npu", "mindspore")
 
 __all__ = [
     "PLATFORMS",
+    "CollectiveError",
     "Collectives",
     "Group",
     "Platform",

@@ -128,6 +128,12 @@ class TensorOps(ABC):
         Inside ``forward`` autograd is off."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a peer died, raised, or never arrived within the
+    process-group timeout). The message names the collective, the group's global ranks and the
+    rank that saw it, on every platform."""
+
+
 class Collectives(ABC):
     """Differentiable collectives over one process group (the CP axis of a mesh).
 
@@ -172,7 +178,8 @@ class Collectives(ABC):
 
     @abstractmethod
     def all_reduce_sum(self, x: Tensor, group: Group | None = None) -> Tensor:
-        """In-place sum over ranks, not differentiable (gradients, metrics)."""
+        """The sum of ``x`` over the group's ranks, not differentiable (gradients, metrics).
+        Use the returned tensor: torch sums in place, MindSpore returns a new tensor."""
 
 
 class Platform(ABC):

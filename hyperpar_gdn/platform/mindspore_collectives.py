@@ -38,7 +38,7 @@ import mindspore as ms
 import mindspore.ops.communication as comm_ops
 from mindspore import nn, ops
 
-from .base import Collectives, Group
+from .base import CollectiveError, Collectives, Group
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,6 @@ class MindSporeGroup:
     def group_rank(self, global_rank: int) -> int:
         """This group's rank of ``global_rank``; -1 if it is not a member."""
         return self.ranks.index(global_rank) if global_rank in self.ranks else -1
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out (a peer died, raised, or never arrived within
-    ``MS_CPU_COMM_OP_TIMEOUT`` / ``HCCL_EXEC_TIMEOUT``); the message names the collective, the
-    group's global ranks and this rank, as the torch platform's does."""
 
 
 @contextmanager

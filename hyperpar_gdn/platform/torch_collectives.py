@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Collectives, Group
+from .base import CollectiveError, Collectives, Group
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older builds (the
 # torch that a torch-npu release pins) may have only the old name.
@@ -60,10 +60,6 @@ def _rank_and_size(group: Group | None, what: str) -> tuple[int, int]:
             f"{dist.get_process_group_ranks(group)}"
         )
     return rank, dist.get_world_size(group)
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out (a peer died, raised, or never arrived)."""
 
 
 @contextmanager

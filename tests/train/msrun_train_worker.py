@@ -113,7 +113,8 @@ def train_section(platform: Any, options: list[str]) -> dict[str, Any]:
         metrics = json.loads(metrics_path.read_text()) if platform.rank() == 0 else None
     data: dict[str, Any] = {"exit_code": code}
     if metrics is not None:
-        for key in ("losses", "steps", "platform", "world_size", "cp_size", "dp_size", "num_parameters"):
+        keys = ("losses", "steps", "platform", "world_size", "cp_size", "dp_size", "num_parameters", "parity")
+        for key in keys:
             data[key] = metrics[key]
     return data
 

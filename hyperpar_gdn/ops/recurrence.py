@@ -28,19 +28,23 @@ def _t(xp: TensorOps, x: Tensor) -> Tensor:
 
 
 def forward_states(
-    xp: TensorOps, u: Tensor, w: Tensor, kd: Tensor, gl: Tensor, s0: Tensor
+    xp: TensorOps, u: Tensor, w: Tensor, kd: Tensor, gl: Tensor, s0: Tensor, *, flush: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run the state recurrence. Returns (states entering each chunk ``[N, B, H, K, V]``,
-    corrected values vn ``[N, B, H, C, V]``, final state ``[B, H, K, V]``)."""
+    corrected values vn ``[N, B, H, C, V]``, final state ``[B, H, K, V]``).
+
+    ``flush`` zeroes subnormal entries of the carried state and of vn each step
+    (:meth:`TensorOps.flush_subnormal`): the summary's M is a product of decays that sinks there."""
     n = u.shape[0]
     kd_t = _t(xp, kd)
     gl = gl.reshape(gl.shape + (1, 1))
+    keep = xp.flush_subnormal if flush else (lambda x: x)
     s, states, vns = s0, [], []
     for i in range(n):
-        vn = u[i] - xp.matmul(w[i], s)
+        vn = keep(u[i] - xp.matmul(w[i], s))
         states.append(s)
         vns.append(vn)
-        s = gl[i] * s + xp.matmul(kd_t[i], vn)
+        s = keep(gl[i] * s + xp.matmul(kd_t[i], vn))
     return xp.stack(states, 0), xp.stack(vns, 0), s
 
 
@@ -53,6 +57,8 @@ def backward_states(
     gl: Tensor,
     d_final: Tensor,
     outputs: tuple[Tensor, Tensor, Tensor] | None = None,
+    *,
+    flush: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Reverse loop of :func:`forward_states`, given its ``states`` and ``vn``, from the gradient
     ``d_final`` of the final state.
@@ -64,10 +70,12 @@ def backward_states(
 
     ``outputs`` = (qg, p, do) when the chunk outputs o_i = qg_i S + p_i vn were taken too: do
     ``[N, B, H, C, V]`` then also reaches vn (p_i^T do_i) and S (qg_i^T do_i), added in the loop.
+    ``flush`` as in :func:`forward_states`, for the gradients carried back.
     """
     n = w.shape[0]
     w_t = _t(xp, w)
     gl = gl.reshape(gl.shape + (1, 1))
+    keep = xp.flush_subnormal if flush else (lambda x: x)
     ds = d_final
     dvns: list[Tensor] = [None] * n  # type: ignore[list-item]
     dkds: list[Tensor] = [None] * n  # type: ignore[list-item]
@@ -82,9 +90,11 @@ def backward_states(
         dvn = xp.matmul(kd[i], ds)
         if outputs is not None:
             dvn = dvn + xp.matmul(p_t[i], do[i])
+        dvn = keep(dvn)
         ds = gl[i] * ds - xp.matmul(w_t[i], dvn)
         if outputs is not None:
             ds = ds + xp.matmul(qg_t[i], do[i])
+        ds = keep(ds)
         dvns[i] = dvn
     dvn = xp.stack(dvns, 0)
     dw = -xp.matmul(dvn, _t(xp, states))
@@ -142,18 +152,19 @@ def chunk_outputs(
 
 
 def _final_forward(xp: TensorOps, u, w, kd, gl, s0):
-    _, _, s_final = forward_states(xp, u, w, kd, gl, s0)
+    _, _, s_final = forward_states(xp, u, w, kd, gl, s0, flush=True)
     return (s_final,), (u, w, kd, gl, s0)
 
 
 def _final_backward(xp: TensorOps, saved, ds_final):
     u, w, kd, gl, s0 = saved
-    states, vn, _ = forward_states(xp, u, w, kd, gl, s0)  # recomputed rather than kept
-    return backward_states(xp, states, vn, w, kd, gl, ds_final)
+    states, vn, _ = forward_states(xp, u, w, kd, gl, s0, flush=True)  # recomputed rather than kept
+    return backward_states(xp, states, vn, w, kd, gl, ds_final, flush=True)
 
 
 def chunk_final_state(xp: TensorOps, u: Tensor, w: Tensor, kd: Tensor, gl: Tensor, s0: Tensor) -> Tensor:
-    """Only the final state (no outputs); the per-chunk states are recomputed in backward."""
+    """Only the final state (no outputs); the per-chunk states are recomputed in backward.
+    Used for summaries, whose M decays towards subnormal floats: the loops flush them."""
     (s_final,) = xp.custom_vjp(
         lambda *a: _final_forward(xp, *a),
         lambda saved, ds: _final_backward(xp, saved, ds),

@@ -100,6 +100,13 @@ class TensorOps(ABC):
     def tril(self, x: Tensor, diagonal: int = 0) -> Tensor: ...
 
     @abstractmethod
+    def flush_subnormal(self, x: Tensor) -> Tensor:
+        """x with entries below the dtype's smallest normal magnitude set to 0 (not differentiable;
+        for hand-written loops). Products of decays (the summary's M, gradients flowing back
+        through them) sink into subnormal floats, which CPUs multiply up to 20x slower; their
+        value is far below fp32 resolution of anything they are added to."""
+
+    @abstractmethod
     def solve_unit_lower(self, a: Tensor, b: Tensor) -> Tensor:
         """Solve ``(I + tril(a, -1)) x = b``; the diagonal and upper part of ``a`` are ignored."""
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import mindspore as ms
 import mindspore.scipy.linalg as ms_linalg
+import numpy as np
 from mindspore import mint, nn, ops
 
 from .base import TensorOps
@@ -193,6 +194,10 @@ class MindSporeOps(TensorOps):
 
     def tril(self, x: ms.Tensor, diagonal: int = 0) -> ms.Tensor:
         return mint.tril(x, diagonal) if self._ascend else x.tril(diagonal)
+
+    def flush_subnormal(self, x: ms.Tensor) -> ms.Tensor:
+        tiny = float(np.finfo(ms.dtype_to_nptype(x.dtype)).tiny)
+        return x.masked_fill(ops.abs(x) < tiny, 0.0)
 
     def solve_unit_lower(self, a: ms.Tensor, b: ms.Tensor) -> ms.Tensor:
         # Like torch's, the kernel reads only the strict lower part of a, and its gradient is

@@ -101,6 +101,9 @@ class TorchOps(TensorOps):
     def tril(self, x: torch.Tensor, diagonal: int = 0) -> torch.Tensor:
         return torch.tril(x, diagonal)
 
+    def flush_subnormal(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(x.abs() < torch.finfo(x.dtype).tiny, 0.0)
+
     def solve_unit_lower(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
 

@@ -141,6 +141,29 @@ class CollectiveError(RuntimeError):
     rank that saw it, on every platform."""
 
 
+def check_all_to_all_splits(
+    shape: Sequence[int], send_splits: Sequence[int], recv_splits: Sequence[int], world: int
+) -> tuple[list[int], list[int]]:
+    """Validate an all-to-all's splits against x's ``shape`` and the group size (before any
+    communication); returns them as lists of ints. Raises ValueError naming the values."""
+    send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
+    if len(shape) == 0:
+        raise ValueError("all_to_all needs x with at least one dim (split along dim 0), got a 0-d tensor")
+    if len(send) != world or len(recv) != world:
+        raise ValueError(
+            f"all_to_all needs one split per group rank (world={world}); "
+            f"got send_splits={send}, recv_splits={recv}"
+        )
+    if min(send + recv) < 0:
+        raise ValueError(f"all_to_all splits must be >= 0; got send_splits={send}, recv_splits={recv}")
+    if sum(send) != shape[0]:
+        raise ValueError(
+            f"all_to_all send_splits={send} sum to {sum(send)} but x has {shape[0]} rows "
+            f"(x.shape={tuple(shape)})"
+        )
+    return send, recv
+
+
 class Collectives(ABC):
     """Differentiable collectives over one process group (the CP axis of a mesh).
 

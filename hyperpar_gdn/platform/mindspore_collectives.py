@@ -38,7 +38,7 @@ import mindspore as ms
 import mindspore.ops.communication as comm_ops
 from mindspore import nn, ops
 
-from .base import CollectiveError, Collectives, Group
+from .base import CollectiveError, Collectives, Group, check_all_to_all_splits
 
 
 @dataclass(frozen=True)
@@ -167,23 +167,9 @@ class MindSporeCollectives(Collectives):
             rank 0: all_to_all(x0 [3, D], [1, 2], [1, 0], g) -> [1, D] = x0[:1]
             rank 1: all_to_all(x1 [3, D], [0, 3], [2, 3], g) -> [5, D] = cat(x0[1:], x1)
         """
-        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
         g, _ = self._resolve(group, "all_to_all")
         world = g.size
-        if len(x.shape) == 0:
-            raise ValueError("all_to_all needs x with at least one dim (split along dim 0), got a 0-d tensor")
-        if len(send) != world or len(recv) != world:
-            raise ValueError(
-                f"all_to_all needs one split per group rank (world={world}); "
-                f"got send_splits={send}, recv_splits={recv}"
-            )
-        if min(send + recv) < 0:
-            raise ValueError(f"all_to_all splits must be >= 0; got send_splits={send}, recv_splits={recv}")
-        if sum(send) != x.shape[0]:
-            raise ValueError(
-                f"all_to_all send_splits={send} sum to {sum(send)} but x has {x.shape[0]} rows "
-                f"(x.shape={tuple(x.shape)})"
-            )
+        send, recv = check_all_to_all_splits(tuple(x.shape), send_splits, recv_splits, world)
         return _AllToAllCell(self, send, recv, g)(x)
 
     def all_gather(self, x: ms.Tensor, group: Group | None) -> ms.Tensor:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import CollectiveError, Collectives, Group
+from .base import CollectiveError, Collectives, Group, check_all_to_all_splits
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older builds (the
 # torch that a torch-npu release pins) may have only the old name.
@@ -148,22 +148,8 @@ class TorchCollectives(Collectives):
             rank 0: all_to_all(x0 [3, D], [1, 2], [1, 0], g) -> [1, D] = x0[:1]
             rank 1: all_to_all(x1 [3, D], [0, 3], [2, 3], g) -> [5, D] = cat(x0[1:], x1)
         """
-        send, recv = [int(s) for s in send_splits], [int(s) for s in recv_splits]
         _, world = _rank_and_size(group, "all_to_all")
-        if x.dim() == 0:
-            raise ValueError("all_to_all needs x with at least one dim (split along dim 0), got a 0-d tensor")
-        if len(send) != world or len(recv) != world:
-            raise ValueError(
-                f"all_to_all needs one split per group rank (world={world}); "
-                f"got send_splits={send}, recv_splits={recv}"
-            )
-        if min(send + recv) < 0:
-            raise ValueError(f"all_to_all splits must be >= 0; got send_splits={send}, recv_splits={recv}")
-        if sum(send) != x.shape[0]:
-            raise ValueError(
-                f"all_to_all send_splits={send} sum to {sum(send)} but x has {x.shape[0]} rows "
-                f"(x.shape={tuple(x.shape)})"
-            )
+        send, recv = check_all_to_all_splits(tuple(x.shape), send_splits, recv_splits, world)
         return _AllToAll.apply(x, send, recv, group, self)
 
     def all_gather(self, x: torch.Tensor, group: Group | None) -> torch.Tensor:

@@ -77,14 +77,19 @@ class Trainer:
     """Builds everything in its constructor; :meth:`train` runs to ``config.steps``; :meth:`close`
     releases the process group if this trainer created it."""
 
+    platforms: tuple[str, ...] = SUPPORTED_PLATFORMS
+
+    def _unsupported(self, name: str) -> str:
+        return (
+            f"scripts/train.py trains on PyTorch only: HP_PLATFORM={' / '.join(SUPPORTED_PLATFORMS)} "
+            f"is supported, HP_PLATFORM={name} is not (for mindspore use "
+            "hyperpar_gdn.train.mindspore_loop.MindSporeTrainer, which scripts/train.py picks)"
+        )
+
     def __init__(self, config: TrainConfig) -> None:
         name = platform_name()
-        if name not in SUPPORTED_PLATFORMS:
-            raise NotImplementedError(
-                f"scripts/train.py trains on PyTorch only: HP_PLATFORM={' / '.join(SUPPORTED_PLATFORMS)} "
-                f"is supported, HP_PLATFORM={name} is not (for mindspore use "
-                "hyperpar_gdn.train.mindspore_loop.MindSporeTrainer, which scripts/train.py picks)"
-            )
+        if name not in self.platforms:
+            raise NotImplementedError(self._unsupported(name))
         self.config = config
         self.platform = get_platform(name)
         self._owns_group = not self.platform.is_initialized()
@@ -105,19 +110,24 @@ class Trainer:
         self.comm = self.platform.collectives
         self.device = self.platform.device
 
-        torch.manual_seed(config.seed)
-        self.model = HybridLM(config.model).to(self.device)
-        self.reference = copy.deepcopy(self.model) if config.check_parity and self.rank == 0 else None
+        torch.manual_seed(config.seed)  # the initial weights, on every platform
+        self._build_model()
         if self.cp > 1:
             apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode)
-        self.optimizer = _adamw(self.model, config)
-        self.ref_optimizer = None if self.reference is None else _adamw(self.reference, config)
         self.sampler = BatchSampler(
             load_tokens(config.data), seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed
         )
         self.step = 0
         if config.resume is not None:
             self._resume(config.resume)
+
+    def _build_model(self) -> None:
+        """The model, the rank-0 copy for --check-parity and their optimizers."""
+        config = self.config
+        self.model = HybridLM(config.model).to(self.device)
+        self.reference = copy.deepcopy(self.model) if config.check_parity and self.rank == 0 else None
+        self.optimizer = _adamw(self.model, config)
+        self.ref_optimizer = None if self.reference is None else _adamw(self.reference, config)
 
     # --- training ---------------------------------------------------------------------------------
     def train(self) -> TrainResult:

@@ -29,15 +29,11 @@ import numpy as np
 import torch
 from mindspore import ops
 
-from hyperpar_gdn.distributed.mesh import init_device_mesh
-from hyperpar_gdn.distributed.parallelize import apply_context_parallel
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, load_torch_state_dict
-from hyperpar_gdn.platform import get_platform, platform_name
 
 from .config import TrainConfig
-from .data import BatchSampler, load_tokens, shard_batch
-from .log import setup_logging
+from .data import shard_batch
 from .loop import Trainer
 
 __all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm", "cross_entropy_sum"]
@@ -201,47 +197,21 @@ class MindSporeTrainer(Trainer):
             trainer.close()
     """
 
-    def __init__(self, config: TrainConfig) -> None:
-        name = platform_name()
-        if name != "mindspore":
-            raise NotImplementedError(
-                f"MindSporeTrainer needs HP_PLATFORM=mindspore (got {name}); use Trainer for torch"
-            )
-        self.config = config
-        self.platform = get_platform(name)
-        self._owns_group = not self.platform.is_initialized()
-        self.platform.init_distributed(timeout_s=config.timeout_s)
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
+    platforms = ("mindspore",)
 
-    def _build(self) -> None:
+    def _unsupported(self, name: str) -> str:
+        return f"MindSporeTrainer needs HP_PLATFORM=mindspore (got {name}); use Trainer for torch"
+
+    def _build_model(self) -> None:
+        """The MindSpore model from the torch Trainer's initial weights (seeded by ``_build``), its
+        replica with the optimizer, and the rank-0 copy for --check-parity."""
         config = self.config
-        self.rank, self.world_size = self.platform.rank(), self.platform.world_size()
-        setup_logging(self.rank)
-        self.dp, self.cp = config.layout(self.world_size)
-        self.mesh = init_device_mesh(self.platform.name, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
-        self.dp_rank, self.cp_rank = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("cp")
-        self.comm = self.platform.collectives
-        self.device = self.platform.device
-
-        torch.manual_seed(config.seed)  # the torch Trainer's initial weights
         initial = TorchHybridLM(config.model)
         self.model = HybridLM.from_torch(initial)
         self.replica = _Replica(self.model, config)
         self.reference = None
         if config.check_parity and self.rank == 0:
             self.reference = _Replica(HybridLM.from_torch(initial), config)
-        if self.cp > 1:
-            apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode)
-        self.sampler = BatchSampler(
-            load_tokens(config.data), seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed
-        )
-        self.step = 0
-        if config.resume is not None:
-            self._resume(config.resume)
 
     def _train_step(self, batch: torch.Tensor) -> float:
         """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""

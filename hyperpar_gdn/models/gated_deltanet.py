@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gdn_layer_forward
-from hyperpar_gdn.platform import ops_for
+from hyperpar_gdn.ops.layer import init_layer_dims, layer_forward
 
 
 class GatedRMSNorm(nn.Module):
@@ -47,18 +46,16 @@ class GatedDeltaNet(nn.Module):
         norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        if num_v_heads % num_k_heads:
-            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
-        self.hidden_size = hidden_size
-        self.num_k_heads = num_k_heads
-        self.num_v_heads = num_v_heads
-        self.head_k_dim = head_k_dim
-        self.head_v_dim = head_v_dim
-        self.key_dim = num_k_heads * head_k_dim
-        self.value_dim = num_v_heads * head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.conv_kernel_size = conv_kernel_size
-        self.layer_norm_epsilon = norm_eps
+        init_layer_dims(
+            self,
+            hidden_size=hidden_size,
+            num_k_heads=num_k_heads,
+            num_v_heads=num_v_heads,
+            head_k_dim=head_k_dim,
+            head_v_dim=head_v_dim,
+            conv_kernel_size=conv_kernel_size,
+            norm_eps=norm_eps,
+        )
 
         self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
@@ -80,11 +77,4 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        dims = LayerDims.of(self)
-        if hidden_states.dim() != 3 or hidden_states.shape[-1] != dims.hidden_size:
-            raise ValueError(
-                f"hidden_states must be [B, T, hidden_size={dims.hidden_size}]; got {tuple(hidden_states.shape)}"
-            )
-        return gdn_layer_forward(
-            ops_for(hidden_states), LayerWeights.of(self), dims, hidden_states, attention_mask
-        )
+        return layer_forward(self, hidden_states, attention_mask)

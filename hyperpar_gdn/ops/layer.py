@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hyperpar_gdn.platform import Tensor, TensorOps
+from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
 from .chunk import chunk_gated_delta_rule
 
@@ -104,6 +104,44 @@ class LayerWeights:
             norm=module.norm.weight,
             out=module.out_proj.weight,
         )
+
+
+def init_layer_dims(
+    module: object,
+    *,
+    hidden_size: int,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    conv_kernel_size: int,
+    norm_eps: float,
+) -> None:
+    """Check a GDN layer's constructor arguments and set the dimension attributes that
+    :meth:`LayerDims.of` reads (and transformers' layer has), on a module of any framework."""
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
+    module.hidden_size = hidden_size
+    module.num_k_heads = num_k_heads
+    module.num_v_heads = num_v_heads
+    module.head_k_dim = head_k_dim
+    module.head_v_dim = head_v_dim
+    module.key_dim = num_k_heads * head_k_dim
+    module.value_dim = num_v_heads * head_v_dim
+    module.conv_dim = 2 * module.key_dim + module.value_dim
+    module.conv_kernel_size = conv_kernel_size
+    module.layer_norm_epsilon = norm_eps
+
+
+def layer_forward(module: object, hidden_states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """The single-device forward of a GDN layer module (ours on either framework)."""
+    dims = LayerDims.of(module)
+    shape = tuple(hidden_states.shape)
+    if len(shape) != 3 or shape[-1] != dims.hidden_size:
+        raise ValueError(f"hidden_states must be [B, T, hidden_size={dims.hidden_size}]; got {shape}")
+    return gdn_layer_forward(
+        ops_for(hidden_states), LayerWeights.of(module), dims, hidden_states, attention_mask
+    )
 
 
 def mask_padding(xp: TensorOps, x: Tensor, attention_mask: Tensor | None) -> Tensor:

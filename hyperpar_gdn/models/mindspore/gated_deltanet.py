@@ -19,7 +19,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn
 
-from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gated_rms_norm, gdn_layer_forward
+from hyperpar_gdn.ops.layer import LayerDims, gated_rms_norm, init_layer_dims, layer_forward
 from hyperpar_gdn.platform import ops_for
 
 __all__ = ["CausalDepthwiseConv1d", "GatedDeltaNet", "GatedRMSNorm"]
@@ -98,18 +98,16 @@ class GatedDeltaNet(nn.Cell):
         norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        if num_v_heads % num_k_heads:
-            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
-        self.hidden_size = hidden_size
-        self.num_k_heads = num_k_heads
-        self.num_v_heads = num_v_heads
-        self.head_k_dim = head_k_dim
-        self.head_v_dim = head_v_dim
-        self.key_dim = num_k_heads * head_k_dim
-        self.value_dim = num_v_heads * head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.conv_kernel_size = conv_kernel_size
-        self.layer_norm_epsilon = norm_eps
+        init_layer_dims(
+            self,
+            hidden_size=hidden_size,
+            num_k_heads=num_k_heads,
+            num_v_heads=num_v_heads,
+            head_k_dim=head_k_dim,
+            head_v_dim=head_v_dim,
+            conv_kernel_size=conv_kernel_size,
+            norm_eps=norm_eps,
+        )
 
         self.in_proj_qkv = nn.Dense(hidden_size, self.conv_dim, has_bias=False)
         self.in_proj_z = nn.Dense(hidden_size, self.value_dim, has_bias=False)
@@ -123,13 +121,7 @@ class GatedDeltaNet(nn.Cell):
         self.out_proj = nn.Dense(self.value_dim, hidden_size, has_bias=False)
 
     def construct(self, hidden_states: ms.Tensor, attention_mask: ms.Tensor | None = None) -> ms.Tensor:
-        dims = LayerDims.of(self)
-        shape = tuple(hidden_states.shape)
-        if len(shape) != 3 or shape[-1] != dims.hidden_size:
-            raise ValueError(f"hidden_states must be [B, T, hidden_size={dims.hidden_size}]; got {shape}")
-        return gdn_layer_forward(
-            ops_for(hidden_states), LayerWeights.of(self), dims, hidden_states, attention_mask
-        )
+        return layer_forward(self, hidden_states, attention_mask)
 
     @classmethod
     def from_torch(cls, module: Any) -> GatedDeltaNet:

@@ -21,6 +21,10 @@ _EXPORTS = {
     "ParallelStyle": "hyperpar_gdn.distributed.style",
     "SoftmaxAttentionContextParallel": "hyperpar_gdn.distributed.attention_style",
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
+    "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
+    "ContextParallelBatch": "hyperpar_gdn.distributed.batch",
+    "context_parallel_loss": "hyperpar_gdn.distributed.batch",
+    "shard_for_context_parallel": "hyperpar_gdn.distributed.batch",
     "get_platform": "hyperpar_gdn.platform",
 }
 __all__ = sorted(_EXPORTS)

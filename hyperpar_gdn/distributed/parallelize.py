@@ -1,41 +1,59 @@
-"""Apply context parallelism to every token mixer of a :class:`~hyperpar_gdn.models.HybridLM`.
+"""Apply context parallelism to a whole decoder model: every token mixer takes a sequence shard.
 
-Everything else in the model (embedding, norms, MLPs, LM head) works token by token, so once the
-mixers take a sequence shard the whole model does: ``model(input_ids_local)`` returns this
-rank's logits ``[B, T/cp, V]``.
+Serves :class:`~hyperpar_gdn.models.HybridLM` (torch and MindSpore) and transformers' Qwen3.5
+models: ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, their inner text models, and the
+language model inside ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5Model`` (text input only).
+Everything else in these models (embedding, norms, MLPs and experts, LM head) works token by
+token, so once the mixers take a sequence shard the whole model does: ``model(input_ids_local)``
+returns this rank's logits ``[B, T/cp, V]``.
+
+A transformers text model also gets a forward pre-hook that makes its inputs right for a shard
+(DESIGN.md section 6):
+
+- ``position_ids`` default to the shard's global positions ``r*T/cp + t`` (so RoPE is right);
+- a 2-D ``attention_mask`` (this rank's shard of the padding mask) is gathered once per forward
+  for the softmax-attention layers, which need the keys of every rank; the GDN layers get the
+  local shard, as transformers would give them;
+- ``use_cache`` defaults to False; a cache is refused.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
-from .attention_style import SoftmaxAttentionContextParallel
-from .mesh import as_cp_mesh
-from .style import MODES, LinearAttentionContextParallel
+from .attention_style import GlobalKeyMask, SoftmaxAttentionContextParallel
+from .mesh import DeviceMesh, as_cp_mesh
+from .style import MODES, LinearAttentionContextParallel, refuse_unhandled
 
-__all__ = ["apply_context_parallel", "undo_context_parallel"]
+__all__ = ["apply_context_parallel", "decoder_layers", "undo_context_parallel"]
+
+TRANSFORMERS_TEXT_MODELS = ("Qwen3_5TextModel", "Qwen3_5MoeTextModel")
+TRANSFORMERS_MULTIMODAL_MODELS = ("Qwen3_5Model", "Qwen3_5MoeModel")
+_HOOKS = "_hyperpar_cp_hooks"
 
 
 def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int = 64) -> Any:
-    """Make every block of ``model`` take and return a sequence shard along the 1-D ``mesh``.
+    """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
     GDN mixers (``linear_attn``) get :class:`LinearAttentionContextParallel` in ``mode``;
     softmax mixers (``self_attn``) get :class:`SoftmaxAttentionContextParallel` (all-gathered K
-    and V, whatever ``mode``). Checks every block before changing any.
+    and V, whatever ``mode``). Checks every layer before changing any. Rank r of the mesh must
+    hold tokens ``[r*T/cp, (r+1)*T/cp)`` (see :func:`~hyperpar_gdn.shard_for_context_parallel`).
 
     Args:
-        model: a model with ``layers``, each holding ``linear_attn`` or ``self_attn``.
+        model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"`` for the GDN layers.
         chunk_size: chunk of the gated delta rule.
+
+    Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}")
     cp_mesh = as_cp_mesh(mesh)
-    layers = list(getattr(model, "layers", []))
-    mixers = [_mixer(i, block) for i, block in enumerate(layers)]
-    if not mixers:
-        raise ValueError(f"{type(model).__name__} has no layers to parallelize")
+    outer, text_model = _find_text_model(model)
+    mixers = [_mixer(i, block) for i, block in enumerate(text_model.layers)]
     cp = cp_mesh.size()
     for i, (kind, module) in enumerate(mixers):
         if (
@@ -44,9 +62,19 @@ def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int 
             and (module.num_k_heads % cp or module.num_v_heads % cp)
         ):
             raise ValueError(
-                f"mode='ulysses' splits GDN heads over cp={cp}, but block {i} has num_k_heads="
+                f"mode='ulysses' splits GDN heads over cp={cp}, but layer {i} has num_k_heads="
                 f"{module.num_k_heads} and num_v_heads={module.num_v_heads}; use mode='p2p' or 'all_gather'"
             )
+    if type(text_model).__name__ in TRANSFORMERS_TEXT_MODELS:
+        _check_transformers_config(text_model.config)
+        if getattr(text_model, _HOOKS, None) is not None:
+            raise ValueError(f"{type(model).__name__} already has context parallelism applied; undo it first")
+        hooks = [
+            text_model.register_forward_pre_hook(_text_model_hook(text_model, cp_mesh), with_kwargs=True)
+        ]
+        if outer is not None:
+            hooks.append(outer.register_forward_pre_hook(_multimodal_hook(outer, cp_mesh), with_kwargs=True))
+        setattr(text_model, _HOOKS, hooks)
     linear_style = LinearAttentionContextParallel(mode, chunk_size=chunk_size)
     softmax_style = SoftmaxAttentionContextParallel()
     for kind, module in mixers:
@@ -55,12 +83,43 @@ def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int 
 
 
 def undo_context_parallel(model: Any) -> Any:
-    """Restore the single-device forward of every mixer of ``model``."""
-    for i, block in enumerate(getattr(model, "layers", [])):
+    """Restore the single-device forward of every mixer of ``model`` (and remove its hooks)."""
+    _, text_model = _find_text_model(model)
+    for i, block in enumerate(text_model.layers):
         kind, module = _mixer(i, block)
         style = LinearAttentionContextParallel if kind == "linear_attn" else SoftmaxAttentionContextParallel
         style.undo(module)
+    for handle in getattr(text_model, _HOOKS, None) or ():
+        handle.remove()
+    if hasattr(text_model, _HOOKS):
+        delattr(text_model, _HOOKS)
     return model
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers of ``model`` (any model :func:`apply_context_parallel` serves)."""
+    return list(_find_text_model(model)[1].layers)
+
+
+def _find_text_model(model: Any) -> tuple[Any, Any]:
+    """(the multimodal model around it or None, the module holding the decoder ``layers``)."""
+    if type(model).__name__ in TRANSFORMERS_MULTIMODAL_MODELS:
+        return model, model.language_model
+    inner = getattr(model, "model", None)
+    for outer, candidate in ((None, model), (None, inner)):
+        layers = getattr(candidate, "layers", None)
+        if layers is not None and any(_has_mixer(block) for block in layers):
+            return outer, candidate
+    if type(inner).__name__ in TRANSFORMERS_MULTIMODAL_MODELS:
+        return inner, inner.language_model
+    raise ValueError(
+        f"{type(model).__name__} has no decoder layers to parallelize: expected HybridLM or transformers' "
+        "Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, their text models, or Qwen3_5(Moe)ForConditionalGeneration"
+    )
+
+
+def _has_mixer(block: Any) -> bool:
+    return getattr(block, "linear_attn", None) is not None or getattr(block, "self_attn", None) is not None
 
 
 def _mixer(index: int, block: Any) -> tuple[str, Any]:
@@ -68,4 +127,97 @@ def _mixer(index: int, block: Any) -> tuple[str, Any]:
         module = getattr(block, kind, None)
         if module is not None:
             return kind, module
-    raise ValueError(f"block {index} ({type(block).__name__}) has neither linear_attn nor self_attn")
+    raise ValueError(f"layer {index} ({type(block).__name__}) has neither linear_attn nor self_attn")
+
+
+def _check_transformers_config(config: Any) -> None:
+    kinds = set(config.layer_types)
+    if not kinds <= {"linear_attention", "full_attention"}:
+        raise NotImplementedError(
+            f"layer types {sorted(kinds)}: context parallelism serves linear_attention and full_attention"
+        )
+
+
+def _bind(module: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    arguments = dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
+
+
+def _shard_inputs(module: Any, mesh: DeviceMesh, arguments: dict[str, Any]) -> tuple[Any, int]:
+    """The local input tensor and its T/cp, with the cache refused and use_cache False."""
+    name = type(module).__name__
+    if arguments.get("use_cache"):
+        raise NotImplementedError(f"{name}: use_cache=True is not supported under context parallelism")
+    arguments["use_cache"] = False
+    refuse_unhandled(
+        name, {"cache": arguments.get("cache"), "past_key_values": arguments.get("past_key_values")}
+    )
+    x = arguments.get("input_ids")
+    if x is None:
+        x = arguments.get("inputs_embeds")
+    if x is None or x.dim() < 2:
+        raise ValueError(
+            f"{name} under context parallelism needs input_ids [B, T/cp] or inputs_embeds [B, T/cp, C]"
+        )
+    return x, x.shape[1]
+
+
+def _global_positions(x: Any, mesh: DeviceMesh, t_local: int) -> Any:
+    xp = mesh.platform.ops
+    positions = xp.arange(t_local, like=x) + mesh.get_local_rank() * t_local
+    return positions.reshape(1, t_local).expand(x.shape[0], t_local)
+
+
+def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
+    layer_types = set(text_model.config.layer_types)
+
+    def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        arguments = _bind(module, args, kwargs)
+        x, t_local = _shard_inputs(module, mesh, arguments)
+        if arguments.get("position_ids") is None:
+            arguments["position_ids"] = _global_positions(x, mesh, t_local)
+        mask = arguments.get("attention_mask")
+        if isinstance(mask, dict) or (mask is not None and mask.dim() != 2):
+            raise NotImplementedError(
+                f"{type(module).__name__} under context parallelism takes a 2-D attention_mask [B, T/cp] "
+                f"(this rank's shard of the padding mask); got {type(mask).__name__}"
+                + ("" if isinstance(mask, dict) else f" of shape {tuple(mask.shape)}")
+            )
+        if mask is not None and tuple(mask.shape) != (x.shape[0], t_local):
+            raise ValueError(
+                f"attention_mask must be this rank's shard [B, T/cp] = {(x.shape[0], t_local)}; "
+                f"got {tuple(mask.shape)}"
+            )
+        per_type: dict[str, Any] = dict.fromkeys(layer_types)
+        if mask is not None:
+            per_type["full_attention"] = GlobalKeyMask(_gather_tokens(mesh, mask))
+            per_type["linear_attention"] = None if bool((mask != 0).all()) else mask
+        arguments["attention_mask"] = per_type
+        return (), arguments
+
+    return hook
+
+
+def _multimodal_hook(outer: Any, mesh: DeviceMesh) -> Any:
+    """On a multimodal Qwen3.5 model: text only; global positions instead of its local 3-D ones."""
+
+    def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        arguments = _bind(module, args, kwargs)
+        media = {k: arguments.get(k) for k in ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")}
+        refuse_unhandled(type(module).__name__ + " (images and videos)", media)
+        x, t_local = _shard_inputs(module, mesh, arguments)
+        if arguments.get("position_ids") is None:
+            arguments["position_ids"] = _global_positions(x, mesh, t_local)
+        return (), arguments
+
+    return hook
+
+
+def _gather_tokens(mesh: DeviceMesh, x_BT: Any) -> Any:
+    """[B, T/cp] on every rank -> [B, T] (rank order), without gradient."""
+    if mesh.size() == 1:
+        return x_BT
+    xp = mesh.platform.ops
+    gathered = mesh.platform.collectives.all_gather(x_BT, mesh.get_group())  # [cp, B, T/cp]
+    return xp.permute(gathered, (1, 0, 2)).reshape(x_BT.shape[0], -1)

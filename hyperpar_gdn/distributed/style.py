@@ -138,21 +138,36 @@ class LinearAttentionContextParallel(ParallelStyle):
         return y if placements is None else DTensor.from_local(y, mesh, placements)
 
 
-def _signature_binder(forward: Callable) -> Callable[..., Tensor | None]:
-    """Bind a call as the original forward would and return its attention mask.
+def refuse_unhandled(owner: str, arguments: dict[str, Any], *, allowed: tuple[str, ...] = ()) -> None:
+    """Raise for every argument in ``arguments`` that a context-parallel forward does not handle
+    (anything set, i.e. not None or False, outside ``allowed``): a dropped ``cache`` or
+    ``cu_seq_lens_q`` would give results that look fine and are wrong."""
+    unhandled = sorted(
+        k for k, v in arguments.items() if k not in allowed and v is not None and v is not False
+    )
+    if unhandled:
+        raise NotImplementedError(
+            f"{owner} under context parallelism does not handle {', '.join(f'{k}=' for k in unhandled)}; "
+            "supported: a full-sequence forward/backward without a cache"
+            + (f" (with {', '.join(allowed)})" if allowed else "")
+        )
 
-    Refuses a cache: context parallelism is for training and prefill of whole sequences."""
+
+def _signature_binder(forward: Callable) -> Callable[..., Tensor | None]:
+    """Bind a call as the original forward would and return its attention mask; refuse every
+    other argument that is set (a cache, packed-sequence keywords: none is handled here)."""
     signature = inspect.signature(forward)
+    owner = getattr(forward, "__self__", forward).__class__.__name__
 
     def bind(hidden_states: Any, *args: Any, **kwargs: Any) -> Tensor | None:
-        bound = signature.bind(hidden_states, *args, **kwargs).arguments
-        for name in ("cache", "cache_params", "past_key_values"):
-            if bound.get(name) is not None:
-                raise NotImplementedError(
-                    f"{name}= is not supported under context parallelism; "
-                    "supported: full-sequence forward/backward without a cache"
-                )
-        return bound.get("attention_mask")
+        bound = dict(signature.bind(hidden_states, *args, **kwargs).arguments)
+        for name, parameter in signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                bound.update(bound.pop(name, {}))
+        bound.pop("hidden_states", None)
+        mask = bound.pop("attention_mask", None)
+        refuse_unhandled(owner, bound)
+        return mask
 
     return bind
 

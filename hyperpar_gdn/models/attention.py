@@ -15,10 +15,14 @@ Legend: B batch, T tokens (Tq queries, Tk keys), H query heads, Hkv key/value he
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hyperpar_gdn.ops.attention import apply_rotary, causal_attention
+from hyperpar_gdn.platform import ops_for
+
 from .norm import RMSNorm
+
+_TORCH = ops_for(torch.empty(0))
 
 
 def rope_cos_sin(
@@ -32,13 +36,6 @@ def rope_cos_sin(
     freqs_TD2 = positions_T.to(torch.float32)[:, None] * inv_freq[None, :]
     emb_TD = torch.cat([freqs_TD2, freqs_TD2], dim=-1)
     return emb_TD.cos().to(dtype), emb_TD.sin().to(dtype)
-
-
-def apply_rope(x_BHTD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of every head by the angles of its token's position."""
-    half = x_BHTD.shape[-1] // 2
-    rotated = torch.cat([-x_BHTD[..., half:], x_BHTD[..., :half]], dim=-1)
-    return x_BHTD * cos_TD + rotated * sin_TD
 
 
 class CausalSelfAttention(nn.Module):
@@ -103,8 +100,8 @@ class CausalSelfAttention(nn.Module):
         k_BHTD = self.k_norm(self.k_proj(x_BTC).view(b, t, hkv, d)).transpose(1, 2)
         v_BHTD = self.v_proj(x_BTC).view(b, t, hkv, d).transpose(1, 2)
         cos_TD, sin_TD = rope_cos_sin(positions_T, d, self.rope_theta, q_BHTD.dtype)
-        q_BHTD = apply_rope(q_BHTD, cos_TD, sin_TD)
-        k_BHTD = apply_rope(k_BHTD, cos_TD, sin_TD)
+        q_BHTD = apply_rotary(_TORCH, q_BHTD, cos_TD, sin_TD)
+        k_BHTD = apply_rotary(_TORCH, k_BHTD, cos_TD, sin_TD)
         return q_BHTD, k_BHTD, v_BHTD, gate_BTHD.reshape(b, t, h * d)
 
     def attend(
@@ -112,21 +109,7 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         """Causal attention -> ``[B, Tq, H*D]``: query i sits at global position ``q_offset + i``
         and sees keys ``j <= q_offset + i`` (keys are positions ``0 .. Tk-1``)."""
-        b, h, tq, d = q_BHTD.shape
-        tk = k_BHTD.shape[2]
-        if not 0 <= q_offset <= tk - tq:
-            raise ValueError(
-                f"queries at positions [{q_offset}, {q_offset + tq}) need keys up to position "
-                f"{q_offset + tq - 1}, but there are Tk={tk} keys"
-            )
-        groups = h // k_BHTD.shape[1]
-        if groups > 1:
-            k_BHTD = k_BHTD.repeat_interleave(groups, dim=1)
-            v_BHTD = v_BHTD.repeat_interleave(groups, dim=1)
-        q_pos = torch.arange(tq, device=q_BHTD.device) + q_offset
-        visible_QK = torch.arange(tk, device=q_BHTD.device)[None, :] <= q_pos[:, None]
-        o_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, attn_mask=visible_QK)
-        return o_BHTD.transpose(1, 2).reshape(b, tq, h * d)
+        return causal_attention(_TORCH, q_BHTD, k_BHTD, v_BHTD, q_offset=q_offset)
 
     def finish(self, o_BTX: torch.Tensor, gate_BTX: torch.Tensor) -> torch.Tensor:
         """Sigmoid output gate, then ``o_proj``: ``[B, T, H*D]`` -> ``[B, T, hidden]``."""

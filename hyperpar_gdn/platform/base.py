@@ -115,6 +115,22 @@ class TensorOps(ABC):
         """``x @ weight.T`` (no bias)."""
 
     @abstractmethod
+    def arange(self, n: int, like: Tensor) -> Tensor:
+        """``0 .. n-1`` as int64 on the device of ``like`` (no gradient)."""
+
+    @abstractmethod
+    def masked_attention(self, q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+        """Softmax attention ``softmax(q k^T / sqrt(D), over keys where visible) v``.
+
+        q ``[B, H, Tq, D]``, k and v ``[B, H, Tk, D]`` (heads already repeated), visible a bool
+        ``[B or 1, 1, Tq, Tk]``. A query row with no visible key gives zeros (not NaN)."""
+
+    @abstractmethod
+    def cross_entropy_sum(self, logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> Tensor:
+        """The sum of token cross-entropies, computed in fp32 (fp64 for fp64 logits), over the
+        tokens whose label is not ``ignore_index``: logits ``[..., V]``, labels ``[...]`` int."""
+
+    @abstractmethod
     def depthwise_conv1d(self, x: Tensor, weight: Tensor, *, left_pad: int) -> Tensor:
         """Depthwise 1-D convolution over time: x ``[B, C, T]``, weight ``[C, W]``, no bias.
 

@@ -207,6 +207,27 @@ class MindSporeOps(TensorOps):
     def linear(self, x: ms.Tensor, weight: ms.Tensor) -> ms.Tensor:
         return mint.nn.functional.linear(x, weight)
 
+    def arange(self, n: int, like: ms.Tensor) -> ms.Tensor:
+        return ms.Tensor(np.arange(n, dtype=np.int64))
+
+    def masked_attention(self, q: ms.Tensor, k: ms.Tensor, v: ms.Tensor, visible: ms.Tensor) -> ms.Tensor:
+        seen = visible.any(-1, keep_dims=True)  # rows with at least one key
+        scores = mint.matmul(q, k.swapaxes(-1, -2)) * self.scalar(q.shape[-1] ** -0.5, q)
+        probs = ops.softmax(
+            scores.masked_fill(ops.logical_not(visible | ops.logical_not(seen)), float("-inf")), -1
+        )
+        return mint.matmul(probs, v) * seen.astype(q.dtype)
+
+    def cross_entropy_sum(
+        self, logits: ms.Tensor, labels: ms.Tensor, *, ignore_index: int = -100
+    ) -> ms.Tensor:
+        logits = self.cast(logits, self.compute_dtype(logits)).reshape(-1, logits.shape[-1])
+        labels = labels.reshape(-1).astype(ms.int32)
+        keep = labels != ignore_index
+        log_probs = ops.log_softmax(logits, -1)
+        picked = ops.gather_elements(log_probs, 1, (labels * keep.astype(ms.int32)).reshape(-1, 1))
+        return -(picked.reshape(-1) * keep.astype(logits.dtype)).sum()
+
     def depthwise_conv1d(self, x: ms.Tensor, weight: ms.Tensor, *, left_pad: int) -> ms.Tensor:
         channels, width = weight.shape
         if left_pad:

@@ -110,6 +110,22 @@ class TorchOps(TensorOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
+    def arange(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.arange(n, device=like.device)
+
+    def masked_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        seen = visible.any(-1, keepdim=True)  # rows with at least one key
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~seen)
+        return o * seen.to(o.dtype)
+
+    def cross_entropy_sum(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
+    ) -> torch.Tensor:
+        logits = logits.to(self.compute_dtype(logits)).reshape(-1, logits.shape[-1])
+        return F.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")
+
     def depthwise_conv1d(self, x: torch.Tensor, weight: torch.Tensor, *, left_pad: int) -> torch.Tensor:
         x = F.pad(x, (left_pad, 0)) if left_pad else x
         return F.conv1d(x, weight.unsqueeze(1), groups=weight.shape[0])

@@ -116,7 +116,7 @@ BAD_INPUTS = {
     "wrong hidden size": r"hidden_size=32.*\(2, 8, 16\)",
     "not a GDN layer": r"Linear is not a Qwen3.5 GDN layer: it lacks hidden_size",
     "mask of the whole sequence": r"attention_mask must be this rank's shard \[B, T/cp\] = \(2, 8\); got \(2, 16\)",
-    "cache": r"cache= is not supported under context parallelism",
+    "cache": r"under context parallelism does not handle cache=",
 }
 
 

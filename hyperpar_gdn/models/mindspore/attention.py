@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
-from mindspore import mint, nn, ops
+from mindspore import mint, nn
 
+from hyperpar_gdn.ops.attention import apply_rotary, causal_attention
 from hyperpar_gdn.platform import ops_for
 
 from .norm import RMSNorm
 
-__all__ = ["CausalSelfAttention", "apply_rope", "rope_cos_sin"]
+__all__ = ["CausalSelfAttention", "rope_cos_sin"]
 
 
 def rope_cos_sin(
@@ -33,13 +34,6 @@ def rope_cos_sin(
     freqs_TD2 = positions_T.astype(np.float32)[:, None] * inv_freq[None, :]
     emb_TD = np.concatenate([freqs_TD2, freqs_TD2], axis=-1)
     return ms.Tensor(np.cos(emb_TD)).astype(dtype), ms.Tensor(np.sin(emb_TD)).astype(dtype)
-
-
-def apply_rope(x_BHTD: ms.Tensor, cos_TD: ms.Tensor, sin_TD: ms.Tensor) -> ms.Tensor:
-    """Rotate pairs (i, i + D/2) of every head by the angles of its token's position."""
-    half = x_BHTD.shape[-1] // 2
-    rotated = ops.cat((-x_BHTD[..., half:], x_BHTD[..., :half]), -1)
-    return x_BHTD * cos_TD + rotated * sin_TD
 
 
 class CausalSelfAttention(nn.Cell):
@@ -97,30 +91,15 @@ class CausalSelfAttention(nn.Cell):
         v_BHTD = linear(x_BTC, self.v_proj.weight).reshape(b, t, hkv, d).swapaxes(1, 2)
         positions_T = np.arange(t, dtype=np.int64) + position_offset
         cos_TD, sin_TD = rope_cos_sin(positions_T, d, self.rope_theta, q_BHTD.dtype)
-        q_BHTD = apply_rope(q_BHTD, cos_TD, sin_TD)
-        k_BHTD = apply_rope(k_BHTD, cos_TD, sin_TD)
+        xp = ops_for(q_BHTD)
+        q_BHTD = apply_rotary(xp, q_BHTD, cos_TD, sin_TD)
+        k_BHTD = apply_rotary(xp, k_BHTD, cos_TD, sin_TD)
         return q_BHTD, k_BHTD, v_BHTD, gate_BTHD.reshape(b, t, h * d)
 
     def attend(self, q_BHTD: ms.Tensor, k_BHTD: ms.Tensor, v_BHTD: ms.Tensor, *, q_offset: int) -> ms.Tensor:
         """Causal attention -> ``[B, Tq, H*D]``: query i sits at global position ``q_offset + i``
         and sees keys ``j <= q_offset + i`` (keys are positions ``0 .. Tk-1``)."""
-        b, h, tq, d = q_BHTD.shape
-        tk = k_BHTD.shape[2]
-        if not 0 <= q_offset <= tk - tq:
-            raise ValueError(
-                f"queries at positions [{q_offset}, {q_offset + tq}) need keys up to position "
-                f"{q_offset + tq - 1}, but there are Tk={tk} keys"
-            )
-        xp = ops_for(q_BHTD)
-        groups = h // k_BHTD.shape[1]
-        k_BHTD = xp.repeat_interleave(k_BHTD, groups, 1)
-        v_BHTD = xp.repeat_interleave(v_BHTD, groups, 1)
-        q_pos = np.arange(tq)[:, None] + q_offset
-        hidden_QK = ms.Tensor(np.arange(tk)[None, :] > q_pos)  # keys after the query's position
-        scores_BHQK = mint.matmul(q_BHTD, k_BHTD.swapaxes(-1, -2)) * xp.scalar(d**-0.5, q_BHTD)
-        probs_BHQK = ops.softmax(scores_BHQK.masked_fill(hidden_QK, float("-inf")), -1)
-        o_BHTD = mint.matmul(probs_BHQK, v_BHTD)
-        return o_BHTD.swapaxes(1, 2).reshape(b, tq, h * d)
+        return causal_attention(ops_for(q_BHTD), q_BHTD, k_BHTD, v_BHTD, q_offset=q_offset)
 
     def finish(self, o_BTX: ms.Tensor, gate_BTX: ms.Tensor) -> ms.Tensor:
         """Sigmoid output gate, then ``o_proj``: ``[B, T, H*D]`` -> ``[B, T, hidden]``."""

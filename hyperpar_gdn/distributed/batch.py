@@ -1,0 +1,126 @@
+"""A batch cut into context-parallel shards, and the loss that makes them add up to one device's.
+
+    shard = shard_for_context_parallel(mesh, input_ids, attention_mask=mask)   # whole batch in
+    logits = model(**shard.model_inputs()).logits                               # [B, T/cp, V]
+    loss = context_parallel_loss(logits, shard.labels, mesh)
+    loss.backward()     # then sum the gradients over the CP ranks (as data parallelism does)
+
+Labels are shifted on the whole sequence before sharding (transformers' ``shift_labels``
+convention): the label of the last token of rank r's shard is the first token of rank r+1's, and
+no rank loses a token to the shift. The loss of a rank is the sum of its token losses divided by
+the token count of the whole CP group, so the ranks' losses add up to the single-device mean and
+their gradients, summed, to its gradient.
+
+Legend: B batch, T whole sequence, T/cp a rank's shard, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hyperpar_gdn.platform import Tensor, ops_for
+
+from .mesh import as_cp_mesh
+
+IGNORE_INDEX = -100
+
+__all__ = ["ContextParallelBatch", "context_parallel_loss", "shard_for_context_parallel"]
+
+
+@dataclass(frozen=True)
+class ContextParallelBatch:
+    """This rank's part of a batch: tokens ``[r*T/cp, (r+1)*T/cp)`` of every row.
+
+    Attributes:
+        input_ids: ``[B, T/cp]``.
+        position_ids: ``[B, T/cp]``, the global positions ``r*T/cp + t``.
+        labels: ``[B, T/cp]``, the next token of the whole sequence (``-100`` after the last
+            token and where the next token is padding), or None.
+        attention_mask: ``[B, T/cp]`` shard of the padding mask, or None.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    labels: Tensor | None
+    attention_mask: Tensor | None
+
+    def model_inputs(self) -> dict[str, Tensor]:
+        """Keyword arguments of a transformers model's forward (labels stay out: the model's own
+        loss would average over the local tokens only; use :func:`context_parallel_loss`)."""
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        return inputs
+
+
+def shard_for_context_parallel(
+    mesh: Any,
+    input_ids: Tensor,
+    *,
+    labels: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+) -> ContextParallelBatch:
+    """Cut a whole batch into this rank's context-parallel shard (no communication).
+
+    Args:
+        mesh: the 1-D CP mesh (e.g. ``mesh["cp"]``); rank r gets tokens ``[r*T/cp, (r+1)*T/cp)``.
+        input_ids: ``[B, T]`` int, the same on every rank of the mesh; T divisible by cp.
+        labels: ``[B, T]`` int aligned with ``input_ids`` (token t's own id, ``-100`` to ignore),
+            as transformers takes them; None: ``input_ids`` (language modelling).
+        attention_mask: ``[B, T]`` (1 = token, 0 = padding) or None. Padding is never a label.
+
+    Returns a :class:`ContextParallelBatch` whose labels are already shifted (predict token t+1
+    at position t).
+    """
+    cp_mesh = as_cp_mesh(mesh)
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    xp = ops_for(input_ids)
+    shape = tuple(input_ids.shape)
+    if len(shape) != 2:
+        raise ValueError(f"input_ids must be the whole batch [B, T]; got shape {shape}")
+    b, t = shape
+    if t % cp:
+        raise ValueError(f"the sequence length T={t} must be divisible by the CP size {cp}")
+    for name, tensor in (("labels", labels), ("attention_mask", attention_mask)):
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have input_ids' shape [B, T] = {shape}; got {tuple(tensor.shape)}")
+    targets = input_ids if labels is None else labels
+    # next token as the label of each position, IGNORE_INDEX after the last one
+    shifted = xp.pad_dim(targets[:, 1:] - IGNORE_INDEX, 1, 0, 1) + IGNORE_INDEX
+    if attention_mask is not None:
+        next_is_token = xp.pad_dim(xp.cast(attention_mask[:, 1:] != 0, xp.dtype(shifted)), 1, 0, 1)
+        shifted = (shifted - IGNORE_INDEX) * next_is_token + IGNORE_INDEX
+    t_local = t // cp
+    window = slice(rank * t_local, (rank + 1) * t_local)
+    positions = xp.arange(t_local, like=input_ids) + rank * t_local
+    return ContextParallelBatch(
+        input_ids=input_ids[:, window],
+        position_ids=positions.reshape(1, t_local) + input_ids[:, window] * 0,
+        labels=shifted[:, window],
+        attention_mask=None if attention_mask is None else attention_mask[:, window],
+    )
+
+
+def context_parallel_loss(logits: Tensor, labels: Tensor, mesh: Any) -> Tensor:
+    """This rank's term of the global token-mean cross-entropy.
+
+    Args:
+        logits: ``[B, T/cp, V]`` this rank's logits.
+        labels: ``[B, T/cp]`` shifted labels (``-100`` ignored), e.g. ``shard.labels``.
+        mesh: the 1-D CP mesh; the token count is summed over it (one small all-reduce).
+
+    Returns the sum of this rank's token losses over the number of labelled tokens of the whole
+    CP group (fp32). Summed over the ranks it is the single-device mean; so are the gradients.
+    """
+    cp_mesh = as_cp_mesh(mesh)
+    xp = ops_for(logits)
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels must be logits' [B, T/cp] = {tuple(logits.shape[:-1])}; got {tuple(labels.shape)}"
+        )
+    loss_sum = xp.cross_entropy_sum(logits, labels, ignore_index=IGNORE_INDEX)
+    count = xp.sum(xp.cast(labels != IGNORE_INDEX, xp.dtype(loss_sum)), (0, 1))
+    if cp_mesh.size() > 1:
+        count = cp_mesh.platform.collectives.all_reduce_sum(count.reshape(1), cp_mesh.get_group()).reshape(())
+    return loss_sum / count

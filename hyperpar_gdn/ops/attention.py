@@ -1,0 +1,73 @@
+"""Causal softmax attention over global positions, and rotary embeddings, on any framework.
+
+Written once against the platform's :class:`~hyperpar_gdn.platform.TensorOps`; the attention
+layers (ours on torch and MindSpore, transformers' ``Qwen3_5Attention`` under context
+parallelism) project with their own weights and call these.
+
+Legend: B batch, H query heads, Hkv key/value heads, Tq queries, Tk keys, D head dim,
+R rotary dims (R <= D, even).
+"""
+
+from __future__ import annotations
+
+from hyperpar_gdn.platform import Tensor, TensorOps
+
+
+def rotate_half(xp: TensorOps, x: Tensor) -> Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dim (halves of its size)."""
+    half = x.shape[-1] // 2
+    return xp.cat([-x[..., half:], x[..., :half]], -1)
+
+
+def apply_rotary(xp: TensorOps, x_BHTD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first R dims of every head by the angles of its token (partial rotary when R < D).
+
+    x ``[B, H, T, D]``; cos and sin ``[T, R]`` or ``[B, 1, T, R]`` (anything that broadcasts to
+    ``[B, H, T, R]``)."""
+    r = cos.shape[-1]
+    d = x_BHTD.shape[-1]
+    if r > d or r % 2:
+        raise ValueError(f"rotary dims R={r} must be even and at most the head dim D={d}")
+    if r == d:
+        return x_BHTD * cos + rotate_half(xp, x_BHTD) * sin
+    x_rot, x_pass = x_BHTD[..., :r], x_BHTD[..., r:]
+    return xp.cat([x_rot * cos + rotate_half(xp, x_rot) * sin, x_pass], -1)
+
+
+def causal_attention(
+    xp: TensorOps,
+    q_BHTD: Tensor,
+    k_BHTD: Tensor,
+    v_BHTD: Tensor,
+    *,
+    q_offset: int,
+    key_mask: Tensor | None = None,
+) -> Tensor:
+    """Causal softmax attention -> ``[B, Tq, H*D]`` (scale ``D**-0.5``).
+
+    Query i sits at global position ``q_offset + i`` and sees keys ``j <= q_offset + i`` (keys
+    are positions ``0 .. Tk-1``) where ``key_mask`` ``[B, Tk]`` (1 = token, 0 = padding) is not 0.
+    A query that sees no key (left padding) gives zeros.
+
+    Args:
+        q_BHTD: ``[B, H, Tq, D]``; k_BHTD, v_BHTD: ``[B, Hkv, Tk, D]`` (H a multiple of Hkv).
+    """
+    b, h, tq, d = q_BHTD.shape
+    tk, hkv = k_BHTD.shape[2], k_BHTD.shape[1]
+    if not 0 <= q_offset <= tk - tq:
+        raise ValueError(
+            f"queries at positions [{q_offset}, {q_offset + tq}) need keys up to position "
+            f"{q_offset + tq - 1}, but there are Tk={tk} keys"
+        )
+    if h % hkv:
+        raise ValueError(f"query heads H={h} must be a multiple of key/value heads Hkv={hkv}")
+    if key_mask is not None and tuple(key_mask.shape) != (b, tk):
+        raise ValueError(f"key_mask must be [B, Tk] = {(b, tk)}; got {tuple(key_mask.shape)}")
+    k_BHTD = xp.repeat_interleave(k_BHTD, h // hkv, 1)
+    v_BHTD = xp.repeat_interleave(v_BHTD, h // hkv, 1)
+    q_pos = xp.arange(tq, like=q_BHTD) + q_offset
+    visible = (xp.arange(tk, like=q_BHTD).reshape(1, tk) <= q_pos.reshape(tq, 1)).reshape(1, 1, tq, tk)
+    if key_mask is not None:
+        visible = visible & (key_mask != 0).reshape(b, 1, 1, tk)
+    o_BHTD = xp.masked_attention(q_BHTD, k_BHTD, v_BHTD, visible)
+    return xp.swapaxes(o_BHTD, 1, 2).reshape(b, tq, h * d)

@@ -70,11 +70,15 @@ class TrainConfig:
         steps: optimizer steps to reach (a resumed run continues up to this step).
         seq_len: tokens per sequence (the whole sequence, before the CP split).
         batch_size: sequences per step over all DP replicas (the global batch).
-        model_size: a key of :data:`MODEL_SIZES`.
+        model_size: a key of :data:`MODEL_SIZES` for the built-in model (None: "tiny").
+        model_dir: a transformers Qwen3.5 model directory to train instead (``--model``).
+        export: where rank 0 writes the trained ``--model`` as a transformers directory.
         lr, warmup_steps, weight_decay, grad_clip: AdamW with linear warmup to ``lr`` then
             constant; decay on matrices only; clip the global gradient norm (0: off).
         seed: model init and data order.
-        data: a text file read as bytes; None: the built-in corpus.
+        data: a text file, a JSONL file ("text" field per line) or a directory of them; byte
+            tokens for the built-in model, the directory's tokenizer for ``--model``; None: the
+            built-in corpus.
         metrics_json: where rank 0 writes the per-step losses, tokens/s and peak memory.
         save: checkpoint root; ``step-N/`` directories go under it.
         save_every: also save every this many steps (0: only at the last step).
@@ -90,7 +94,9 @@ class TrainConfig:
     steps: int = 60
     seq_len: int = 128
     batch_size: int = 8
-    model_size: str = "tiny"
+    model_size: str | None = None
+    model_dir: str | None = None
+    export: str | None = None
     lr: float = 1e-3
     warmup_steps: int = 5
     weight_decay: float = 0.1
@@ -109,7 +115,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.cp_mode not in MODES:
             raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(MODES)}")
-        if self.model_size not in MODEL_SIZES:
+        if self.model_size is not None and self.model_size not in MODEL_SIZES:
             raise ValueError(
                 f"--model-size {self.model_size!r} is unknown; choose one of {', '.join(MODEL_SIZES)}"
             )
@@ -130,12 +136,32 @@ class TrainConfig:
                 raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
             if self.seq_len % self.cp_size:
                 raise ValueError(f"--seq-len {self.seq_len} must be divisible by --cp-size {self.cp_size}")
+        if self.model_dir is not None and self.model_size is not None:
+            raise ValueError(
+                f"--model-size {self.model_size} sizes the built-in model; --model {self.model_dir} brings its own"
+            )
+        if self.export is not None and self.model_dir is None:
+            raise ValueError(f"--export {self.export} writes a transformers directory; it needs --model DIR")
         if self.save_every and self.save is None:
             raise ValueError(f"--save-every {self.save_every} needs --save DIR (where to write checkpoints)")
 
     @property
     def model(self) -> HybridLMConfig:
-        return MODEL_SIZES[self.model_size]
+        """The built-in model's sizes (without ``--model``)."""
+        return MODEL_SIZES[self.model_size or "tiny"]
+
+    @property
+    def model_name(self) -> str:
+        return self.model_dir if self.model_dir is not None else f"--model-size {self.model_size or 'tiny'}"
+
+    def gdn_dims(self) -> tuple[int, int, int]:
+        """(key heads, value heads, conv width) of the GDN layers of the model to train."""
+        if self.model_dir is not None:
+            from .transformers_model import gdn_dims
+
+            return gdn_dims(self.model_dir)
+        m = self.model
+        return m.linear_num_key_heads, m.linear_num_value_heads, m.linear_conv_kernel_dim
 
     def layout(self, world_size: int) -> tuple[int, int]:
         """(dp, cp) for ``world_size`` ranks; checks the options that depend on it."""
@@ -151,21 +177,18 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} must be divisible by the {dp} data-parallel replicas "
                 f"({world_size} ranks / --cp-size {cp})"
             )
-        model, local = self.model, self.seq_len // cp
-        halo = model.linear_conv_kernel_dim - 1
+        num_k_heads, num_v_heads, conv_width = self.gdn_dims()
+        local = self.seq_len // cp
+        halo = conv_width - 1
         if cp > 1 and self.cp_mode != "ulysses" and local < halo:
             raise ValueError(
                 f"--cp-mode {self.cp_mode}: --seq-len {self.seq_len} / cp {cp} = {local} tokens per rank, "
                 f"fewer than the conv halo {halo}; use a longer --seq-len or a smaller --cp-size"
             )
-        if (
-            cp > 1
-            and self.cp_mode == "ulysses"
-            and (model.linear_num_key_heads % cp or model.linear_num_value_heads % cp)
-        ):
+        if cp > 1 and self.cp_mode == "ulysses" and (num_k_heads % cp or num_v_heads % cp):
             raise ValueError(
-                f"--cp-mode ulysses splits the GDN heads over cp={cp}, but --model-size {self.model_size} has "
-                f"{model.linear_num_key_heads} key and {model.linear_num_value_heads} value heads; "
+                f"--cp-mode ulysses splits the GDN heads over cp={cp}, but {self.model_name} has "
+                f"{num_k_heads} key and {num_v_heads} value heads; "
                 "use --cp-mode p2p or all_gather, or a smaller --cp-size"
             )
         return dp, cp
@@ -197,13 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, default=defaults.steps, help="optimizer steps to reach")
     add("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence, before the CP split")
     add("--batch-size", type=int, default=defaults.batch_size, help="sequences per step, all DP replicas")
-    add("--model-size", choices=list(MODEL_SIZES), default=defaults.model_size, help="model preset")
+    add("--model-size", choices=list(MODEL_SIZES), default=None, help="built-in model preset (default tiny)")
+    add("--model", dest="model_dir", default=None, help="a transformers Qwen3.5 model directory to train")
+    add("--export", default=None, help="with --model: write the trained model as a transformers directory")
     add("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate")
     add("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear warmup steps")
     add("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (matrices)")
     add("--grad-clip", type=float, default=defaults.grad_clip, help="max global grad norm (0: off)")
     add("--seed", type=int, default=defaults.seed, help="model init and data order")
-    add("--data", default=None, help="text file read as byte tokens; None = the built-in corpus")
+    add(
+        "--data",
+        default=None,
+        help='text file, JSONL file ("text" per line) or a directory of them; None = the built-in corpus',
+    )
     add("--metrics-json", default=None, help="JSON file for per-step losses, tokens/s, peak memory (rank 0)")
     add("--save", default=None, help="checkpoint root directory (step-N/ under it); None = no checkpoints")
     add("--save-every", type=int, default=defaults.save_every, help="save every N steps (0: at the end)")

@@ -1,4 +1,4 @@
-"""Byte-level tokens, deterministic batches, and each rank's (dp, cp) shard of them.
+"""Tokens (bytes, or a transformers tokenizer's), deterministic batches, and each rank's (dp, cp) shard of them.
 
 Batch ``i`` of a run is a pure function of ``(seed, i)``: every rank draws the same global batch
 and cuts out its own part, the no-CP reference draws the same batch whole, and a resumed run
@@ -7,6 +7,7 @@ continues from the saved position with the very batches an uninterrupted run wou
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +18,70 @@ from .corpus import BUILTIN_CORPUS
 VOCAB_SIZE = 256  # bytes
 
 
-def load_tokens(path: str | None) -> torch.Tensor:
-    """The bytes of the text file ``path`` (or of the built-in corpus when None) as int64 tokens."""
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+
+
+def read_documents(path: str | None) -> list[str]:
+    """The documents of ``--data``: a text file (one document), a JSONL file (one document per
+    line, its "text" field) or a directory of such files (sorted by name); None: the built-in
+    corpus. Every error names the file (and line)."""
     if path is None:
-        data = BUILTIN_CORPUS.encode("utf-8")
-    else:
-        file = Path(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"--data {path}: no such file")
-        data = file.read_bytes()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+        return [BUILTIN_CORPUS]
+    root = Path(path)
+    if root.is_dir():
+        files = sorted(f for f in root.iterdir() if not f.name.startswith("."))
+        unknown = [f.name for f in files if f.suffix not in (*TEXT_SUFFIXES, ".jsonl") or not f.is_file()]
+        if unknown:
+            raise ValueError(
+                f"--data {path}: {', '.join(unknown)} is not a text ({', '.join(TEXT_SUFFIXES)}) or .jsonl file"
+            )
+        if not files:
+            raise ValueError(f"--data {path}: the directory holds no .txt, .md or .jsonl file")
+        return [doc for f in files for doc in _file_documents(f)]
+    if not root.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file or directory")
+    return _file_documents(root)
+
+
+def _file_documents(file: Path) -> list[str]:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--data {file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if file.suffix != ".jsonl":
+        return [text]
+    documents = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--data {file}:{number}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f'--data {file}:{number}: expected an object with a "text" string')
+        documents.append(record["text"])
+    return documents
+
+
+def load_tokens(path: str | None, tokenizer: Any = None) -> torch.Tensor:
+    """The token stream ``[N]`` (int64) of ``--data`` (see :func:`read_documents`).
+
+    Without a tokenizer, bytes (the built-in model): a text file as its raw bytes, documents of
+    a JSONL file or directory joined with a newline. With one (a transformers model directory's),
+    each document's tokens followed by the EOS token."""
+    if tokenizer is None:
+        if path is not None and Path(path).is_file() and Path(path).suffix != ".jsonl":
+            data = Path(path).read_bytes()
+        else:
+            data = "\n".join(read_documents(path)).encode("utf-8")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for document in read_documents(path):
+        ids.extend(tokenizer(document, add_special_tokens=False)["input_ids"])
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 class BatchSampler:

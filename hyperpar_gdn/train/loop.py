@@ -31,10 +31,11 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write
 from .config import TrainConfig
 from .data import BatchSampler, load_tokens, shard_batch
 from .log import logger, setup_logging
+from .transformers_model import export_model_dir, load_model_dir
 
 SUPPORTED_PLATFORMS = ("cpu", "cuda", "npu")
 # Options a resumed run must share with its checkpoint to draw the same batches and shapes.
-_SAME_STREAM = ("model_size", "seq_len", "batch_size", "seed", "data")
+_SAME_STREAM = ("model_size", "model_dir", "seq_len", "batch_size", "seed", "data")
 # Options that change the loss curve if they differ (a warning only).
 _SAME_CURVE = ("lr", "warmup_steps", "weight_decay", "grad_clip")
 
@@ -115,7 +116,10 @@ class Trainer:
         if self.cp > 1:
             apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode)
         self.sampler = BatchSampler(
-            load_tokens(config.data), seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed
+            load_tokens(config.data, self.tokenizer),
+            seq_len=config.seq_len,
+            batch_size=config.batch_size,
+            seed=config.seed,
         )
         self.step = 0
         if config.resume is not None:
@@ -124,7 +128,12 @@ class Trainer:
     def _build_model(self) -> None:
         """The model, the rank-0 copy for --check-parity and their optimizers."""
         config = self.config
-        self.model = HybridLM(config.model).to(self.device)
+        self.tokenizer = None
+        if config.model_dir is not None:
+            self.model, self.tokenizer = load_model_dir(config.model_dir)
+            self.model.to(self.device).train()
+        else:
+            self.model = HybridLM(config.model).to(self.device)
         self.reference = copy.deepcopy(self.model) if config.check_parity and self.rank == 0 else None
         self.optimizer = _adamw(self.model, config)
         self.ref_optimizer = None if self.reference is None else _adamw(self.reference, config)
@@ -142,7 +151,7 @@ class Trainer:
             self.dp,
             self.cp,
             config.cp_mode,
-            config.model_size,
+            config.model_name,
             f"{self.model.num_parameters():,}",
             tokens_per_step,
             self.step + 1,
@@ -165,6 +174,8 @@ class Trainer:
                 logger.info(_step_line(record, config.steps, result.memory_kind))
             self._maybe_save()
         result.wall_s = time.perf_counter() - start
+        if config.export is not None:
+            self._on_rank_0(lambda: export_model_dir(self.model, self.tokenizer, config.export), "export")
         result.peak_memory_bytes = self._max_over_ranks(self._peak_memory()[0])
         self._finish_parity(result)
         self._summarize(result)
@@ -190,7 +201,7 @@ class Trainer:
             batch, dp_rank=self.dp_rank, dp_size=self.dp, cp_rank=self.cp_rank, cp_size=self.cp
         )
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        logits = self.model(inputs)
+        logits = self._logits(self.model, inputs)
         loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
         (loss_sum / (labels.numel() * self.cp)).backward()  # / tokens of this DP replica
         self._sync_gradients()
@@ -204,11 +215,18 @@ class Trainer:
         """The same step without any parallelism, on the whole global batch (rank 0 only)."""
         assert self.reference is not None and self.ref_optimizer is not None
         batch = batch.to(self.device)
-        logits = self.reference(batch[:, :-1])
+        logits = self._logits(self.reference, batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         loss.backward()
         _optimizer_step(self.reference, self.ref_optimizer, self.config, self.step)
         return loss.item()
+
+    def _logits(self, model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """``[B, T(/cp), V]`` logits of the built-in or a transformers model (which, under context
+        parallelism, gets its global positions from apply_context_parallel's hook)."""
+        if self.tokenizer is None:
+            return model(inputs)
+        return model(input_ids=inputs, use_cache=False).logits
 
     def _sync_gradients(self) -> None:
         """Sum the gradient shares over the CP group, then average over the DP groups."""
@@ -234,25 +252,31 @@ class Trainer:
         due = self.step == config.steps or (config.save_every and self.step % config.save_every == 0)
         if config.save is None or not due:
             return
+
+        def save() -> None:
+            path = save_checkpoint(
+                config.save,
+                self.step,
+                self._checkpoint_parts(),
+                meta={"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp},
+            )
+            logger.info("saved %s", path)
+
+        self._on_rank_0(save, f"save the step-{self.step} checkpoint under {config.save}")
+
+    def _on_rank_0(self, work: Any, what: str) -> None:
+        """Run ``work()`` on rank 0; every rank raises if it failed (or they would wait forever)."""
         failure: BaseException | None = None
         if self.rank == 0:
             try:
-                path = save_checkpoint(
-                    config.save,
-                    self.step,
-                    self._checkpoint_parts(),
-                    meta={"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp},
-                )
-                logger.info("saved %s", path)
-            except Exception as err:  # every rank must learn of it, or they wait forever
+                work()
+            except Exception as err:
                 failure = err
         failed = self._max_over_ranks(int(failure is not None))
         if failure is not None:
             raise failure
         if failed:
-            raise CheckpointError(
-                f"rank 0 failed to save the step-{self.step} checkpoint under {config.save}"
-            )
+            raise CheckpointError(f"rank 0 failed to {what}")
 
     def _resume(self, path: str) -> None:
         step, parts, meta = load_checkpoint(path)
@@ -388,7 +412,9 @@ class Trainer:
             "num_parameters": self.model.num_parameters(),
             "parity": parity,
             "config": asdict(self.config),
-            "model": self.config.model.to_dict(),
+            "model": self.model.config.to_dict()
+            if self.tokenizer is not None
+            else self.config.model.to_dict(),
         }
 
 

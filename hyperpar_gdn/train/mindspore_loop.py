@@ -206,6 +206,12 @@ class MindSporeTrainer(Trainer):
         """The MindSpore model from the torch Trainer's initial weights (seeded by ``_build``), its
         replica with the optimizer, and the rank-0 copy for --check-parity."""
         config = self.config
+        if config.model_dir is not None:
+            raise NotImplementedError(
+                f"--model {config.model_dir}: training a transformers model directory runs on PyTorch "
+                "(HP_PLATFORM=cpu|cuda|npu); on MindSpore only the built-in model trains so far"
+            )
+        self.tokenizer = None
         initial = TorchHybridLM(config.model)
         self.model = HybridLM.from_torch(initial)
         self.replica = _Replica(self.model, config)

@@ -141,3 +141,16 @@ def test_not_a_model_directory(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match=r"model_type 'llama' is not a Qwen3.5 model"):
         TrainConfig(model_dir=str(tmp_path)).layout(2)
+
+
+def _straight_then_resumed(rank: int, world: int, options: dict[str, Any], root: str) -> list[list[float]]:
+    save = str(Path(root) / "ckpt")
+    straight = _train_and_export(rank, world, {**options, "save": save, "save_every": 5}, torch.zeros(1, 1, dtype=torch.int64))
+    resumed = _train_and_export(rank, world, {**options, "resume": save + "/step-5"}, torch.zeros(1, 1, dtype=torch.int64))
+    return [straight["losses"], resumed["losses"]]
+
+
+def test_save_and_resume(model_dir: Path, tmp_path: Path) -> None:
+    options = {"model_dir": str(model_dir), "cp_mode": "p2p", "seq_len": 64, "batch_size": 4, "steps": 10}
+    straight, resumed = run_ranks(_straight_then_resumed, 2, options, str(tmp_path), timeout_s=240)[0]
+    assert resumed == straight[5:]  # the very same steps 6..10

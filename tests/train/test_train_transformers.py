@@ -145,8 +145,12 @@ def test_not_a_model_directory(tmp_path: Path) -> None:
 
 def _straight_then_resumed(rank: int, world: int, options: dict[str, Any], root: str) -> list[list[float]]:
     save = str(Path(root) / "ckpt")
-    straight = _train_and_export(rank, world, {**options, "save": save, "save_every": 5}, torch.zeros(1, 1, dtype=torch.int64))
-    resumed = _train_and_export(rank, world, {**options, "resume": save + "/step-5"}, torch.zeros(1, 1, dtype=torch.int64))
+    straight = _train_and_export(
+        rank, world, {**options, "save": save, "save_every": 5}, torch.zeros(1, 1, dtype=torch.int64)
+    )
+    resumed = _train_and_export(
+        rank, world, {**options, "resume": save + "/step-5"}, torch.zeros(1, 1, dtype=torch.int64)
+    )
     return [straight["losses"], resumed["losses"]]
 
 

@@ -26,7 +26,7 @@ from .attention_style import GlobalKeyMask, SoftmaxAttentionContextParallel
 from .mesh import DeviceMesh, as_cp_mesh
 from .style import MODES, LinearAttentionContextParallel, refuse_unhandled
 
-__all__ = ["apply_context_parallel", "decoder_layers", "undo_context_parallel"]
+__all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
 
 TRANSFORMERS_TEXT_MODELS = ("Qwen3_5TextModel", "Qwen3_5MoeTextModel")
 TRANSFORMERS_MULTIMODAL_MODELS = ("Qwen3_5Model", "Qwen3_5MoeModel")
@@ -96,9 +96,10 @@ def undo_context_parallel(model: Any) -> Any:
     return model
 
 
-def decoder_layers(model: Any) -> list[Any]:
-    """The decoder layers of ``model`` (any model :func:`apply_context_parallel` serves)."""
-    return list(_find_text_model(model)[1].layers)
+def text_model_of(model: Any) -> Any:
+    """The module holding the decoder ``layers`` of ``model`` (any model
+    :func:`apply_context_parallel` serves)."""
+    return _find_text_model(model)[1]
 
 
 def _find_text_model(model: Any) -> tuple[Any, Any]:

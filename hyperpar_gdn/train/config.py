@@ -83,6 +83,8 @@ class TrainConfig:
         save: checkpoint root; ``step-N/`` directories go under it.
         save_every: also save every this many steps (0: only at the last step).
         resume: a ``step-N`` directory, or a root whose latest ``step-N`` is taken.
+        fsdp: shard parameters, gradients and optimizer state over all ranks (FSDP2).
+        ac: activation checkpointing: recompute each decoder layer in the backward.
         check_parity: rank 0 also trains a no-CP copy on the whole global batch and compares.
         parity_tol: the largest allowed per-step loss difference under ``check_parity``.
         log_every: print a step line every this many steps (and at the last step).
@@ -107,6 +109,8 @@ class TrainConfig:
     save: str | None = None
     save_every: int = 0
     resume: str | None = None
+    fsdp: bool = False
+    ac: bool = False
     check_parity: bool = False
     parity_tol: float = 1e-4
     log_every: int = 1
@@ -237,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--save", default=None, help="checkpoint root directory (step-N/ under it); None = no checkpoints")
     add("--save-every", type=int, default=defaults.save_every, help="save every N steps (0: at the end)")
     add("--resume", default=None, help="a step-N checkpoint directory, or a root (its latest step-N)")
+    add("--fsdp", action="store_true", help="shard parameters, gradients, optimizer state (FSDP2)")
+    add("--ac", action="store_true", help="activation checkpointing per decoder layer")
     add("--check-parity", action="store_true", help="compare every step's loss with a no-CP run on rank 0")
     add(
         "--parity-tol", type=float, default=defaults.parity_tol, help="max loss difference for --check-parity"

@@ -31,6 +31,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write
 from .config import TrainConfig
 from .data import BatchSampler, load_tokens, shard_batch
 from .log import logger, setup_logging
+from .sharding import apply_activation_checkpointing, apply_fsdp, full_state_dicts, load_full_state_dicts
 from .transformers_model import export_model_dir, load_model_dir
 
 SUPPORTED_PLATFORMS = ("cpu", "cuda", "npu")
@@ -115,6 +116,7 @@ class Trainer:
         self._build_model()
         if self.cp > 1:
             apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode)
+        self._apply_sharding()
         self.sampler = BatchSampler(
             load_tokens(config.data, self.tokenizer),
             seq_len=config.seq_len,
@@ -124,6 +126,14 @@ class Trainer:
         self.step = 0
         if config.resume is not None:
             self._resume(config.resume)
+
+    def _apply_sharding(self) -> None:
+        """Activation checkpointing and FSDP, after context parallelism (see :mod:`.sharding`)."""
+        if self.config.ac:
+            apply_activation_checkpointing(self.model)
+        if self.config.fsdp:
+            apply_fsdp(self.model, device_type=self.device.type, dp=self.dp)
+            self.optimizer = _adamw(self.model, self.config)  # over the sharded parameters
 
     def _build_model(self) -> None:
         """The model, the rank-0 copy for --check-parity and their optimizers."""
@@ -230,7 +240,7 @@ class Trainer:
 
     def _sync_gradients(self) -> None:
         """Sum the gradient shares over the CP group, then average over the DP groups."""
-        if self.cp == 1 and self.dp == 1:
+        if (self.cp == 1 and self.dp == 1) or self.config.fsdp:  # FSDP reduce-scatters them itself
             return
         params = list(self.model.parameters())
         flat = torch.cat(
@@ -253,11 +263,13 @@ class Trainer:
         if config.save is None or not due:
             return
 
+        parts = self._checkpoint_parts()  # every rank: gathering FSDP shards is collective
+
         def save() -> None:
             path = save_checkpoint(
                 config.save,
                 self.step,
-                self._checkpoint_parts(),
+                parts,
                 meta={"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp},
             )
             logger.info("saved %s", path)
@@ -310,9 +322,10 @@ class Trainer:
 
     def _checkpoint_parts(self) -> dict[str, Any]:
         """The named parts of a checkpoint (``torch.save``-able, tensors only for the loader)."""
+        model, optimizer = full_state_dicts(self.model, self.optimizer)
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "data": self.sampler.state_dict(),
             "train": {"step": self.step, "rng_cpu": torch.get_rng_state()},
         }
@@ -327,8 +340,7 @@ class Trainer:
             )
         for model, optimizer in ((self.model, self.optimizer), (self.reference, self.ref_optimizer)):
             if model is not None and optimizer is not None:
-                model.load_state_dict(parts["model"])
-                optimizer.load_state_dict(parts["optimizer"])
+                load_full_state_dicts(model, optimizer, parts["model"], parts["optimizer"])
 
     # --- reporting --------------------------------------------------------------------------------
     def _max_over_ranks(self, value: int) -> int:

@@ -202,6 +202,16 @@ class MindSporeTrainer(Trainer):
     def _unsupported(self, name: str) -> str:
         return f"MindSporeTrainer needs HP_PLATFORM=mindspore (got {name}); use Trainer for torch"
 
+    def _apply_sharding(self) -> None:
+        """``--ac``: every decoder block recomputes its forward in the backward (``Cell.recompute``)."""
+        if self.config.fsdp:
+            raise NotImplementedError(
+                "--fsdp is torch's FSDP2; on MindSpore parameters stay replicated (use --ac to save memory)"
+            )
+        if self.config.ac:
+            for block in self.model.layers:
+                block.recompute()
+
     def _build_model(self) -> None:
         """The MindSpore model from the torch Trainer's initial weights (seeded by ``_build``), its
         replica with the optimizer, and the rank-0 copy for --check-parity."""

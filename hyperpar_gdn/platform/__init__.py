@@ -115,12 +115,8 @@ def resolve_device_type(device_type: str) -> tuple[str, str | None]:
     framework = "MindSpore" if device_type == "mindspore" else f"torch on {device_type!r}"
     raise ValueError(
         f"device_type={device_type!r} does not match HP_PLATFORM={chosen!r} (torch on {chosen!r}): "
-        f"under it the valid device_type is {chosen!r}; for {framework} "
-        + (
-            "set HP_PLATFORM=mindspore or unset it"
-            if device_type == "mindspore"
-            else f"set HP_PLATFORM={device_type} or unset it"
-        )
+        f"under it the valid device_type is {chosen!r}; for {framework} set HP_PLATFORM={device_type} "
+        "or unset it"
     )
 
 

@@ -69,7 +69,9 @@ class LayerShape:
 def expected_bytes(mode: str, shape: LayerShape, *, seq_len: int, cp: int, rank: int, itemsize: int) -> int:
     """Bytes this rank sends in one forward+backward, from DESIGN.md section 3.
 
-    ulysses: two all-to-alls each way, (cp-1)/cp of the local rows leave the rank.
+    Every mode: the shard lengths, one int64 to each other rank per forward.
+    ulysses: two all-to-alls each way; rank j receives the conv channels of its value heads and
+    of the q/k heads they use (docs/modes.md).
     p2p: one fp32 state [B, H, K, V] forward (not from the last rank) and one backward (not from
     rank 0), plus the conv halo (W-1 tokens of C channels) each way.
     all_gather: the packed fp32 summary [B, H, K, V+K] to cp-1 peers forward, and its gradient
@@ -79,16 +81,24 @@ def expected_bytes(mode: str, shape: LayerShape, *, seq_len: int, cp: int, rank:
         return 0
     s = shape
     t_local = seq_len // cp
+    lengths = 8 * (cp - 1)
     if mode == "ulysses":
-        rows = s.batch * t_local * (s.conv_dim + 2 * s.num_v_heads + s.value_dim)
-        return 2 * rows * (cp - 1) // cp * itemsize
+        hv, groups = s.num_v_heads // cp, s.num_v_heads // s.num_k_heads
+        widths = [  # per rank j: its q/k heads' channels, its value heads' channels, beta and decay
+            2 * s.head_k_dim * (((j + 1) * hv - 1) // groups - (j * hv) // groups + 1)
+            + hv * (s.head_v_dim + 2)
+            for j in range(cp)
+        ]
+        first = t_local * (sum(widths) - widths[rank]) + (seq_len - t_local) * widths[rank]
+        second = (seq_len - t_local + (cp - 1) * t_local) * hv * s.head_v_dim
+        return s.batch * (first + second) * itemsize + lengths
     halo = s.batch * (s.conv_kernel_size - 1) * s.conv_dim * itemsize
     halo_bytes = halo * ((rank < cp - 1) + (rank > 0))  # forward to rank+1, gradient to rank-1
     state = s.batch * s.num_v_heads * s.head_k_dim * s.head_v_dim * 4
     if mode == "p2p":
-        return halo_bytes + state * ((rank < cp - 1) + (rank > 0))
+        return halo_bytes + state * ((rank < cp - 1) + (rank > 0)) + lengths
     packed = s.batch * s.num_v_heads * s.head_k_dim * (s.head_v_dim + s.head_k_dim) * 4
-    return halo_bytes + 2 * packed * (cp - 1)
+    return halo_bytes + 2 * packed * (cp - 1) + lengths
 
 
 def _rank_main(rank: int, cp: int, port: int, threads: int, job: dict[str, Any], queue: Any) -> None:

@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from hyperpar_gdn.platform import PLATFORMS, Group, Platform, get_platform
+from hyperpar_gdn.platform import Group, Platform, get_platform, platform_for_device
 
 __all__ = ["DeviceMesh", "as_cp_mesh", "init_device_mesh"]
 
@@ -200,20 +200,24 @@ def init_device_mesh(
     the default process group first if the platform has not (as torch's ``init_device_mesh``).
 
     Args:
-        device_type: ``"cpu"``, ``"cuda"``, ``"npu"`` or ``"mindspore"``: the platform to use.
+        device_type: the hardware, ``"cpu"``, ``"cuda"`` or ``"npu"``; ``HP_PLATFORM`` names the
+            framework. Without it, torch with gloo / NCCL / HCCL; under ``HP_PLATFORM=mindspore``,
+            ``"cpu"`` is MindSpore with MCCL and ``"npu"`` MindSpore on Ascend with HCCL.
+            ``"mindspore"`` is MindSpore on its current device target. A device the chosen
+            framework cannot serve (``"cuda"`` under ``HP_PLATFORM=mindspore``, ``"npu"`` under
+            ``HP_PLATFORM=cpu``) is a ``ValueError`` (see
+            :func:`hyperpar_gdn.platform.resolve_device_type`).
         mesh_shape: ranks per mesh dim; their product must equal the world size.
         mesh_dim_names: one distinct name per mesh dim.
 
     Every process creates every group (``len(mesh_shape)`` families of ``world / size(dim)``
     groups), dim by dim, in row-major order.
     """
-    if device_type not in PLATFORMS:
-        raise ValueError(f"device_type={device_type!r} is unknown; valid values are {', '.join(PLATFORMS)}")
     shape = tuple(mesh_shape)
     if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"mesh_shape={shape} must be a non-empty sequence of positive ints")
     names = _check_names(mesh_dim_names, shape)
-    platform = get_platform(device_type)
+    platform = platform_for_device(device_type)
     world = platform.world_size()
     if math.prod(shape) != world:
         raise ValueError(f"mesh_shape={shape} holds {math.prod(shape)} ranks but the world size is {world}")

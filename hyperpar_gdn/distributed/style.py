@@ -10,9 +10,9 @@ from typing import Any
 from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gdn_layer_forward
 from hyperpar_gdn.platform import Tensor
 
-from .cp.common import CPGroup, LayerCall
+from .cp.common import CPGroup, LayerCall, shard_lengths
 from .cp.state_passing import state_passing_forward
-from .cp.ulysses import ulysses_forward
+from .cp.ulysses import ulysses_forward, ulysses_head_error
 from .dtensor import DTensor
 from .mesh import as_cp_mesh
 
@@ -61,8 +61,9 @@ class LinearAttentionContextParallel(ParallelStyle):
     """Context parallelism for a Qwen3.5 Gated DeltaNet layer.
 
     After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard of the
-    sequence, ``[B, T/cp, hidden]`` (rank r of the mesh holds tokens [r*T/cp, (r+1)*T/cp)), and
-    gives exactly the single-device result. Parameters are untouched (state dict and optimizer
+    sequence, ``[B, T_r, hidden]`` (rank r of the mesh holds the r-th contiguous piece of the
+    sequence, usually T/cp tokens; the pieces may differ in length), and gives exactly the
+    single-device result. Parameters are untouched (state dict and optimizer
     as before); their gradients are this rank's share (sum them over the CP ranks, as data
     parallelism does). ``undo(module)`` restores the original forward.
 
@@ -70,7 +71,7 @@ class LinearAttentionContextParallel(ParallelStyle):
     (without a cache) and on the MindSpore layer.
 
     Args:
-        mode: ``"ulysses"`` (head parallel, two all-to-alls; heads divisible by cp),
+        mode: ``"ulysses"`` (head parallel, two all-to-alls; num_v_heads divisible by cp),
             ``"p2p"`` (state passing along a chain) or ``"all_gather"`` (one all-gather of
             fp32 state summaries). See docs/modes.md.
         chunk_size: tokens per chunk of the gated delta rule.
@@ -96,11 +97,9 @@ class LinearAttentionContextParallel(ParallelStyle):
         cp_mesh = as_cp_mesh(mesh)
         dims = LayerDims.of(module)
         cp = cp_mesh.size()
-        if self.mode == "ulysses" and (dims.num_k_heads % cp or dims.num_v_heads % cp):
-            raise ValueError(
-                f"mode='ulysses' splits heads over cp={cp}: num_k_heads={dims.num_k_heads} and "
-                f"num_v_heads={dims.num_v_heads} must both be divisible by it; use mode='p2p' or 'all_gather'"
-            )
+        head_error = ulysses_head_error(dims, cp) if self.mode == "ulysses" else None
+        if head_error is not None:
+            raise ValueError(head_error)
         platform = cp_mesh.platform
         group = CPGroup(
             xp=platform.ops,
@@ -127,14 +126,19 @@ class LinearAttentionContextParallel(ParallelStyle):
         if isinstance(attention_mask, DTensor):
             attention_mask = attention_mask.to_local()
         dims = LayerDims.of(module)
-        _check_shard(self.mode, dims, cp, x, attention_mask)
+        error = _shard_error(dims, x, attention_mask)
         call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
         if cp.size == 1:
+            if error is not None:
+                raise ValueError(error)
             y = gdn_layer_forward(cp.xp, call.weights, dims, x, attention_mask, chunk_size=self.chunk_size)
-        elif self.mode == "ulysses":
-            y = ulysses_forward(cp, call, x, attention_mask)
         else:
-            y = state_passing_forward(self.mode, cp, call, x, attention_mask)
+            lengths = shard_lengths(cp, 0 if error else x.shape[1], error)  # raises on every rank
+            _check_lengths(self.mode, dims, lengths)
+            if self.mode == "ulysses":
+                y = ulysses_forward(cp, call, x, attention_mask, lengths)
+            else:
+                y = state_passing_forward(self.mode, cp, call, x, attention_mask)
         return y if placements is None else DTensor.from_local(y, mesh, placements)
 
 
@@ -172,18 +176,29 @@ def _signature_binder(forward: Callable) -> Callable[..., Tensor | None]:
     return bind
 
 
-def _check_shard(mode: str, dims: LayerDims, cp: CPGroup, x: Tensor, attention_mask: Tensor | None) -> None:
-    """Local checks, identical on every rank with the same shapes, before any communication."""
+def _shard_error(dims: LayerDims, x: Tensor, attention_mask: Tensor | None) -> str | None:
+    """What is wrong with this rank's own input, or None (checked before any communication)."""
     shape = tuple(x.shape)
     if len(shape) != 3 or shape[-1] != dims.hidden_size:
-        raise ValueError(f"the local shard must be [B, T/cp, hidden_size={dims.hidden_size}]; got {shape}")
-    halo = dims.conv_kernel_size - 1
-    if mode != "ulysses" and cp.size > 1 and shape[1] < halo:
-        raise ValueError(
-            f"mode={mode!r}: the local shard has T/cp={shape[1]} tokens, fewer than the conv halo "
-            f"W-1={halo} (conv_kernel_size={dims.conv_kernel_size}); use fewer ranks or a longer sequence"
-        )
+        return f"the local shard must be [B, T/cp, hidden_size={dims.hidden_size}]; got {shape}"
     if attention_mask is not None and tuple(attention_mask.shape) != shape[:2]:
+        return f"attention_mask must be this rank's shard [B, T/cp] = {shape[:2]}; got {tuple(attention_mask.shape)}"
+    return None
+
+
+def _check_lengths(mode: str, dims: LayerDims, lengths: list[int]) -> None:
+    """Rules on every rank's token count; the same ValueError on every rank (all know the counts)."""
+    halo = dims.conv_kernel_size - 1
+    need = 1 if mode == "ulysses" else max(halo, 1)
+    for rank, t in enumerate(lengths):
+        if t >= need:
+            continue
+        if mode == "ulysses":
+            raise ValueError(
+                f"mode='ulysses': the shard of CP rank {rank} is empty; every shard needs a token"
+            )
         raise ValueError(
-            f"attention_mask must be this rank's shard [B, T/cp] = {shape[:2]}; got {tuple(attention_mask.shape)}"
+            f"mode={mode!r}: the shard of CP rank {rank} has T/cp={t} tokens, fewer than the conv halo "
+            f"W-1={halo} (conv_kernel_size={dims.conv_kernel_size}); every shard needs at least {need}: "
+            "use fewer ranks or a longer sequence"
         )

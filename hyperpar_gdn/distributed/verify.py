@@ -8,6 +8,7 @@ gradients summed over the CP ranks against the reference.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ def compare_with_reference(
     attention_mask: np.ndarray | None = None,
     dtype: str = "float32",
     reference_dtype: str | None = None,
+    shard_lengths: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """Relative errors of the CP ``layer`` against ``reference`` (same weights, no CP).
 
@@ -42,15 +44,20 @@ def compare_with_reference(
     sequence, identical on every rank; ``attention_mask`` ``[B, T]``. ``layer`` must already have
     context parallelism applied on ``mesh`` (its CP axis; with one rank, ``mesh`` only needs
     ``get_local_rank()`` and ``size()``). ``reference_dtype`` (default ``dtype``)
-    runs the reference in another precision, e.g. float64 as the truth for a float32 layer. Returns ``{"output": e, "grad_input":
-    e, "grad_<param>": e, ...}``.
+    runs the reference in another precision, e.g. float64 as the truth for a float32 layer.
+    ``shard_lengths`` (one per rank, summing to T) gives rank r the r-th contiguous piece of that
+    length; default T/cp each. Returns ``{"output": e, "grad_input": e, "grad_<param>": e, ...}``.
     """
     rank, size = mesh.get_local_rank(), mesh.size()
     t = x.shape[1]
-    if t % size:
-        raise ValueError(f"T={t} is not divisible by cp={size}")
-    t_local = t // size
-    local = slice(rank * t_local, (rank + 1) * t_local)
+    if shard_lengths is None:
+        if t % size:
+            raise ValueError(f"T={t} is not divisible by cp={size}")
+        shard_lengths = [t // size] * size
+    if len(shard_lengths) != size or sum(shard_lengths) != t or min(shard_lengths) < 0:
+        raise ValueError(f"shard_lengths={list(shard_lengths)} must be {size} counts >= 0 summing to T={t}")
+    start = sum(shard_lengths[:rank])
+    local = slice(start, start + shard_lengths[rank])
 
     def run(module: Any, x_np: np.ndarray, cot_np: np.ndarray, mask_np: np.ndarray | None, dtype: str):
         mask = None if mask_np is None else platform.from_numpy(mask_np, dtype=dtype)

@@ -4,6 +4,16 @@
 ``mindspore``) or, when unset, the first one available (cuda, then npu if ``torch_npu`` is
 installed, then cpu). ``ops_for(tensor)`` returns the tensor functions for a tensor's framework,
 so the maths in :mod:`hyperpar_gdn.ops` runs on whichever tensors it is given.
+
+``platform_for_device(device_type)`` serves ``init_device_mesh``: ``HP_PLATFORM`` names the
+framework and ``device_type`` the hardware (DESIGN.md section 9):
+
+| HP_PLATFORM | valid device_type | platform |
+| --- | --- | --- |
+| unset | ``cpu`` / ``cuda`` / ``npu`` | torch with gloo / NCCL / HCCL |
+| unset | ``mindspore`` | MindSpore on its current device target |
+| ``cpu``, ``cuda``, ``npu`` | the same name | torch on that device |
+| ``mindspore`` | ``cpu`` / ``npu`` / ``mindspore`` | MindSpore on CPU (MCCL) / Ascend (HCCL) / its current target |
 """
 
 from __future__ import annotations
@@ -27,7 +37,9 @@ __all__ = [
     "TensorOps",
     "get_platform",
     "ops_for",
+    "platform_for_device",
     "platform_name",
+    "resolve_device_type",
 ]
 
 
@@ -50,15 +62,24 @@ def platform_name() -> str:
     return "cpu"
 
 
-@cache
-def _make_platform(name: str) -> Platform:
-    if name == "mindspore":
-        from .mindspore_platform import MindSporePlatform
+# One platform instance per name (a process joins one MindSpore world, on one device target).
+_INSTANCES: dict[str, Platform] = {}
+_MINDSPORE_TARGETS = {"cpu": "CPU", "npu": "Ascend"}
 
-        return MindSporePlatform()
-    from .torch_platform import TorchPlatform
 
-    return TorchPlatform(name)
+def _make_platform(name: str, device_target: str | None = None) -> Platform:
+    platform = _INSTANCES.get(name)
+    if platform is None:
+        if name == "mindspore":
+            from .mindspore_platform import MindSporePlatform
+
+            platform = MindSporePlatform(device_target)
+        else:
+            from .torch_platform import TorchPlatform
+
+            platform = TorchPlatform(name)
+        _INSTANCES[name] = platform
+    return platform
 
 
 def get_platform(name: str | None = None) -> Platform:
@@ -66,6 +87,53 @@ def get_platform(name: str | None = None) -> Platform:
     if name is not None and name not in PLATFORMS:
         raise ValueError(f"platform {name!r} is unknown; valid values are {', '.join(PLATFORMS)}")
     return _make_platform(name or platform_name())
+
+
+def resolve_device_type(device_type: str) -> tuple[str, str | None]:
+    """``(platform name, MindSpore device target or None)`` for a mesh of ``device_type`` under
+    ``HP_PLATFORM`` (see the module docstring's table). Reads only the environment.
+
+    Raises ``ValueError`` naming ``device_type``, ``HP_PLATFORM`` and the valid device types when
+    the framework that ``HP_PLATFORM`` chooses cannot serve ``device_type``."""
+    if device_type not in PLATFORMS:
+        raise ValueError(f"device_type={device_type!r} is unknown; valid values are {', '.join(PLATFORMS)}")
+    chosen = os.environ.get("HP_PLATFORM", "").strip().lower()
+    if chosen:
+        chosen = platform_name()  # validates the value
+    if chosen == "mindspore":
+        if device_type == "mindspore":
+            return "mindspore", None
+        if device_type in _MINDSPORE_TARGETS:
+            return "mindspore", _MINDSPORE_TARGETS[device_type]
+        raise ValueError(
+            f"device_type={device_type!r} cannot be served under HP_PLATFORM='mindspore': MindSpore runs "
+            "on device_type 'cpu' (MCCL), 'npu' (Ascend, HCCL) or 'mindspore' (its current device target); "
+            f"for torch on {device_type!r} unset HP_PLATFORM or set HP_PLATFORM={device_type}"
+        )
+    if not chosen or chosen == device_type:
+        return device_type, None
+    framework = "MindSpore" if device_type == "mindspore" else f"torch on {device_type!r}"
+    raise ValueError(
+        f"device_type={device_type!r} does not match HP_PLATFORM={chosen!r} (torch on {chosen!r}): "
+        f"under it the valid device_type is {chosen!r}; for {framework} set HP_PLATFORM={device_type} "
+        "or unset it"
+    )
+
+
+def platform_for_device(device_type: str) -> Platform:
+    """The platform that builds a mesh of ``device_type`` (:func:`resolve_device_type`).
+
+    MindSpore serves one device target per process: asking for another one than the MindSpore
+    platform already has is a ``ValueError``."""
+    name, target = resolve_device_type(device_type)
+    platform = _make_platform(name, target)
+    have = getattr(platform, "device_target", None)
+    if target is not None and have != target:
+        raise ValueError(
+            f"device_type={device_type!r} needs MindSpore on {target!r}, but this process's MindSpore "
+            f"platform runs on {have!r}; one process serves one MindSpore device target"
+        )
+    return platform
 
 
 @cache

@@ -207,6 +207,11 @@ class Collectives(ABC):
         The gradient is reduce-scattered back to its owner."""
 
     @abstractmethod
+    def all_gather_int(self, value: int, group: Group) -> list[int]:
+        """Every group rank's ``value`` (a Python int), in group rank order; not differentiable.
+        One int64 per rank: for sizes that differ between ranks (a rank's local sequence length)."""
+
+    @abstractmethod
     def shift_right(self, x: Tensor, group: Group) -> Tensor:
         """Send ``x`` to the next rank and return what the previous rank sent (zeros on rank 0;
         the last rank's ``x`` goes nowhere). The gradient travels the opposite way."""

@@ -20,6 +20,7 @@ What each collective is built from (measured on CPU, see DESIGN.md section 4 and
   which has none, an even ``all_to_all`` of the gradient followed by a sum over senders in group
   rank order (deterministic, as the torch platform's).
 - ``shift_right``: one ``isend`` to the next rank and one ``irecv`` from the previous one.
+- ``all_gather_int``: the list ``all_gather`` of one int64 per rank (not differentiable).
 - ``all_reduce_sum``: an all-gather and a sum in group rank order (MCCL's AllReduce fails on
   float64); it returns a NEW tensor and leaves ``x`` unchanged (see the method).
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 import mindspore.ops.communication as comm_ops
+import numpy as np
 from mindspore import nn, ops
 
 from .base import CollectiveError, Collectives, Group, check_all_to_all_splits
@@ -178,6 +180,12 @@ class MindSporeCollectives(Collectives):
         their gradient for slice r."""
         g, _ = self._resolve(group, "all_gather")
         return _AllGatherCell(self, g)(x)
+
+    def all_gather_int(self, value: int, group: Group | None) -> list[int]:
+        """Every group rank's ``value``, in group rank order (one int64 each; not differentiable)."""
+        g, _ = self._resolve(group, "all_gather_int")
+        gathered = self._all_gather(ms.Tensor(np.array([int(value)], dtype=np.int64)), g)
+        return [int(v) for v in gathered.asnumpy().ravel()]
 
     def shift_right(self, x: ms.Tensor, group: Group | None) -> ms.Tensor:
         """Send ``x`` (same shape on every rank) to group rank + 1 and return what group rank - 1

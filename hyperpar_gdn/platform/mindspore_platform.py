@@ -148,6 +148,8 @@ class MindSporePlatform(Platform):
                 "this platform was destroyed: start a new process"
             )
         ms.set_context(mode=ms.PYNATIVE_MODE)
+        if self.device_target == "CPU" and str(ms.get_context("device_target")) != "CPU":
+            ms.set_device("CPU")  # init_device_mesh("cpu") on a machine whose default is Ascend
         enable_launch_blocking()
         role = os.environ.get("MS_ROLE", "").strip()
         rank_table = os.environ.get("RANK_TABLE_FILE", "").strip()

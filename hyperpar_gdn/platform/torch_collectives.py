@@ -25,6 +25,7 @@ every transfer went directly from sender to receiver, counted in forward and bac
   ``x.nbytes * (world - 1)`` too: the gradient slices that belong to other ranks.
 - ``shift_right``: ``x.nbytes`` on every rank but the last; its backward counts ``grad.nbytes`` on
   every rank but the first.
+- ``all_gather_int``: 8 bytes (one int64) per other rank.
 - ``send``: ``x.nbytes``; ``recv``: nothing; ``barrier``: nothing.
 - ``all_reduce_sum``: ``x.nbytes * (world - 1)``.
 
@@ -133,6 +134,9 @@ class TorchCollectives(Collectives):
         # gloo applies the process-group timeout to collectives but not to point-to-point waits;
         # the platform sets this so that a missing peer fails every wait in time
         self.timeout: timedelta | None = None
+        # where the collectives create their own tensors (all_gather_int); NCCL and HCCL need the
+        # process's accelerator, which the platform sets when it joins the group
+        self.device = torch.device("cpu")
 
     # --- differentiable ---------------------------------------------------------------------------
     def all_to_all(
@@ -158,6 +162,16 @@ class TorchCollectives(Collectives):
         their gradient for slice r."""
         _rank_and_size(group, "all_gather")
         return _AllGather.apply(x, group, self)
+
+    def all_gather_int(self, value: int, group: Group | None) -> list[int]:
+        """Every group rank's ``value``, in group rank order (one int64 each; not differentiable)."""
+        _, world = _rank_and_size(group, "all_gather_int")
+        mine = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        out = torch.empty(world, dtype=torch.int64, device=self.device)
+        with _named("all_gather_int", group):
+            _all_gather_single(out, mine, group=group)
+        self.bytes_sent += 8 * (world - 1)
+        return [int(v) for v in out.tolist()]
 
     def shift_right(self, x: torch.Tensor, group: Group | None) -> torch.Tensor:
         """Send ``x`` (same shape on every rank) to group rank + 1 and return what group rank - 1

@@ -121,6 +121,7 @@ class TorchPlatform(Platform):
         self._set_device()
         timeout = timedelta(seconds=timeout_s)
         self.collectives.timeout = timeout  # point-to-point waits honour it too
+        self.collectives.device = self.device
         present = [var for var in _LAUNCH_VARS if os.environ.get(var, "").strip()]
         device_id = self.device if self.name == "cuda" else None
         if len(present) == len(_LAUNCH_VARS) and store is not None:

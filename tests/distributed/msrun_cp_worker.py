@@ -6,9 +6,10 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 
 - ``collectives`` (tests/platform/test_mindspore_platform.py): raw values and gradients of every
   differentiable collective, ``send``/``recv``, ``all_reduce_sum``, byte counts, subgroups;
-- ``cp`` (tests/distributed/test_context_parallel_mindspore.py): every mode on every case against
-  the single-device MindSpore layer and the torch layer with the same weights (output shard,
-  input-gradient shard, parameter gradients summed over ranks);
+- ``cp`` (tests/distributed/test_context_parallel_mindspore.py): on the mesh of
+  ``init_device_mesh("cpu", ...)`` (MindSpore under ``HP_PLATFORM=mindspore``), every mode on every
+  case against the single-device MindSpore layer and the torch layer with the same weights (output
+  shard, input-gradient shard, parameter gradients summed over ranks);
 - ``bad_input``: the (type, message) of each bad call on every rank, compared with torch's;
 - ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
   ``hyperpar_gdn.distributed.verify.compare_with_reference``;
@@ -64,19 +65,35 @@ class Case:
     seq_len: int
     masked: bool = False
     dtype: str = "float32"
+    uneven: bool = False  # shards of different lengths (UNEVEN_SHARDS), else T/cp each
 
     def __str__(self) -> str:
-        return f"Hk{self.num_k_heads}-H{self.num_v_heads}-T{self.seq_len}{'-mask' if self.masked else ''}-{self.dtype}"
+        uneven = "-uneven" if self.uneven else ""
+        return f"Hk{self.num_k_heads}-H{self.num_v_heads}-T{self.seq_len}{'-mask' if self.masked else ''}-{self.dtype}{uneven}"
 
 
 # The torch CP test's cases (tests/distributed/test_context_parallel.py) less bf16, which MindSpore
 # cannot run on CPU (no bf16 matmul kernel), plus a float64 case that must agree to rounding.
 CASES = (
     Case(4, 4, 96),  # local T 48 or 24: not a multiple of the 64 chunk
-    Case(2, 4, 200),  # GQA, T/cp = 100 or 50; ulysses cannot split 2 key heads over 4 ranks
+    Case(2, 4, 200),  # GQA, T/cp = 100 or 50; at cp=4 ulysses gives ranks 0 and 1 the same q/k head
     Case(4, 8, 160, masked=True),  # padding mask
     Case(4, 4, 64, dtype="float64"),
+    Case(2, 4, 100, dtype="float64", uneven=True),  # uneven all-to-all splits, 3-token shards
 )
+UNEVEN_SHARDS = {100: {2: (29, 71), 4: (3, 40, 54, 3)}}
+
+
+def shard_bounds(case: Case, world: int, rank: int) -> slice:
+    """The tokens of ``rank``: T/cp each, or the case's uneven shard lengths."""
+    lengths = UNEVEN_SHARDS[case.seq_len][world] if case.uneven else (case.seq_len // world,) * world
+    start = sum(lengths[:rank])
+    return slice(start, start + lengths[rank])
+
+
+def ulysses_splits(case: Case, world: int) -> bool:
+    """Ulysses needs the value heads divisible by cp (q/k heads follow their value heads)."""
+    return case.num_v_heads % world == 0
 
 
 def torch_layer(case: Case, hidden: int = HIDDEN) -> Any:
@@ -158,9 +175,9 @@ def _errors(actual: Triple, expected: Triple, local: slice) -> dict[str, float]:
 def section_cp(platform: Platform, world: int) -> dict[str, Any]:
     from hyperpar_gdn.models.mindspore import GatedDeltaNet
 
-    mesh = init_device_mesh("mindspore", (world,), mesh_dim_names=("cp",))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))  # MindSpore under HP_PLATFORM
     rank, group = mesh.get_local_rank(), mesh.get_group()
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"mesh": [mesh.device_type, mesh.platform.name, mesh.platform is platform]}
     for case in CASES:
         layer_t = torch_layer(case)
         x, cot, mask = case_inputs(case)
@@ -177,14 +194,11 @@ def section_cp(platform: Platform, world: int) -> dict[str, Any]:
             truth_case = Case(case.num_k_heads, case.num_v_heads, case.seq_len, case.masked, "float64")
             truth = torch_reference(torch_layer(truth_case), x, cot, mask, "float64")
         results[f"{case}/single_device_vs_truth"] = _errors(ref_m, truth, slice(None))
-        t_local = case.seq_len // world
-        local = slice(rank * t_local, (rank + 1) * t_local)
+        local = shard_bounds(case, world, rank)
         for mode in MODES:
             key = f"{case}/{mode}"
-            if mode == "ulysses" and (case.num_k_heads % world or case.num_v_heads % world):
-                results[key] = {
-                    "skipped": f"heads {case.num_k_heads}/{case.num_v_heads} not divisible by {world}"
-                }
+            if mode == "ulysses" and not ulysses_splits(case, world):
+                results[key] = {"skipped": f"num_v_heads={case.num_v_heads} not divisible by {world}"}
                 continue
             layer = LinearAttentionContextParallel(mode=mode).apply(GatedDeltaNet.from_torch(layer_t), mesh)
             platform.collectives.reset_bytes()
@@ -393,6 +407,9 @@ def section_collectives(platform: Platform, world: int) -> dict[str, Any]:
         cot = platform.from_numpy(np.full((2,), 10.0 * (rank + 1)), dtype=dtype)
         value, dx = grad_of(lambda inp: comm.shift_right(inp, None), x, cot)
         out[f"shift_right/{dtype}"] = {"out": np_(value), "dx": np_(dx), "bytes": comm.reset_bytes()}
+
+    comm.reset_bytes()
+    out["all_gather_int"] = {"values": comm.all_gather_int(10 * rank + 3, None), "bytes": comm.reset_bytes()}
 
     # zero rows everywhere, and an empty gather
     empty = platform.from_numpy(np.zeros((0, 3)))

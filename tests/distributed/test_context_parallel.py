@@ -1,5 +1,6 @@
 """Every CP mode equals the single-device layer: output shard, input-gradient shard and every
-parameter gradient (summed over ranks), on real gloo process groups."""
+parameter gradient (summed over ranks), on real gloo process groups; also with shards of
+different lengths, and ulysses with q/k heads that cp does not divide."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ class Case:
     seq_len: int
     masked: bool = False
     dtype: str = "float32"
+    shards: tuple[int, ...] | None = None  # tokens per rank; None: T/cp each
 
     def __str__(self) -> str:
-        return f"Hk{self.num_k_heads}-H{self.num_v_heads}-T{self.seq_len}{'-mask' if self.masked else ''}-{self.dtype}"
+        shards = "" if self.shards is None else "-shards" + "_".join(map(str, self.shards))
+        return f"Hk{self.num_k_heads}-H{self.num_v_heads}-T{self.seq_len}{'-mask' if self.masked else ''}-{self.dtype}{shards}"
 
 
 CASES = (
@@ -86,7 +89,7 @@ def _check_mode(
     for case in cases:
         layer = LinearAttentionContextParallel(mode=mode).apply(_layer(case, hidden), mesh)
         x, cot, mask = _inputs(case, hidden)
-        kwargs = {"attention_mask": mask, "dtype": case.dtype}
+        kwargs = {"attention_mask": mask, "dtype": case.dtype, "shard_lengths": case.shards}
         result = {
             "same": compare_with_reference(platform, mesh, layer, _layer(case, hidden), x, cot, **kwargs)
         }
@@ -123,4 +126,48 @@ def test_mode_matches_single_device(mode: str, world: int) -> None:
                     for k, v in same.items()
                     if not (v <= TOL["float32"] or cp_truth[k] <= 2 * single_truth[k])
                 }
+            assert not bad, f"rank {rank} {case}: {bad}"
+
+
+# ulysses gives rank r the value heads of its group and the q/k heads they use: only num_v_heads
+# needs to divide cp. Hk6-H12 at cp=4 gives rank 0 value heads 0-2 on q/k heads 0, 0, 1.
+GROUPED = {
+    2: (Case(1, 2, 136, dtype="float64"), Case(3, 6, 136, dtype="float64")),
+    4: (Case(2, 4, 136, dtype="float64"), Case(6, 12, 136, dtype="float64")),
+}
+# shards of different lengths: not multiples of the 64 chunk, and ranks holding only the conv
+# halo (3 tokens), first, inside and last in the chain
+UNEVEN = {
+    2: (
+        Case(4, 8, 136, dtype="float64", shards=(37, 99)),
+        Case(2, 4, 100, masked=True, dtype="float64", shards=(97, 3)),
+    ),
+    4: (
+        Case(4, 8, 136, dtype="float64", shards=(3, 70, 5, 58)),
+        Case(2, 4, 150, masked=True, dtype="float64", shards=(64, 3, 80, 3)),
+    ),
+}
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"cp{w}")
+def test_ulysses_splits_value_heads_when_cp_does_not_divide_key_heads(world: int) -> None:
+    cases = GROUPED[world]
+    assert all(c.num_k_heads % world and not c.num_v_heads % world for c in cases)
+    for rank, per_case in enumerate(run_ranks(_check_mode, world, "ulysses", cases, timeout_s=240)):
+        for case in cases:
+            same = per_case[str(case)]["same"]
+            assert len(same) == 2 + 9, same
+            bad = {k: v for k, v in same.items() if not v <= TOL["float64"]}
+            assert not bad, f"rank {rank} {case}: {bad}"
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"cp{w}")
+@pytest.mark.parametrize("mode", MODES)
+def test_shards_of_different_lengths(mode: str, world: int) -> None:
+    cases = UNEVEN[world]
+    for rank, per_case in enumerate(run_ranks(_check_mode, world, mode, cases, timeout_s=240)):
+        for case in cases:
+            same = per_case[str(case)]["same"]
+            assert len(same) == 2 + 9, same
+            bad = {k: v for k, v in same.items() if not v <= TOL["float64"]}
             assert not bad, f"rank {rank} {case}: {bad}"

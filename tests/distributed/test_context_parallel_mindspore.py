@@ -1,6 +1,8 @@
-"""Every CP mode under MindSpore (MCCL on CPU, msrun with 2 and 4 workers) equals the single-device
+"""Every CP mode under MindSpore (MCCL on CPU, msrun with 2 and 4 workers, the mesh of
+``init_device_mesh("cpu", ...)`` under ``HP_PLATFORM=mindspore``) equals the single-device
 MindSpore layer and the torch layer with the same weights: output shard, input-gradient shard and
-every parameter gradient summed over the ranks. Bad input raises torch's ValueErrors on every rank.
+every parameter gradient summed over the ranks, also with shards of different lengths and with
+ulysses giving a q/k head to several ranks. Bad input raises torch's ValueErrors on every rank.
 
 The msrun jobs are shared with tests/platform/test_mindspore_platform.py (one job per world size,
 see ``msrun_harness.cp_worker_job``); the torch side of the comparisons runs on forked gloo ranks.
@@ -30,10 +32,6 @@ TOL = {"float32": 1e-4, "float64": 1e-10}
 ERROR_KEYS = {"output", "grad_input", *(f"grad_{name}" for name in worker.PARAMS)}
 
 
-def _heads_split(case: worker.Case, world: int) -> bool:
-    return case.num_k_heads % world == 0 and case.num_v_heads % world == 0
-
-
 def _too_far(
     errors: dict[str, float], tol: float, cp_truth: dict[str, float], single_truth: dict[str, float]
 ) -> dict[str, float]:
@@ -50,9 +48,10 @@ def test_mode_matches_single_device_and_torch(mode: str, world: int) -> None:
     per_rank = section_data(cp_worker_job(world), "cp")
     assert len(per_rank) == world
     for rank, results in enumerate(per_rank):
+        assert results["mesh"] == ["cpu", "mindspore", True], results["mesh"]
         for case in worker.CASES:
             entry = results[f"{case}/{mode}"]
-            if mode == "ulysses" and not _heads_split(case, world):
+            if mode == "ulysses" and not worker.ulysses_splits(case, world):
                 assert "skipped" in entry, (
                     f"rank {rank} {case}: ulysses ran with heads not divisible by {world}"
                 )
@@ -82,11 +81,10 @@ def _torch_bytes(rank: int, world: int, case: worker.Case) -> dict[str, int]:
     platform = get_platform()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     x, cot, mask = worker.case_inputs(case)
-    t_local = case.seq_len // world
-    local = slice(rank * t_local, (rank + 1) * t_local)
+    local = worker.shard_bounds(case, world, rank)
     sent = {}
     for mode in worker.MODES:
-        if mode == "ulysses" and not _heads_split(case, world):
+        if mode == "ulysses" and not worker.ulysses_splits(case, world):
             continue
         layer = LinearAttentionContextParallel(mode=mode).apply(worker.torch_layer(case), mesh)
         platform.collectives.reset_bytes()
@@ -98,9 +96,9 @@ def _torch_bytes(rank: int, world: int, case: worker.Case) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
-def test_bytes_sent_match_torch(world: int) -> None:
+@pytest.mark.parametrize("case", [worker.CASES[0], worker.CASES[-1]], ids=str)
+def test_bytes_sent_match_torch(world: int, case: worker.Case) -> None:
     """Both platforms count the same logical traffic for the same layer, modes and shards."""
-    case = worker.CASES[0]
     torch_bytes = run_ranks(_torch_bytes, world, case, timeout_s=120)
     for rank, results in enumerate(section_data(cp_worker_job(world), "cp")):
         ms_bytes = {mode: results[f"{case}/{mode}"]["bytes_sent"] for mode in torch_bytes[rank]}

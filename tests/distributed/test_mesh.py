@@ -8,7 +8,7 @@ import torch
 from distributed_harness import run_ranks
 
 from hyperpar_gdn.distributed import DeviceMesh, as_cp_mesh, init_device_mesh
-from hyperpar_gdn.platform import get_platform
+from hyperpar_gdn.platform import get_platform, platform_for_device, resolve_device_type
 
 
 def _group_sum(mesh: DeviceMesh, dim: str) -> float:
@@ -183,3 +183,65 @@ def test_from_group_without_a_process_group() -> None:
     assert (mesh.size(), mesh.get_local_rank(), mesh.rank_list, mesh.get_group()) == (1, 0, [0], None)
     with pytest.raises(ValueError, match=r"global rank 0 is not in the mesh ranks \(1, 2\)"):
         DeviceMesh.from_group(platform, None, [1, 2])
+
+
+# HP_PLATFORM names the framework, device_type the hardware (DESIGN.md section 9). These checks
+# read only the environment: nothing is created or joined.
+@pytest.mark.parametrize(
+    ("hp_platform", "device_type", "expected"),
+    [
+        ("", "cpu", ("cpu", None)),
+        ("", "cuda", ("cuda", None)),
+        ("", "npu", ("npu", None)),
+        ("", "mindspore", ("mindspore", None)),
+        ("cpu", "cpu", ("cpu", None)),
+        ("cuda", "cuda", ("cuda", None)),
+        ("npu", "npu", ("npu", None)),
+        ("mindspore", "cpu", ("mindspore", "CPU")),
+        ("mindspore", "npu", ("mindspore", "Ascend")),
+        ("mindspore", "mindspore", ("mindspore", None)),
+    ],
+)
+def test_device_type_and_hp_platform_choose_the_platform(
+    monkeypatch: pytest.MonkeyPatch, hp_platform: str, device_type: str, expected: tuple[str, str | None]
+) -> None:
+    monkeypatch.setenv("HP_PLATFORM", hp_platform)
+    assert resolve_device_type(device_type) == expected
+
+
+@pytest.mark.parametrize(
+    ("hp_platform", "device_type", "pattern"),
+    [
+        (
+            "mindspore",
+            "cuda",
+            r"device_type='cuda' cannot be served under HP_PLATFORM='mindspore': MindSpore runs on "
+            r"device_type 'cpu' \(MCCL\), 'npu' \(Ascend, HCCL\) or 'mindspore'",
+        ),
+        ("cpu", "npu", r"device_type='npu' does not match HP_PLATFORM='cpu'.* valid device_type is 'cpu'"),
+        ("cuda", "cpu", r"device_type='cpu' does not match HP_PLATFORM='cuda'.* valid device_type is 'cuda'"),
+        (
+            "npu",
+            "mindspore",
+            r"device_type='mindspore' does not match HP_PLATFORM='npu'.*HP_PLATFORM=mindspore",
+        ),
+        ("", "tpu", r"device_type='tpu' is unknown; valid values are cpu, cuda, npu, mindspore"),
+        ("gpu", "cpu", r"HP_PLATFORM='gpu' is not a platform; valid values are cpu, cuda, npu, mindspore"),
+    ],
+)
+def test_device_type_the_framework_cannot_serve_is_a_value_error(
+    monkeypatch: pytest.MonkeyPatch, hp_platform: str, device_type: str, pattern: str
+) -> None:
+    monkeypatch.setenv("HP_PLATFORM", hp_platform)
+    with pytest.raises(ValueError, match=pattern):
+        init_device_mesh(device_type, (1,))
+
+
+def test_one_mindspore_device_target_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mindspore")
+    monkeypatch.setenv("HP_PLATFORM", "mindspore")
+    platform = platform_for_device("cpu")  # created, not joined
+    assert (platform.name, platform.device_target) == ("mindspore", "CPU")
+    assert platform_for_device("mindspore") is platform is get_platform()
+    with pytest.raises(ValueError, match=r"'npu' needs MindSpore on 'Ascend', but .* runs on 'CPU'"):
+        init_device_mesh("npu", (1,))

@@ -111,8 +111,10 @@ def test_dtensor_input_apply_twice_and_undo() -> None:
 BAD_INPUTS = {
     "unknown mode": r"mode='ring' is not a context-parallel mode",
     "mesh not 1-D": r"\(1, 2\)",
-    "heads not divisible": r"cp=2: num_k_heads=3 and num_v_heads=6 must both be divisible",
-    "shard shorter than the halo": r"T/cp=2 tokens, fewer than the conv halo W-1=3",
+    "heads not divisible": r"num_v_heads=3 is not divisible by cp=2 \(num_k_heads=1\)",
+    "shard shorter than the halo": r"CP rank 0 has T/cp=2 tokens, fewer than the conv halo W-1=3",
+    "one shard shorter than the halo": r"CP rank 1 has T/cp=2 tokens, fewer than the conv halo W-1=3",
+    "one shard empty": r"mode='ulysses': the shard of CP rank 0 is empty",
     "wrong hidden size": r"hidden_size=32.*\(2, 8, 16\)",
     "not a GDN layer": r"Linear is not a Qwen3.5 GDN layer: it lacks hidden_size",
     "mask of the whole sequence": r"attention_mask must be this rank's shard \[B, T/cp\] = \(2, 8\); got \(2, 16\)",
@@ -125,16 +127,28 @@ def _bad_input_worker(rank: int, world: int) -> dict[str, str]:
     grid = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
     torch.manual_seed(0)
 
-    def layer(k_heads: int = 2) -> GatedDeltaNet:
-        return GatedDeltaNet(32, k_heads, 2 * k_heads, 16, 8)
+    def layer(k_heads: int = 2, v_heads: int = 4) -> GatedDeltaNet:
+        return GatedDeltaNet(32, k_heads, v_heads, 16, 8)
 
     attempts = {
         "unknown mode": lambda: LinearAttentionContextParallel(mode="ring"),
         "mesh not 1-D": lambda: LinearAttentionContextParallel(mode="p2p").apply(layer(), grid),
-        "heads not divisible": lambda: LinearAttentionContextParallel(mode="ulysses").apply(layer(3), mesh),
+        "heads not divisible": lambda: LinearAttentionContextParallel(mode="ulysses").apply(
+            layer(1, 3), mesh
+        ),
         "shard shorter than the halo": lambda: LinearAttentionContextParallel(mode="p2p").apply(
             layer(), mesh
         )(torch.randn(2, 2, 32)),
+        # only one rank's input is bad: every rank raises the same error
+        "one shard shorter than the halo": lambda: LinearAttentionContextParallel(mode="all_gather").apply(
+            layer(), mesh
+        )(torch.randn(2, 8 if rank == 0 else 2, 32)),
+        "one shard empty": lambda: LinearAttentionContextParallel(mode="ulysses").apply(layer(), mesh)(
+            torch.randn(2, 0 if rank == 0 else 8, 32)
+        ),
+        "one rank's hidden size": lambda: LinearAttentionContextParallel(mode="p2p").apply(layer(), mesh)(
+            torch.randn(2, 8, 16 if rank == 0 else 32)
+        ),
         "wrong hidden size": lambda: LinearAttentionContextParallel(mode="all_gather").apply(layer(), mesh)(
             torch.randn(2, 8, 16)
         ),
@@ -166,6 +180,11 @@ def test_bad_inputs_raise_on_every_rank_without_hanging() -> None:
     for rank, messages in enumerate(results):
         for name, pattern in BAD_INPUTS.items():
             assert re.search(pattern, messages[name]), f"rank {rank} {name}: {messages[name]}"
+        refused = messages["one rank's hidden size"]
+        if rank == 0:
+            assert re.search(r"hidden_size=32.*\(2, 8, 16\)", refused), refused
+        else:
+            assert "ValueError: CP ranks [0] refused their input" in refused, refused
         assert messages["after"] == "(2, 8, 32)"
 
 
@@ -177,7 +196,8 @@ def _failing_peer_worker(rank: int, world: int, mode: str, when: str) -> str:
     if rank == 1 and when == "forward":
         raise RuntimeError("rank 1 fails before its forward")
     if rank == 1 and when == "stall":
-        time.sleep(60)  # alive, but never joins: rank 0 must time out
+        mesh.platform.collectives.all_gather_int(64, mesh.get_group())  # the layer's length exchange
+        time.sleep(60)  # alive, but never joins the next collective: rank 0 must time out
     y = layer(x)
     if rank == 1 and when == "backward":
         os._exit(7)  # dies between forward and backward

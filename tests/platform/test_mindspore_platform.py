@@ -320,6 +320,10 @@ def test_send_recv_all_reduce_and_subgroups(world: int) -> None:
         if rank > 0:
             assert data["recv"] == {"values": [10.0 * (rank - 1) + i for i in range(4)], "dtype": "Float64"}
         assert data["send_bytes"] == (32 if rank < world - 1 else 0)
+        assert data["all_gather_int"] == {
+            "values": [10 * r + 3 for r in range(world)],
+            "bytes": 8 * (world - 1),
+        }
         for dtype, size in (("float32", 4), ("float64", 8)):
             got = data[f"all_reduce_sum/{dtype}"]
             assert got["total"] == [world * (world + 1) / 2] * 3

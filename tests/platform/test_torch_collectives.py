@@ -145,6 +145,8 @@ def _subgroup(rank: int, world_size: int) -> dict[str, object]:
     if rank == 3:
         out["recv"] = collectives.recv(x, 0, group).tolist()  # group rank 0 = global rank 1
     out["p2p_bytes"] = collectives.reset_bytes()
+    out["ints"] = collectives.all_gather_int(10 * rank, group)
+    out["ints_bytes"] = collectives.reset_bytes()
     collectives.barrier(group)
     total = torch.full((3,), float(rank))
     out["sum"] = collectives.all_reduce_sum(total, group).tolist()
@@ -162,6 +164,7 @@ def test_subgroup_addresses_group_ranks() -> None:
         assert out["shift"] == ([[0.0, 0.0]] if rank == 1 else [[float(rank - 1)] * 2])[0]
         assert out["sum"] == out["sum_in_place"] == [6.0] * 3
         assert out["sum_bytes"] == 3 * 4 * 2
+        assert out["ints"] == [10, 20, 30] and out["ints_bytes"] == 8 * 2
     assert results[3]["recv"] == [10.0, 10.0]
     assert [results[r]["p2p_bytes"] for r in (1, 2, 3)] == [8, 0, 0]
 

@@ -1,4 +1,5 @@
-"""What every context-parallel mode receives: the CP group and the layer's stage functions."""
+"""What every context-parallel mode receives: the CP group, the layer's stage functions and
+every rank's shard length."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from hyperpar_gdn.platform import Collectives, Group, Tensor, TensorOps
 
 @dataclass(frozen=True)
 class CPGroup:
-    """This rank's place on the CP axis: rank r holds tokens [r*T/cp, (r+1)*T/cp)."""
+    """This rank's place on the CP axis: rank r holds the r-th contiguous piece of the sequence
+    (usually tokens [r*T/cp, (r+1)*T/cp); pieces may differ in length)."""
 
     xp: TensorOps
     comm: Collectives
@@ -39,3 +41,21 @@ def conv_with_halo(cp: CPGroup, mixed: Tensor, conv_weight: Tensor) -> Tensor:
     t = mixed.shape[1]
     halo = cp.comm.shift_right(mixed[:, t - (width - 1) :], cp.group)
     return conv_silu(cp.xp, mixed, conv_weight, halo=halo)
+
+
+def shard_lengths(cp: CPGroup, t_local: int, error: str | None) -> list[int]:
+    """Every rank's token count, exchanged (one int per rank) before any other communication.
+
+    Bad input stops every rank, not only the one that has it: a rank whose own checks failed
+    passes its ``error``, sends -1 and raises ``ValueError(error)``; the others raise a
+    ``ValueError`` naming it. Every rank must call this, whatever its input."""
+    lengths = cp.comm.all_gather_int(-1 if error is not None else t_local, cp.group)
+    if error is not None:
+        raise ValueError(error)
+    refused = [rank for rank, t in enumerate(lengths) if t < 0]
+    if refused:
+        raise ValueError(
+            f"CP ranks {refused} refused their input (their own errors say why); rank {cp.rank} stops "
+            "too, so that no rank waits in a collective"
+        )
+    return lengths

@@ -1,13 +1,28 @@
 """The ulysses mode (head parallel): trade the sequence split for a head split and back.
 
 After the local projections, one packed all-to-all turns "all heads, local tokens" into "1/cp of
-the heads, all tokens": rank j receives, from every rank, the q, k, v conv channels and the beta
-and decay logits of head group j. The conv (with the matching channel slice of its weight) and
-the gated delta rule then run on the whole sequence for those heads; a second all-to-all returns
-the outputs to "all heads, local tokens". Needs num_k_heads and num_v_heads divisible by cp.
+the value heads, all tokens": rank j receives, from every rank, the conv channels of its heads
+(:class:`HeadShare`) and the beta and decay logits of its value heads. The conv (with the matching
+channel slice of its weight) and the gated delta rule then run on the whole sequence for those
+heads; a second all-to-all returns the outputs to "all heads, local tokens".
+
+Heads: rank j takes value heads [j*H/cp, (j+1)*H/cp) and the q/k heads they use (value head i
+uses q/k head i // (H/Hk)), so only H must be divisible by cp (:func:`ulysses_head_error`). When
+Hk is divisible by cp too, the q/k heads of the ranks are disjoint; otherwise a q/k head whose
+value heads sit on several ranks goes to each of them (its gradients come back summed).
+
+Tokens: ranks may hold different numbers of tokens; ``lengths`` (every rank's, exchanged by the
+caller) sets the uneven all-to-all splits. Both all-to-alls move flat buffers: the part for rank
+j is its ``[B, T_r, width_j]`` block, flattened.
+
+Legend: B batch, T tokens (all ranks), T_r rank r's tokens, H value heads, Hk q/k heads, Dk/Dv
+head dims, hv = H/cp value heads per rank.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hyperpar_gdn.ops import chunk_gated_delta_rule
 from hyperpar_gdn.ops.layer import LayerDims, conv_silu, finish, gates, mask_padding, project, split_heads
@@ -16,15 +31,52 @@ from hyperpar_gdn.platform import Tensor, TensorOps
 from .common import CPGroup, LayerCall
 
 
-def _head_group_channels(xp: TensorOps, x: Tensor, dims: LayerDims, j: int, cp: int, dim: int) -> Tensor:
-    """The q, k and v channels of head group j (of cp) along ``dim`` of x (C channels there)."""
-    kd, hk, hv = dims.key_dim, dims.num_k_heads // cp, dims.num_v_heads // cp
-    qk_width, v_width = hk * dims.head_k_dim, hv * dims.head_v_dim
-    starts_widths = (
-        (j * qk_width, qk_width),
-        (kd + j * qk_width, qk_width),
-        (2 * kd + j * v_width, v_width),
-    )
+def ulysses_head_error(dims: LayerDims, cp: int) -> str | None:
+    """Why mode='ulysses' cannot split the heads of a layer with ``dims`` over ``cp`` ranks, or
+    None when it can: num_v_heads must be divisible by cp (num_k_heads need not be)."""
+    if dims.num_v_heads % cp:
+        return (
+            f"mode='ulysses' splits the value heads over the ranks: num_v_heads={dims.num_v_heads} is not "
+            f"divisible by cp={cp} (num_k_heads={dims.num_k_heads}); use mode='p2p' or 'all_gather', "
+            "or a cp that divides num_v_heads"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """The heads of rank j: value heads [v_start, v_start + v_count) and the q/k heads
+    [k_start, k_start + k_count) that they use."""
+
+    v_start: int
+    v_count: int
+    k_start: int
+    k_count: int
+
+    @classmethod
+    def of(cls, dims: LayerDims, cp: int, j: int) -> HeadShare:
+        hv, groups = dims.num_v_heads // cp, dims.num_v_heads // dims.num_k_heads
+        k_start, k_last = (j * hv) // groups, ((j + 1) * hv - 1) // groups
+        return cls(v_start=j * hv, v_count=hv, k_start=k_start, k_count=k_last - k_start + 1)
+
+    def conv_width(self, dims: LayerDims) -> int:
+        return 2 * self.k_count * dims.head_k_dim + self.v_count * dims.head_v_dim
+
+    def width(self, dims: LayerDims) -> int:
+        """Channels per token sent to this rank: its conv channels, beta and decay logits."""
+        return self.conv_width(dims) + 2 * self.v_count
+
+    def k_index(self, dims: LayerDims) -> list[int]:
+        """For each local value head, the local q/k head it uses."""
+        groups = dims.num_v_heads // dims.num_k_heads
+        return [(self.v_start + i) // groups - self.k_start for i in range(self.v_count)]
+
+
+def _channels(xp: TensorOps, x: Tensor, dims: LayerDims, share: HeadShare, dim: int) -> Tensor:
+    """The q, k and v conv channels of ``share`` along ``dim`` of x (C channels there)."""
+    kd, dk, dv = dims.key_dim, dims.head_k_dim, dims.head_v_dim
+    qk = (share.k_start * dk, share.k_count * dk)
+    starts_widths = (qk, (kd + qk[0], qk[1]), (2 * kd + share.v_start * dv, share.v_count * dv))
     index = [slice(None)] * len(x.shape)
     parts = []
     for start, width in starts_widths:
@@ -33,54 +85,82 @@ def _head_group_channels(xp: TensorOps, x: Tensor, dims: LayerDims, j: int, cp: 
     return xp.cat(parts, dim)
 
 
-def ulysses_forward(cp: CPGroup, call: LayerCall, x: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """x ``[B, T/cp, hidden]`` (this rank's shard) -> ``[B, T/cp, hidden]``."""
-    xp, w, dims, n = cp.xp, call.weights, call.dims, cp.size
-    hv = dims.num_v_heads // n
+def _per_value_head(xp: TensorOps, qk: Tensor, index: list[int]) -> Tensor:
+    """q or k ``[B, T, k_count, Dk]`` arranged for the chunk rule, which repeats each q/k head
+    over consecutive value heads: as is when ``index`` is that pattern, else one head per value
+    head ``[B, T, hv, Dk]``."""
+    k_count = index[-1] + 1
+    repeats = len(index) // k_count
+    if len(index) % k_count == 0 and index == [i // repeats for i in range(len(index))]:
+        return qk
+    return xp.cat([qk[:, :, h : h + 1] for h in index], 2)
+
+
+def _split_rows(flat: Tensor, bsz: int, lengths: Sequence[int], width: int) -> list[Tensor]:
+    """A flat buffer of consecutive ``[B, lengths[i], width]`` blocks -> the blocks."""
+    blocks, offset = [], 0
+    for t in lengths:
+        n = bsz * t * width
+        blocks.append(flat[offset : offset + n].reshape(bsz, t, width))
+        offset += n
+    return blocks
+
+
+def ulysses_forward(
+    cp: CPGroup, call: LayerCall, x: Tensor, attention_mask: Tensor | None, lengths: Sequence[int]
+) -> Tensor:
+    """x ``[B, T_r, hidden]`` (this rank's shard; ``lengths[j]`` = T_j on every rank) ->
+    ``[B, T_r, hidden]``."""
+    xp, w, dims, n, r = cp.xp, call.weights, call.dims, cp.size, cp.rank
+    shares = [HeadShare.of(dims, n, j) for j in range(n)]
+    mine, t_local = shares[r], lengths[r]
+    hv, dv = mine.v_count, dims.head_v_dim
     x = mask_padding(xp, x, attention_mask)
     mixed, z, b, a = project(xp, w, x)
-    bsz, t_local, _ = mixed.shape
+    bsz = mixed.shape[0]
 
-    # [cp, B, T/cp, C/cp + 2 H/cp]: row j goes to rank j
-    send = xp.stack(
-        [
-            xp.cat(
-                [
-                    _head_group_channels(xp, mixed, dims, j, n, 2),
-                    b[..., j * hv : (j + 1) * hv],
-                    a[..., j * hv : (j + 1) * hv],
-                ],
-                2,
-            )
-            for j in range(n)
-        ],
-        0,
+    # part j: [B, T_r, width_j] of rank j's heads, flattened; back: [B, T_i, width_r] from rank i
+    parts = []
+    for s in shares:
+        heads = slice(s.v_start, s.v_start + s.v_count)
+        parts.append(xp.cat([_channels(xp, mixed, dims, s, 2), b[..., heads], a[..., heads]], 2).reshape(-1))
+    width = mine.width(dims)
+    received = cp.comm.all_to_all(
+        xp.cat(parts, 0),
+        [bsz * t_local * s.width(dims) for s in shares],
+        [bsz * t * width for t in lengths],
+        cp.group,
     )
-    received = cp.comm.all_to_all(send, [1] * n, [1] * n, cp.group)  # row i: tokens of rank i
-    width = received.shape[-1]
-    full = xp.permute(received, (1, 0, 2, 3)).reshape(bsz, n * t_local, width)  # [B, T, C/cp + 2 H/cp]
-    conv_local = width - 2 * hv
-    r = cp.rank
-    conv_weight = _head_group_channels(xp, w.conv, dims, r, n, 0)
-    mixed_local = conv_silu(xp, full[..., :conv_local], conv_weight)
+    full = xp.cat(_split_rows(received, bsz, lengths, width), 1)  # [B, T, width]
+    conv_width = mine.conv_width(dims)
+    mixed_local = conv_silu(xp, full[..., :conv_width], _channels(xp, w.conv, dims, mine, 0))
     q, k, v = split_heads(
         mixed_local,
-        num_k_heads=dims.num_k_heads // n,
+        num_k_heads=mine.k_count,
         num_v_heads=hv,
         head_k_dim=dims.head_k_dim,
-        head_v_dim=dims.head_v_dim,
+        head_v_dim=dv,
     )
+    index = mine.k_index(dims)
+    q, k = _per_value_head(xp, q, index), _per_value_head(xp, k, index)
+    heads = slice(mine.v_start, mine.v_start + hv)
     g, beta = gates(
         xp,
-        full[..., conv_local : conv_local + hv],
-        full[..., conv_local + hv :],
-        w.a_log[r * hv : (r + 1) * hv],
-        w.dt_bias[r * hv : (r + 1) * hv],
+        full[..., conv_width : conv_width + hv],
+        full[..., conv_width + hv :],
+        w.a_log[heads],
+        w.dt_bias[heads],
     )
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True)
 
-    # [B, T, H/cp, Dv] -> [cp, B, T/cp, H/cp * Dv]: row i goes back to rank i
-    o = xp.permute(o.reshape(bsz, n, t_local, hv * dims.head_v_dim), (1, 0, 2, 3))
-    back = cp.comm.all_to_all(o, [1] * n, [1] * n, cp.group)  # row j: head group j
-    o = xp.permute(back, (1, 2, 0, 3)).reshape(bsz, t_local, dims.num_v_heads, dims.head_v_dim)
-    return finish(xp, w, dims, o, z)
+    # [B, T, hv*Dv]: the tokens of rank i go back to rank i; rank j's heads arrive from rank j
+    o = o.reshape(bsz, sum(lengths), hv * dv)
+    starts = [sum(lengths[:i]) for i in range(n)]
+    back = cp.comm.all_to_all(
+        xp.cat([o[:, s : s + t].reshape(-1) for s, t in zip(starts, lengths, strict=True)], 0),
+        [bsz * t * hv * dv for t in lengths],
+        [bsz * t_local * hv * dv] * n,
+        cp.group,
+    )
+    o = xp.cat(_split_rows(back, bsz, [t_local] * n, hv * dv), 2)  # [B, T_r, H*Dv], heads in order
+    return finish(xp, w, dims, o.reshape(bsz, t_local, dims.num_v_heads, dv), z)

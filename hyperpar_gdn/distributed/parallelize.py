@@ -22,7 +22,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from hyperpar_gdn.ops.layer import LayerDims
+
 from .attention_style import GlobalKeyMask, SoftmaxAttentionContextParallel
+from .cp.ulysses import ulysses_head_error
 from .mesh import DeviceMesh, as_cp_mesh
 from .style import MODES, LinearAttentionContextParallel, refuse_unhandled
 
@@ -56,15 +59,13 @@ def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int 
     mixers = [_mixer(i, block) for i, block in enumerate(text_model.layers)]
     cp = cp_mesh.size()
     for i, (kind, module) in enumerate(mixers):
-        if (
-            mode == "ulysses"
-            and kind == "linear_attn"
-            and (module.num_k_heads % cp or module.num_v_heads % cp)
-        ):
-            raise ValueError(
-                f"mode='ulysses' splits GDN heads over cp={cp}, but layer {i} has num_k_heads="
-                f"{module.num_k_heads} and num_v_heads={module.num_v_heads}; use mode='p2p' or 'all_gather'"
-            )
+        error = (
+            ulysses_head_error(LayerDims.of(module), cp)
+            if mode == "ulysses" and kind == "linear_attn"
+            else None
+        )
+        if error is not None:
+            raise ValueError(f"layer {i}: {error}")
     if type(text_model).__name__ in TRANSFORMERS_TEXT_MODELS:
         _check_transformers_config(text_model.config)
         if getattr(text_model, _HOOKS, None) is not None:

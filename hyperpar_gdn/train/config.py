@@ -189,9 +189,9 @@ class TrainConfig:
                 f"--cp-mode {self.cp_mode}: --seq-len {self.seq_len} / cp {cp} = {local} tokens per rank, "
                 f"fewer than the conv halo {halo}; use a longer --seq-len or a smaller --cp-size"
             )
-        if cp > 1 and self.cp_mode == "ulysses" and (num_k_heads % cp or num_v_heads % cp):
+        if cp > 1 and self.cp_mode == "ulysses" and num_v_heads % cp:
             raise ValueError(
-                f"--cp-mode ulysses splits the GDN heads over cp={cp}, but {self.model_name} has "
+                f"--cp-mode ulysses splits the GDN value heads over cp={cp}, but {self.model_name} has "
                 f"{num_k_heads} key and {num_v_heads} value heads; "
                 "use --cp-mode p2p or all_gather, or a smaller --cp-size"
             )

@@ -41,7 +41,11 @@ def test_option_errors_name_the_option(options: dict[str, object], message: str)
             "--batch-size 3 must be divisible by the 2 data-parallel replicas",
         ),
         ({"seq_len": 4, "cp_mode": "p2p"}, 2, "2 tokens per rank, fewer than the conv halo 3"),
-        ({"model_size": "small", "seq_len": 64}, 8, "--cp-mode ulysses splits the GDN heads over cp=8"),
+        (
+            {"model_size": "small", "seq_len": 64},
+            16,
+            "--cp-mode ulysses splits the GDN value heads over cp=16",
+        ),
     ],
 )
 def test_layout_errors_name_the_option(options: dict[str, object], world: int, message: str) -> None:

@@ -6,19 +6,31 @@
         --join=True --log_dir=msrun_log scripts/train.py --cp-mode p2p   # MindSpore, MCCL on CPU
 
 Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code 1 when
-``--check-parity`` finds a loss difference above ``--parity-tol``.
+``--check-parity`` finds a loss difference above ``--parity-tol``; 2 for a user error (a bad
+option, a missing or unreadable data file, model directory or checkpoint), which rank 0 reports
+in one line, without a traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
 from hyperpar_gdn.platform import platform_name
-from hyperpar_gdn.train import Trainer, TrainResult, parse_args
+from hyperpar_gdn.train import USER_ERRORS, Trainer, TrainResult, parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except USER_ERRORS as err:
+        if os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0":  # torchrun / msrun
+            print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: Sequence[str] | None) -> int:
     config = parse_args(argv)
     trainer_class: type[Trainer] = Trainer
     if platform_name() == "mindspore":

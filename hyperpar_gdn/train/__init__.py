@@ -7,8 +7,11 @@
 """
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .config import MODEL_SIZES, TrainConfig, parse_args
+from .config import MODEL_SIZES, TrainConfig, UsageError, parse_args
 from .loop import Trainer, TrainResult
+
+# What a user can fix (an option, a file, a directory): scripts/train.py reports these in one line.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, NotImplementedError, CheckpointError)
 
 __all__ = [
     "MODEL_SIZES",
@@ -16,6 +19,8 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "Trainer",
+    "USER_ERRORS",
+    "UsageError",
     "load_checkpoint",
     "parse_args",
     "save_checkpoint",

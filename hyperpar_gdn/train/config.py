@@ -205,9 +205,18 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
+class UsageError(ValueError):
+    """A command-line error (unknown option, bad value): the caller reports it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="Train the hybrid GDN/softmax LM with context parallelism "
         "(launch with torchrun, HP_PLATFORM=cpu|cuda|npu picks the platform; or with msrun under "
         "HP_PLATFORM=mindspore).",
@@ -253,10 +262,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """The command line -> :class:`TrainConfig`; a bad combination exits with usage (code 2)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return TrainConfig(**vars(args))
-    except ValueError as err:
-        parser.error(str(err))
+    """The command line -> :class:`TrainConfig`; raises :class:`UsageError` (an unknown option, a
+    value of the wrong type) or ValueError (a bad value or combination), naming the option."""
+    return TrainConfig(**vars(build_parser().parse_args(argv)))

@@ -1,0 +1,64 @@
+"""scripts/train.py under torchrun (2 ranks): a user error prints one line on rank 0, naming what
+and where, and exits with code 2; no rank prints a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "scripts" / "train.py"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu"}
+    return subprocess.run(
+        [*command, "--steps", "2", "--seq-len", "32", "--batch-size", "2", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _corrupt_checkpoint(tmp: Path) -> str:
+    step = tmp / "ckpt" / "step-3"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{ not json")
+    return str(step)
+
+
+CASES = {
+    "bad-value": (lambda tmp: ["--steps", "0"], "--steps must be >= 1; got 0"),
+    "unknown-option": (lambda tmp: ["--stepz", "3"], "unrecognized arguments: --stepz 3"),
+    "missing-data": (lambda tmp: ["--data", str(tmp / "nope.txt")], "--data {tmp}/nope.txt: no such file"),
+    "missing-checkpoint": (
+        lambda tmp: ["--resume", str(tmp / "ckpt")],
+        "checkpoint {tmp}/ckpt does not exist",
+    ),
+    "corrupt-checkpoint": (lambda tmp: ["--resume", _corrupt_checkpoint(tmp)], "step-3"),
+    "missing-model": (lambda tmp: ["--model", str(tmp)], "--model {tmp}: no config.json there"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_user_error_is_one_line(case: str, tmp_path: Path) -> None:
+    make_args, expected = CASES[case]
+    result = _torchrun(*make_args(tmp_path), cwd=tmp_path)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if "train.py: error:" in line]
+    assert len(ours) == 1, result.stderr  # rank 0 only
+    assert expected.format(tmp=tmp_path) in ours[0], ours[0]
+    assert "hyperpar_gdn" not in result.stderr and 'train.py", line' not in result.stderr, result.stderr

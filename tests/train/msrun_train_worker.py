@@ -3,7 +3,7 @@
 - ``lm_cp``: the MindSpore HybridLM under ``apply_context_parallel`` in every mode against the
   single-device MindSpore model with the same fp64 weights: logits shard and every parameter
   gradient summed over the ranks (relative errors), then ``undo_context_parallel``;
-- ``train``: ``scripts/train.py`` (its ``main``, as msrun would run it) with the options after
+- ``train`` (and ``train_ac``, the same with ``--ac``): ``scripts/train.py`` (its ``main``, as msrun would run it) with the options after
   ``--``; rank 0 returns the losses of its ``--metrics-json``.
 
 Each rank writes ``{"rank", "sections": {name: {"ok", "seconds", "data" or "error"}}}``.
@@ -140,6 +140,8 @@ def main() -> None:
                 data = lm_cp_section(platform)
             elif section == "train":
                 data = train_section(platform, train_options)
+            elif section == "train_ac":  # the same run with activation checkpointing
+                data = train_section(platform, [*train_options, "--ac"])
             else:
                 raise ValueError(f"unknown section {section!r}")
             entry = {"ok": True, "data": data}

@@ -39,7 +39,7 @@ def _flags(options: dict[str, Any]) -> list[str]:
 @cache
 def _job() -> MsrunOutcome:
     train_options = [*_flags({**OPTIONS, "cp_mode": TRAIN_MODE}), "--check-parity"]
-    args = ["--sections", "lm_cp", "train", "--", *train_options]
+    args = ["--sections", "lm_cp", "train", "train_ac", "--", *train_options]
     return run_msrun(WORKER, 2, args, timeout_s=180)
 
 
@@ -95,6 +95,16 @@ def test_train_script_follows_the_torch_loss_curve() -> None:
     assert parity["ok"] and parity["max_abs_diff"] <= LOSS_TOL, parity
     reference = parity["reference_losses"]
     assert max(abs(a - b) for a, b in zip(reference, torch_losses, strict=True)) <= LOSS_TOL, reference
+
+
+def test_activation_checkpointing_keeps_the_losses() -> None:
+    """--ac (Cell.recompute per block) under CP: the backward recomputes each block, collectives
+    included, and gives the same losses as the run that kept its activations."""
+    for plain, recomputed in zip(_section("train"), _section("train_ac"), strict=True):
+        assert recomputed["exit_code"] == 0
+        if "losses" in plain:  # rank 0
+            diffs = [abs(a - b) for a, b in zip(recomputed["losses"], plain["losses"], strict=True)]
+            assert max(diffs) <= 1e-6, (recomputed["losses"], plain["losses"])
 
 
 def _ms_train(config: TrainConfig) -> Any:

@@ -108,10 +108,10 @@ def _find_text_model(model: Any) -> tuple[Any, Any]:
     if type(model).__name__ in TRANSFORMERS_MULTIMODAL_MODELS:
         return model, model.language_model
     inner = getattr(model, "model", None)
-    for outer, candidate in ((None, model), (None, inner)):
+    for candidate in (model, inner):
         layers = getattr(candidate, "layers", None)
         if layers is not None and any(_has_mixer(block) for block in layers):
-            return outer, candidate
+            return None, candidate
     if type(inner).__name__ in TRANSFORMERS_MULTIMODAL_MODELS:
         return inner, inner.language_model
     raise ValueError(

@@ -15,9 +15,8 @@ from hyperpar_gdn.models import GatedDeltaNet
 # fp64 against fp64 (measured ~1e-15).
 FP64_TOL = 1e-12
 # Against transformers, which computes the gates (and so the whole rule) in fp32 even in a fp64
-# model (DESIGN.md section 6): measured ~2e-7 on outputs, up to ~1e-5 on A_log / dt_bias.
+# model (DESIGN.md section 6): measured 8e-7 on the output, dx and every parameter gradient.
 HF_TOL = 1e-5
-HF_GATE_GRAD_TOL = 5e-5
 
 CASES = {
     "one-doc": (0, 70),
@@ -107,8 +106,7 @@ def test_packed_equals_transformers_per_document(cu: tuple[int, ...]) -> None:
     expected = _per_document(hf, x, cot, cu)
     assert set(packed) == set(expected)
     for name, value in packed.items():
-        tol = HF_GATE_GRAD_TOL if name in ("A_log", "dt_bias") else HF_TOL
-        assert_close(name, value, expected[name], tol)
+        assert_close(name, value, expected[name], HF_TOL)
 
 
 BAD = {

@@ -22,6 +22,12 @@ names to them. ``--backend mindspore`` (:class:`MindSporeBackend`) times ``ours`
 tensors beside ``ours_torch`` and ``transformers`` on torch tensors of the same values; the matmul
 rates are then MindSpore's.
 
+Packed documents (torch): ``--packed-T`` tokens (8192) cut into ``--packed-docs`` documents (8) of
+random lengths, ``ours`` with ``cu_seqlens`` (masks inside the chunks) against ``ours`` unpacked on
+the same tokens, forward+backward, timed in alternation; the ratio packed / unpacked (target
+<= 1.15) and the packed output's error against each document run alone are printed and saved
+under ``packed``. ``--packed-docs 0`` skips it.
+
 Usage: ``python scripts/bench_ops.py [--T 4096 --H 4 --K 128 --repeats 5 --threads 2]``;
 writes ``results/bench_ops.json`` unless ``--out`` says otherwise.
 """
@@ -47,6 +53,7 @@ from typing import Any
 import numpy as np
 
 TARGET_REL_ERR = 1e-5
+TARGET_PACKED_RATIO = 1.15
 L2NORM_EPS = 1e-6
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 
@@ -64,6 +71,8 @@ class BenchConfig:
     threads: int | None
     backend: str
     seed: int = 0
+    packed_T: int = 8192
+    packed_docs: int = 8
 
 
 # --- FLOP count ------------------------------------------------------------------------------------
@@ -492,6 +501,70 @@ def run(cfg: BenchConfig, matmul_size: int) -> dict[str, Any]:
         "target_rel_err": TARGET_REL_ERR,
         "matmul": rates,
         "flops": flops,
+        "packed": packed_case(cfg) if cfg.packed_docs > 0 else None,
+    }
+
+
+def packed_case(cfg: BenchConfig) -> dict[str, Any]:
+    """Forward+backward of ``ours`` on ``cfg.packed_T`` tokens as ``cfg.packed_docs`` documents of
+    random lengths (``cu_seqlens``) and on the same tokens unpacked, taking turns each round."""
+    import torch
+
+    from hyperpar_gdn.ops import chunk_gated_delta_rule
+
+    packed_cfg = BenchConfig(**{**asdict(cfg), "T": cfg.packed_T, "B": 1, "backend": "torch"})
+    backend = TorchBackend(packed_cfg)
+    x = backend.make_inputs()
+    rng = np.random.default_rng(cfg.seed)
+    cuts = np.sort(rng.choice(np.arange(1, cfg.packed_T), cfg.packed_docs - 1, replace=False))
+    cu = [0, *cuts.tolist(), cfg.packed_T]
+    cu_tensor = torch.tensor(cu, dtype=torch.int32)
+    c = cfg.chunk_size
+
+    def unpacked(y: dict[str, Any]) -> Any:
+        o, _ = chunk_gated_delta_rule(
+            y["q"], y["k"], y["v"], y["g"], y["beta"], chunk_size=c, use_qk_l2norm_in_kernel=True
+        )
+        return o
+
+    def packed(y: dict[str, Any]) -> Any:
+        o, _ = chunk_gated_delta_rule(
+            y["q"], y["k"], y["v"], y["g"], y["beta"], chunk_size=c, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_tensor,
+        )  # fmt: skip
+        return o
+
+    with torch.no_grad():  # each document alone, for the error of the packed output
+        alone = torch.cat(
+            [
+                chunk_gated_delta_rule(
+                    *(x[n][:, a:b] for n in ("q", "k", "v", "g", "beta")), chunk_size=c,
+                    use_qk_l2norm_in_kernel=True,
+                )[0]
+                for a, b in zip(cu[:-1], cu[1:], strict=True)
+            ],
+            1,
+        )  # fmt: skip
+        err = rel_err(backend.to_numpy(packed(x)), backend.to_numpy(alone))
+    samples = round_robin_times(
+        {
+            "unpacked": lambda: backend.forward_backward(unpacked, x),
+            "packed": lambda: backend.forward_backward(packed, x),
+        },
+        cfg.repeats,
+        cfg.warmup,
+    )
+    med = {name: statistics.median(times) for name, times in samples.items()}
+    ratio = med["packed"] / med["unpacked"]
+    return {
+        "T": cfg.packed_T,
+        "cu_seqlens": cu,
+        "forward_backward_s": med,
+        "forward_backward_samples_s": samples,
+        "ratio_packed_over_unpacked": ratio,
+        "target_ratio": TARGET_PACKED_RATIO,
+        "within_target": ratio <= TARGET_PACKED_RATIO,
+        "rel_err_vs_documents_alone": err,
     }
 
 
@@ -533,6 +606,16 @@ def print_report(result: dict[str, Any]) -> None:
         print(
             f"agreement {name}: worst {worst} {a['rel_err'][worst]:.1e} vs {result['target_rel_err']:.0e}: {status}"
         )
+    packed = result.get("packed")
+    if packed:
+        t = packed["forward_backward_s"]
+        print(
+            f"packed T={packed['T']} as {len(packed['cu_seqlens']) - 1} documents {packed['cu_seqlens']}: "
+            f"fwd+bwd {t['packed'] * 1e3:.1f} ms vs unpacked {t['unpacked'] * 1e3:.1f} ms = "
+            f"{packed['ratio_packed_over_unpacked']:.3f}x (target <= {packed['target_ratio']}: "
+            f"{'ok' if packed['within_target'] else 'ABOVE TARGET'}); o vs documents alone "
+            f"{packed['rel_err_vs_documents_alone']:.1e}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
@@ -548,10 +631,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--matmul-size", type=int, default=2048)
     parser.add_argument("--backend", choices=sorted(BACKENDS), default="torch")
+    parser.add_argument("--packed-T", type=int, default=8192, help="tokens of the packed case (torch)")
+    parser.add_argument("--packed-docs", type=int, default=8, help="documents of the packed case; 0 skips it")
     parser.add_argument("--out", type=Path, default=Path("results/bench_ops.json"))
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error(f"--repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")
+    if args.packed_docs < 0 or (args.packed_docs and not 1 <= args.packed_docs <= args.packed_T):
+        parser.error(f"--packed-docs must be 0 or in 1..--packed-T={args.packed_T}; got {args.packed_docs}")
     cfg = BenchConfig(
         B=args.B,
         T=args.T,
@@ -563,6 +650,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
         warmup=args.warmup,
         threads=args.threads,
         backend=args.backend,
+        packed_T=args.packed_T,
+        packed_docs=args.packed_docs,
     )
     return cfg, args.out, args.matmul_size
 

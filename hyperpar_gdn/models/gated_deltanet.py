@@ -27,7 +27,10 @@ class GatedDeltaNet(nn.Module):
         conv_kernel_size: width W of the causal depthwise conv.
         norm_eps: epsilon of the gated RMSNorm.
 
-    forward(hidden_states ``[B, T, hidden]``, attention_mask ``[B, T]`` or None) -> ``[B, T, hidden]``.
+    forward(hidden_states ``[B, T, hidden]``, attention_mask ``[B, T]`` or None, *, cu_seqlens=None,
+    position_ids=None) -> ``[B, T, hidden]``. Packed documents (B = 1): ``cu_seqlens`` int ``[N+1]``
+    (fla's) or ``position_ids`` ``[1, T]`` restarting at 0 per document (transformers'
+    ``DataCollatorWithFlattening``); the conv and the state restart at every document.
 
     Example:
         >>> layer = GatedDeltaNet(64, 2, 4, 16, 16)
@@ -75,6 +78,13 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return layer_forward(self, hidden_states, attention_mask)
+        return layer_forward(
+            self, hidden_states, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids
+        )

@@ -33,6 +33,18 @@ def check_inputs(
         )
 
 
+def check_document_states(
+    initial_state: Tensor | None, num_docs: int, num_heads: int, key_dim: int, value_dim: int
+) -> None:
+    """Raise ValueError unless ``initial_state`` is None or per document, ``[N, H, K, V]``."""
+    expected = (num_docs, num_heads, key_dim, value_dim)
+    if initial_state is not None and tuple(initial_state.shape) != expected:
+        raise ValueError(
+            f"with cu_seqlens, initial_state must be [N, H, K, V] = {expected} (one state per document); "
+            f"got {tuple(initial_state.shape)}"
+        )
+
+
 def l2norm(xp: TensorOps, x: Tensor) -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim."""
     return x * xp.rsqrt(xp.sum(x * x, -1, keepdim=True) + xp.scalar(L2NORM_EPS, x))

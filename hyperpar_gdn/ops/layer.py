@@ -3,15 +3,30 @@ context-parallel modes (which insert communication between stages), on any frame
 
 Legend: B batch, T tokens, Hk key heads, H value heads, Dk/Dv head dims, C conv channels
 (2*Hk*Dk + H*Dv), W conv kernel width.
+
+Packed documents (B = 1) reach the stages as ``doc_starts``: bool ``[T]``, True at the first token
+of a document (see :mod:`hyperpar_gdn.ops.varlen`). It is per token, so a context-parallel shard
+takes its slice like any other per-token tensor; False at the shard's token 0 means the shard
+continues a document from the previous rank. Two stages use it:
+
+- :func:`conv_silu` (``doc_starts``, and ``halo_doc_starts`` for the W-1 halo tokens): no output
+  reads a token of another document, the halo included.
+- the rule, through :func:`hyperpar_gdn.ops.prepare_chunks` (``doc_starts``): the state restarts
+  from zero at every True; the entering state (another rank's) reaches only the tokens before the
+  first True, and the summary has M = 0 when the shard holds any True.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
-from .chunk import chunk_gated_delta_rule
+from .chunk import chunk_gated_delta_rule, outputs_from, prepare_chunks
+from .varlen import check_doc_starts, conv_tap_masks, packed_doc_starts
 
 REQUIRED_ATTRIBUTES = (
     "hidden_size",
@@ -133,14 +148,33 @@ def init_layer_dims(
     module.layer_norm_epsilon = norm_eps
 
 
-def layer_forward(module: object, hidden_states: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-    """The single-device forward of a GDN layer module (ours on either framework)."""
+def layer_forward(
+    module: object,
+    hidden_states: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    cu_seqlens: Any = None,
+    position_ids: Any = None,
+) -> Tensor:
+    """The single-device forward of a GDN layer module (ours on either framework).
+
+    Packed documents (B = 1): ``cu_seqlens`` int ``[N+1]`` (fla's) or ``position_ids`` ``[1, T]``
+    restarting at 0 per document (transformers'); both may be given if they agree. The conv and
+    the state restart at every document."""
     dims = LayerDims.of(module)
     shape = tuple(hidden_states.shape)
     if len(shape) != 3 or shape[-1] != dims.hidden_size:
         raise ValueError(f"hidden_states must be [B, T, hidden_size={dims.hidden_size}]; got {shape}")
+    doc_starts = packed_doc_starts(
+        batch_size=shape[0], seq_len=shape[1], cu_seqlens=cu_seqlens, position_ids=position_ids
+    )
     return gdn_layer_forward(
-        ops_for(hidden_states), LayerWeights.of(module), dims, hidden_states, attention_mask
+        ops_for(hidden_states),
+        LayerWeights.of(module),
+        dims,
+        hidden_states,
+        attention_mask,
+        doc_starts=doc_starts,
     )
 
 
@@ -158,19 +192,89 @@ def project(xp: TensorOps, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor, 
     return xp.linear(x, w.qkv), xp.linear(x, w.z), xp.linear(x, w.b), xp.linear(x, w.a)
 
 
-def conv_silu(xp: TensorOps, mixed: Tensor, conv_weight: Tensor, *, halo: Tensor | None = None) -> Tensor:
+def conv_silu(
+    xp: TensorOps,
+    mixed: Tensor,
+    conv_weight: Tensor,
+    *,
+    halo: Tensor | None = None,
+    doc_starts: Any = None,
+    halo_doc_starts: Any = None,
+) -> Tensor:
     """Causal depthwise conv over T, then SiLU: mixed ``[B, T, C]`` -> ``[B, T, C]``.
 
     ``halo`` ``[B, W-1, C]`` holds the pre-conv tokens just before this segment (another rank's);
-    None means the segment starts the sequence (zeros)."""
+    None means the segment starts the sequence (zeros).
+
+    ``doc_starts`` (bool ``[T]``, B = 1): the conv restarts at every True, reading no token before
+    it. With a halo, ``halo_doc_starts`` (bool ``[W-1]``) says the same of the halo tokens, and the
+    halo is read only as far back as the document of the segment's first token goes. A
+    :func:`conv_silu_reference` beside this one loops over tokens."""
     c, _, width = conv_weight.shape
     weight = conv_weight.reshape(c, width)
     x = xp.swapaxes(mixed, 1, 2)
+    if doc_starts is not None:
+        return _conv_silu_packed(xp, x, weight, halo, doc_starts, halo_doc_starts)
+    if halo_doc_starts is not None:
+        raise ValueError("halo_doc_starts needs doc_starts (the segment's own document starts)")
     if halo is None:
         y = xp.depthwise_conv1d(x, weight, left_pad=width - 1)
     else:
         y = xp.depthwise_conv1d(xp.cat([xp.swapaxes(halo, 1, 2), x], 2), weight, left_pad=0)
     return xp.swapaxes(xp.silu(y), 1, 2)
+
+
+def _conv_silu_packed(
+    xp: TensorOps, x: Tensor, weight: Tensor, halo: Tensor | None, doc_starts: Any, halo_doc_starts: Any
+) -> Tensor:
+    """The conv of :func:`conv_silu` over x ``[B=1, C, T]`` as W shifted products, each tap s
+    masked where a document starts in (t - s, t]."""
+    b, _, t = x.shape
+    width = weight.shape[1]
+    if b != 1:
+        raise ValueError(f"packed documents (doc_starts) need batch size B=1; got B={b}")
+    starts = check_doc_starts(doc_starts, seq_len=t)
+    if halo is None:
+        if halo_doc_starts is not None:
+            raise ValueError("halo_doc_starts was given without a halo")
+        x_full = xp.pad_dim(x, 2, width - 1, 0)
+        halo_starts = np.zeros(width - 1, dtype=bool)  # zeros: nothing to mask
+    else:
+        if halo_doc_starts is None:
+            raise ValueError(
+                "a halo with doc_starts needs halo_doc_starts (bool [W-1]) to know where the halo's documents start"
+            )
+        halo_starts = check_doc_starts(halo_doc_starts, seq_len=width - 1, name="halo_doc_starts")
+        x_full = xp.cat([xp.swapaxes(halo, 1, 2), x], 2)
+    keep = conv_tap_masks(np.concatenate([halo_starts, starts]), width=width)  # [W-1, T]
+    keep = xp.constant(keep.reshape(width - 1, 1, 1, t), like=x)
+    y = x * weight[:, width - 1 :]
+    for s in range(1, width):
+        y = (
+            y
+            + x_full[:, :, width - 1 - s : width - 1 - s + t]
+            * weight[:, width - 1 - s : width - s]
+            * keep[s - 1]
+        )
+    return xp.swapaxes(xp.silu(y), 1, 2)
+
+
+def conv_silu_reference(xp: TensorOps, mixed: Tensor, conv_weight: Tensor, doc_starts: Any) -> Tensor:
+    """Readable reference of :func:`conv_silu` with ``doc_starts`` (no halo): each token's conv
+    reads its own document's tokens only, one token at a time."""
+    c, _, width = conv_weight.shape
+    t = mixed.shape[1]
+    starts = check_doc_starts(doc_starts, seq_len=t)
+    doc_start = 0
+    rows = []
+    for i in range(t):
+        if starts[i]:
+            doc_start = i
+        acc = mixed[:, i] * conv_weight[:, 0, width - 1]
+        for s in range(1, min(width, i - doc_start + 1)):
+            acc = acc + mixed[:, i - s] * conv_weight[:, 0, width - 1 - s]
+        rows.append(xp.silu(acc))
+    return xp.stack(rows, 1)
 
 
 def split_heads(
@@ -231,11 +335,21 @@ def gdn_layer_forward(
     attention_mask: Tensor | None = None,
     *,
     chunk_size: int = 64,
+    doc_starts: Any = None,
 ) -> Tensor:
-    """The whole layer on one device: x ``[B, T, hidden]`` -> ``[B, T, hidden]``."""
+    """The whole layer on one device: x ``[B, T, hidden]`` -> ``[B, T, hidden]``.
+
+    ``doc_starts`` (bool ``[T]``, B = 1): packed documents; the conv and the state restart at
+    every True (token 0 starts the first document whatever it says)."""
     x = mask_padding(xp, x, attention_mask)
     mixed, z, b, a = project(xp, w, x)
-    q, k, v = split_heads(conv_silu(xp, mixed, w.conv), **head_dims(dims))
+    q, k, v = split_heads(conv_silu(xp, mixed, w.conv, doc_starts=doc_starts), **head_dims(dims))
     g, beta = gates(xp, b, a, w.a_log, w.dt_bias)
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=True)
+    if doc_starts is None:
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=True)
+    else:
+        prep = prepare_chunks(
+            q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=True, doc_starts=doc_starts
+        )
+        o, _ = outputs_from(prep, None)
     return finish(xp, w, dims, o, z)

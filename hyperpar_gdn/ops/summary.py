@@ -3,9 +3,16 @@
 For a segment, S_out = M @ S_in + S_ext with M ``[B, H, K, K]`` and S_ext ``[B, H, K, V]``.
 Running the chunk recurrence on the widened state [S | M] from [0 | I] with values [u | 0]
 yields [S_ext | M] in one pass (the V and K columns evolve independently).
+
+With packed documents the prepared chunks already carry the cuts (see
+:func:`hyperpar_gdn.ops.prepare_chunks`), so the same pass is exact: past a cut the widened state
+restarts from [0 | 0], which makes M = 0 for a segment that contains a cut and S_ext the state
+built from the last cut on.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from hyperpar_gdn.platform import Tensor, ops_for
 
@@ -38,14 +45,28 @@ def gdn_state_summary(
     *,
     chunk_size: int = 64,
     use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Any = None,
+    doc_starts: Any = None,
 ) -> Summary:
     """Summary of the segment q, k ``[B, T, Hk, K]``, v ``[B, T, H, V]``, g, beta ``[B, T, H]``.
 
     Returns (S_ext ``[B, H, K, V]``, M ``[B, H, K, K]``) in fp32 (fp64 for fp64 input), such that
     the final state from any S_in is ``apply_summary((S_ext, M), S_in) = M @ S_in + S_ext``.
+
+    Packed documents (B = 1), as in :func:`hyperpar_gdn.ops.prepare_chunks`: with ``cu_seqlens``
+    S_in is document 0's initial state and the final state document N-1's (M = 0 when N > 1);
+    with ``doc_starts`` M = 0 as soon as any token starts a document.
     """
     prep = prepare_chunks(
-        q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel
+        q,
+        k,
+        v,
+        g,
+        beta,
+        chunk_size=chunk_size,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens,
+        doc_starts=doc_starts,
     )
     return summary_from(prep)
 

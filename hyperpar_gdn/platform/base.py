@@ -48,6 +48,16 @@ class TensorOps(ABC):
     def scalar(self, value: float, like: Tensor) -> Tensor:
         """A 0-d tensor with the dtype and device of ``like`` (keeps float64 maths float64)."""
 
+    @abstractmethod
+    def constant(self, array: Any, like: Tensor) -> Tensor:
+        """A tensor holding the numpy ``array``, with the dtype and device of ``like`` (no
+        gradient): masks and index data built on the host."""
+
+    @abstractmethod
+    def to_numpy(self, x: Tensor) -> Any:
+        """A host numpy copy of ``x`` (not differentiable; bf16 becomes float32): for index data
+        such as ``cu_seqlens``, read once per call."""
+
     # --- elementwise and reductions ---------------------------------------------------------
     @abstractmethod
     def exp(self, x: Tensor) -> Tensor: ...
@@ -91,6 +101,11 @@ class TensorOps(ABC):
 
     @abstractmethod
     def repeat_interleave(self, x: Tensor, repeats: int, dim: int) -> Tensor: ...
+
+    @abstractmethod
+    def take(self, x: Tensor, index: Any, dim: int) -> Tensor:
+        """``x`` gathered along ``dim`` at the positions of ``index`` (a 1-D numpy int array);
+        the gradient adds back into the positions taken."""
 
     # --- linear algebra ----------------------------------------------------------------------
     @abstractmethod

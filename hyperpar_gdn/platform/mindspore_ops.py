@@ -131,6 +131,12 @@ class MindSporeOps(TensorOps):
     def scalar(self, value: float, like: ms.Tensor) -> ms.Tensor:
         return ms.tensor(value, dtype=like.dtype)
 
+    def constant(self, array: Any, like: ms.Tensor) -> ms.Tensor:
+        return ms.Tensor(np.asarray(array).astype(ms.dtype_to_nptype(like.dtype)))
+
+    def to_numpy(self, x: ms.Tensor) -> Any:
+        return (x.astype(ms.float32) if x.dtype == ms.bfloat16 else x).asnumpy()
+
     # --- elementwise and reductions ---------------------------------------------------------
     def _in_float64(self, fn: Callable[[ms.Tensor], ms.Tensor], x: ms.Tensor) -> ms.Tensor:
         """``fn(x)`` evaluated in float64 on CPU, where the float32 kernels of exp and sigmoid
@@ -187,6 +193,9 @@ class MindSporeOps(TensorOps):
 
     def repeat_interleave(self, x: ms.Tensor, repeats: int, dim: int) -> ms.Tensor:
         return x if repeats == 1 else x.repeat_interleave(repeats, dim)
+
+    def take(self, x: ms.Tensor, index: Any, dim: int) -> ms.Tensor:
+        return ops.gather(x, ms.Tensor(np.asarray(index, dtype=np.int64)), dim % x.ndim)
 
     # --- linear algebra ----------------------------------------------------------------------
     def matmul(self, a: ms.Tensor, b: ms.Tensor) -> ms.Tensor:

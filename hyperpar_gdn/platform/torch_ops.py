@@ -52,6 +52,13 @@ class TorchOps(TensorOps):
     def scalar(self, value: float, like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(value, dtype=like.dtype, device=like.device)
 
+    def constant(self, array: Any, like: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(array, device=like.device).to(like.dtype)
+
+    def to_numpy(self, x: torch.Tensor) -> Any:
+        x = x.detach().cpu()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+
     def exp(self, x: torch.Tensor) -> torch.Tensor:
         return torch.exp(x)
 
@@ -94,6 +101,9 @@ class TorchOps(TensorOps):
 
     def repeat_interleave(self, x: torch.Tensor, repeats: int, dim: int) -> torch.Tensor:
         return x if repeats == 1 else x.repeat_interleave(repeats, dim=dim)
+
+    def take(self, x: torch.Tensor, index: Any, dim: int) -> torch.Tensor:
+        return torch.index_select(x, dim, torch.as_tensor(index, dtype=torch.int64, device=x.device))
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)

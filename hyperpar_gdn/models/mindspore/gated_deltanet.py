@@ -77,7 +77,8 @@ class GatedDeltaNet(nn.Cell):
         conv_kernel_size: width W of the causal depthwise conv.
         norm_eps: epsilon of the gated RMSNorm.
 
-    construct(hidden_states ``[B, T, hidden]``, attention_mask ``[B, T]`` or None) -> ``[B, T, hidden]``.
+    construct(hidden_states ``[B, T, hidden]``, attention_mask ``[B, T]`` or None, *, cu_seqlens=None,
+    position_ids=None) -> ``[B, T, hidden]``; packed documents as in the torch layer.
     Runs in PyNative mode (the GDN maths is Python around MindSpore ops).
 
     Example:
@@ -120,8 +121,17 @@ class GatedDeltaNet(nn.Cell):
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
         self.out_proj = nn.Dense(self.value_dim, hidden_size, has_bias=False)
 
-    def construct(self, hidden_states: ms.Tensor, attention_mask: ms.Tensor | None = None) -> ms.Tensor:
-        return layer_forward(self, hidden_states, attention_mask)
+    def construct(
+        self,
+        hidden_states: ms.Tensor,
+        attention_mask: ms.Tensor | None = None,
+        *,
+        cu_seqlens: ms.Tensor | None = None,
+        position_ids: ms.Tensor | None = None,
+    ) -> ms.Tensor:
+        return layer_forward(
+            self, hidden_states, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids
+        )
 
     @classmethod
     def from_torch(cls, module: Any) -> GatedDeltaNet:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gdn_layer_forward
+from hyperpar_gdn.ops.varlen import packed_doc_starts
 from hyperpar_gdn.platform import Tensor
 
-from .cp.common import CPGroup, LayerCall, shard_lengths
+from .cp.common import CPGroup, LayerCall, ShardDocs, shard_lengths
 from .cp.state_passing import state_passing_forward
 from .cp.ulysses import ulysses_forward, ulysses_head_error
 from .dtensor import DTensor
@@ -119,7 +121,8 @@ class LinearAttentionContextParallel(ParallelStyle):
 
         return self._install(module, make_forward)
 
-    def _forward(self, module: Any, cp: CPGroup, x: Any, attention_mask: Any) -> Any:
+    def _forward(self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs) -> Any:
+        attention_mask, cu_seqlens = call_args.attention_mask, call_args.cu_seqlens
         placements = None
         if isinstance(x, DTensor):
             placements, mesh, x = x.placements, x.device_mesh, x.to_local()
@@ -131,14 +134,32 @@ class LinearAttentionContextParallel(ParallelStyle):
         if cp.size == 1:
             if error is not None:
                 raise ValueError(error)
-            y = gdn_layer_forward(cp.xp, call.weights, dims, x, attention_mask, chunk_size=self.chunk_size)
+            doc_starts = packed_doc_starts(
+                batch_size=x.shape[0],
+                seq_len=x.shape[1],
+                cu_seqlens=cu_seqlens,
+                position_ids=call_args.position_ids,
+            )
+            y = gdn_layer_forward(
+                cp.xp,
+                call.weights,
+                dims,
+                x,
+                attention_mask,
+                chunk_size=self.chunk_size,
+                doc_starts=doc_starts,
+            )
         else:
+            error = error or _packing_error(x, call_args)
             lengths = shard_lengths(cp, 0 if error else x.shape[1], error)  # raises on every rank
             _check_lengths(self.mode, dims, lengths)
+            docs = None
+            if cu_seqlens is not None:
+                docs = ShardDocs.of(cu_seqlens, lengths, cp.rank, dims.conv_kernel_size)
             if self.mode == "ulysses":
-                y = ulysses_forward(cp, call, x, attention_mask, lengths)
+                y = ulysses_forward(cp, call, x, attention_mask, lengths, docs)
             else:
-                y = state_passing_forward(self.mode, cp, call, x, attention_mask)
+                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs)
         return y if placements is None else DTensor.from_local(y, mesh, placements)
 
 
@@ -157,23 +178,57 @@ def refuse_unhandled(owner: str, arguments: dict[str, Any], *, allowed: tuple[st
         )
 
 
-def _signature_binder(forward: Callable) -> Callable[..., Tensor | None]:
-    """Bind a call as the original forward would and return its attention mask; refuse every
-    other argument that is set (a cache, packed-sequence keywords: none is handled here)."""
+@dataclass(frozen=True)
+class CallArgs:
+    """What a GDN layer's forward call passes besides the hidden states.
+
+    ``cu_seqlens``: packed documents, int ``[N+1]`` over the WHOLE sequence, the same tensor on
+    every rank (fla's ``cu_seqlens`` or transformers' ``cu_seq_lens_q``). ``position_ids``
+    (transformers' packed convention) only on one device: a shard's position_ids cannot say
+    where the documents of other shards start."""
+
+    attention_mask: Tensor | None
+    cu_seqlens: Any
+    position_ids: Any
+
+
+def _signature_binder(forward: Callable) -> Callable[..., CallArgs]:
+    """Bind a call as the original forward would; refuse every other argument that is set (a
+    cache, other packed-sequence keywords: none is handled here)."""
     signature = inspect.signature(forward)
     owner = getattr(forward, "__self__", forward).__class__.__name__
 
-    def bind(hidden_states: Any, *args: Any, **kwargs: Any) -> Tensor | None:
+    def bind(hidden_states: Any, *args: Any, **kwargs: Any) -> CallArgs:
         bound = dict(signature.bind(hidden_states, *args, **kwargs).arguments)
         for name, parameter in signature.parameters.items():
             if parameter.kind is inspect.Parameter.VAR_KEYWORD:
                 bound.update(bound.pop(name, {}))
         bound.pop("hidden_states", None)
-        mask = bound.pop("attention_mask", None)
+        cu, cu_q = bound.pop("cu_seqlens", None), bound.pop("cu_seq_lens_q", None)
+        if cu is not None and cu_q is not None:
+            raise ValueError(f"{owner}: pass cu_seqlens or cu_seq_lens_q, not both")
+        call = CallArgs(
+            attention_mask=bound.pop("attention_mask", None),
+            cu_seqlens=cu if cu is not None else cu_q,
+            position_ids=bound.pop("position_ids", None),
+        )
         refuse_unhandled(owner, bound)
-        return mask
+        return call
 
     return bind
+
+
+def _packing_error(x: Tensor, call: CallArgs) -> str | None:
+    """What is wrong with this rank's packed-document keywords under CP, or None."""
+    if call.position_ids is not None:
+        return (
+            "position_ids (packed documents) cannot be used under context parallelism: a shard's "
+            "position_ids do not say where other shards' documents start; pass the global cu_seqlens "
+            "(hyperpar_gdn.ops.cu_seqlens_from_position_ids on the whole sequence's position_ids)"
+        )
+    if call.cu_seqlens is not None and x.shape[0] != 1:
+        return f"packed documents (cu_seqlens) need batch size B=1; got B={x.shape[0]}"
+    return None
 
 
 def _shard_error(dims: LayerDims, x: Tensor, attention_mask: Tensor | None) -> str | None:

@@ -3,9 +3,14 @@ every rank's shard length."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, conv_silu
+from hyperpar_gdn.ops.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.platform import Collectives, Group, Tensor, TensorOps
 
 
@@ -30,17 +35,45 @@ class LayerCall:
     chunk_size: int
 
 
-def conv_with_halo(cp: CPGroup, mixed: Tensor, conv_weight: Tensor) -> Tensor:
+@dataclass(frozen=True)
+class ShardDocs:
+    """Packed documents (B = 1) seen from one rank: bool masks, True where a document starts.
+
+    Attributes:
+        whole: ``[T]`` of the whole sequence (ulysses runs the rule on all of it).
+        local: ``[T_r]`` of this rank's shard (p2p, all_gather).
+        halo: ``[W-1]`` of the W-1 tokens before the shard (False before token 0).
+    """
+
+    whole: np.ndarray
+    local: np.ndarray
+    halo: np.ndarray
+
+    @classmethod
+    def of(cls, cu_seqlens: Any, lengths: Sequence[int], rank: int, width: int) -> ShardDocs:
+        """From the global ``cu_seqlens`` (int ``[N+1]``, the same on every rank; validated
+        against the whole length ``sum(lengths)``)."""
+        whole = doc_starts_from_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
+        start = sum(lengths[:rank])
+        before = np.concatenate([np.zeros(width - 1, dtype=bool), whole[:start]])
+        return cls(
+            whole=whole, local=whole[start : start + lengths[rank]], halo=before[len(before) - (width - 1) :]
+        )
+
+
+def conv_with_halo(cp: CPGroup, mixed: Tensor, conv_weight: Tensor, docs: ShardDocs | None = None) -> Tensor:
     """Causal conv + SiLU on the local shard mixed ``[B, T/cp, C]``.
 
     The first W-1 outputs need the last W-1 pre-conv tokens of the previous rank: they come
-    through a differentiable shift (rank 0 gets zeros, which is the sequence's own padding)."""
+    through a differentiable shift (rank 0 gets zeros, which is the sequence's own padding).
+    With packed documents the conv reads no token of another document, the halo's included."""
     width = conv_weight.shape[-1]
+    local, halo_starts = (None, None) if docs is None else (docs.local, docs.halo)
     if cp.size == 1 or width == 1:
-        return conv_silu(cp.xp, mixed, conv_weight)
+        return conv_silu(cp.xp, mixed, conv_weight, doc_starts=local)
     t = mixed.shape[1]
     halo = cp.comm.shift_right(mixed[:, t - (width - 1) :], cp.group)
-    return conv_silu(cp.xp, mixed, conv_weight, halo=halo)
+    return conv_silu(cp.xp, mixed, conv_weight, halo=halo, doc_starts=local, halo_doc_starts=halo_starts)
 
 
 def shard_lengths(cp: CPGroup, t_local: int, error: str | None) -> list[int]:

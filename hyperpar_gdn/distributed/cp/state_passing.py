@@ -18,7 +18,7 @@ from hyperpar_gdn.ops import outputs_from, prepare_chunks, summary_from
 from hyperpar_gdn.ops.layer import finish, gates, head_dims, mask_padding, project, split_heads
 from hyperpar_gdn.platform import Tensor
 
-from .common import CPGroup, LayerCall, conv_with_halo
+from .common import CPGroup, LayerCall, ShardDocs, conv_with_halo
 
 
 def _p2p_forward(cp: CPGroup, s_ext: Tensor, m: Tensor):
@@ -103,15 +103,33 @@ ENTERING_STATE = {"p2p": p2p_entering_state, "all_gather": all_gather_entering_s
 
 
 def state_passing_forward(
-    mode: str, cp: CPGroup, call: LayerCall, x: Tensor, attention_mask: Tensor | None
+    mode: str,
+    cp: CPGroup,
+    call: LayerCall,
+    x: Tensor,
+    attention_mask: Tensor | None,
+    docs: ShardDocs | None = None,
 ) -> Tensor:
-    """x ``[B, T/cp, hidden]`` (this rank's shard) -> ``[B, T/cp, hidden]``."""
+    """x ``[B, T/cp, hidden]`` (this rank's shard) -> ``[B, T/cp, hidden]``.
+
+    Packed documents (``docs``): the shard's summary is exact across them (M = 0 once a
+    document starts in the shard), so the exchange is unchanged; the conv and the local chunks
+    restart at every start."""
     xp, w, dims = cp.xp, call.weights, call.dims
     x = mask_padding(xp, x, attention_mask)
     mixed, z, b, a = project(xp, w, x)
-    q, k, v = split_heads(conv_with_halo(cp, mixed, w.conv), **head_dims(dims))
+    q, k, v = split_heads(conv_with_halo(cp, mixed, w.conv, docs), **head_dims(dims))
     g, beta = gates(xp, b, a, w.a_log, w.dt_bias)
-    prep = prepare_chunks(q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True)
+    prep = prepare_chunks(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        chunk_size=call.chunk_size,
+        use_qk_l2norm_in_kernel=True,
+        doc_starts=None if docs is None else docs.local,
+    )
     s_ext, m = summary_from(prep)
     s_in = ENTERING_STATE[mode](cp, s_ext, m)
     o, _ = outputs_from(prep, s_in)

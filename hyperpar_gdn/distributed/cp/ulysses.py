@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hyperpar_gdn.ops import chunk_gated_delta_rule
+from hyperpar_gdn.ops import chunk_gated_delta_rule, outputs_from, prepare_chunks
 from hyperpar_gdn.ops.layer import LayerDims, conv_silu, finish, gates, mask_padding, project, split_heads
 from hyperpar_gdn.platform import Tensor, TensorOps
 
-from .common import CPGroup, LayerCall
+from .common import CPGroup, LayerCall, ShardDocs
 
 
 def ulysses_head_error(dims: LayerDims, cp: int) -> str | None:
@@ -107,10 +107,16 @@ def _split_rows(flat: Tensor, bsz: int, lengths: Sequence[int], width: int) -> l
 
 
 def ulysses_forward(
-    cp: CPGroup, call: LayerCall, x: Tensor, attention_mask: Tensor | None, lengths: Sequence[int]
+    cp: CPGroup,
+    call: LayerCall,
+    x: Tensor,
+    attention_mask: Tensor | None,
+    lengths: Sequence[int],
+    docs: ShardDocs | None = None,
 ) -> Tensor:
     """x ``[B, T_r, hidden]`` (this rank's shard; ``lengths[j]`` = T_j on every rank) ->
-    ``[B, T_r, hidden]``."""
+    ``[B, T_r, hidden]``. Packed documents (``docs``): the conv and the rule run on the whole
+    sequence, so they restart at the global document starts."""
     xp, w, dims, n, r = cp.xp, call.weights, call.dims, cp.size, cp.rank
     shares = [HeadShare.of(dims, n, j) for j in range(n)]
     mine, t_local = shares[r], lengths[r]
@@ -133,7 +139,10 @@ def ulysses_forward(
     )
     full = xp.cat(_split_rows(received, bsz, lengths, width), 1)  # [B, T, width]
     conv_width = mine.conv_width(dims)
-    mixed_local = conv_silu(xp, full[..., :conv_width], _channels(xp, w.conv, dims, mine, 0))
+    whole = None if docs is None else docs.whole
+    mixed_local = conv_silu(
+        xp, full[..., :conv_width], _channels(xp, w.conv, dims, mine, 0), doc_starts=whole
+    )
     q, k, v = split_heads(
         mixed_local,
         num_k_heads=mine.k_count,
@@ -151,7 +160,15 @@ def ulysses_forward(
         w.a_log[heads],
         w.dt_bias[heads],
     )
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True)
+    if whole is None:
+        o, _ = chunk_gated_delta_rule(
+            q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True
+        )
+    else:
+        prep = prepare_chunks(
+            q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True, doc_starts=whole
+        )
+        o, _ = outputs_from(prep, None)
 
     # [B, T, hv*Dv]: the tokens of rank i go back to rank i; rank j's heads arrive from rank j
     o = o.reshape(bsz, sum(lengths), hv * dv)

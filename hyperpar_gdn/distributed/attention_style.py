@@ -21,24 +21,17 @@ backward). Work is unbalanced (the last rank attends over the whole sequence); f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.ops.attention import apply_rotary, causal_attention
+from hyperpar_gdn.ops.varlen import doc_ids_from_cu_seqlens
 from hyperpar_gdn.platform import Tensor, ops_for
 
 from .mesh import DeviceMesh, as_cp_mesh
+from .sequence import GlobalSequence, exchange_lengths, gather_pieces
 from .style import ParallelStyle, refuse_unhandled
 
 TRANSFORMERS_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
-
-
-@dataclass(frozen=True)
-class GlobalKeyMask:
-    """The padding mask of the whole sequence, ``[B, T]`` (1 = token, 0 = padding), gathered once
-    per model forward and handed to every attention layer in place of transformers' local mask."""
-
-    mask: Tensor
 
 
 class OwnAttention:
@@ -82,27 +75,26 @@ class TransformersAttention:
 
 
 def attention_forward(
-    adapter: Any,
-    mesh: DeviceMesh,
-    x_BTC: Tensor,
-    *,
-    cos_sin: Any = None,
-    key_mask: GlobalKeyMask | None = None,
+    adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
 ) -> Tensor:
-    """x ``[B, T/cp, hidden]`` (this rank's shard) -> ``[B, T/cp, hidden]``."""
-    cp, rank = mesh.size(), mesh.get_local_rank()
-    b, t_local, _ = x_BTC.shape
-    offset = rank * t_local
+    """x ``[B, T_r, hidden]`` (this rank's piece of the sequence ``seq``) -> ``[B, T_r, hidden]``."""
+    rank = mesh.get_local_rank()
+    offset, visible = seq.offset(rank), seq.offset(rank + 1)  # keys [0, visible) can be seen
     xp = mesh.platform.ops
     q_BHTD, k_BHTD, v_BHTD, gate = adapter.project(x_BTC, position_offset=offset, cos_sin=cos_sin)
-    mask = None if key_mask is None else key_mask.mask[:, : (rank + 1) * t_local]
-    if cp > 1:
-        hkv, d = k_BHTD.shape[1], k_BHTD.shape[3]
-        kv_BHTD = xp.cat([k_BHTD, v_BHTD], 1)  # [B, 2Hkv, T/cp, D]
-        gathered = mesh.platform.collectives.all_gather(kv_BHTD, mesh.get_group())  # [cp, B, 2Hkv, T/cp, D]
-        visible = xp.permute(gathered[: rank + 1], (1, 2, 0, 3, 4)).reshape(b, 2 * hkv, -1, d)
-        k_BHTD, v_BHTD = visible[:, :hkv], visible[:, hkv:]
-    o_BTX = causal_attention(xp, q_BHTD, k_BHTD, v_BHTD, q_offset=offset, key_mask=mask)
+    if mesh.size() > 1:
+        hkv = k_BHTD.shape[1]
+        kv_BHTD = gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2, upto=rank + 1)
+        k_BHTD, v_BHTD = kv_BHTD[:, :hkv], kv_BHTD[:, hkv:]
+    o_BTX = causal_attention(
+        xp,
+        q_BHTD,
+        k_BHTD,
+        v_BHTD,
+        q_offset=offset,
+        key_mask=None if seq.key_mask is None else seq.key_mask[:, :visible],
+        doc_ids=None if seq.doc_ids is None else seq.doc_ids[:, :visible],
+    )
     return adapter.finish(o_BTX, gate)
 
 
@@ -143,9 +135,20 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
                 )
         adapter = OwnAttention(module)
 
-        def forward(hidden_states: Tensor) -> Tensor:
-            _check_shard(hidden_states, module.hidden_size)
-            return attention_forward(adapter, cp_mesh, hidden_states)
+        def forward(hidden_states: Tensor, *, cu_seqlens: Any = None) -> Tensor:
+            error = _shard_error(hidden_states, module.hidden_size)
+            if error is None and cu_seqlens is not None and hidden_states.shape[0] != 1:
+                error = f"packed documents (cu_seqlens) need batch size B=1; got B={hidden_states.shape[0]}"
+            lengths = exchange_lengths(cp_mesh, None if error else hidden_states.shape[1], error)
+            doc_ids = None
+            if cu_seqlens is not None:
+                ids = doc_ids_from_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
+                doc_ids = cp_mesh.platform.ops.constant(
+                    ids.reshape(1, -1), like=_int_like(cp_mesh, hidden_states)
+                )
+            return attention_forward(
+                adapter, cp_mesh, hidden_states, GlobalSequence(lengths, doc_ids=doc_ids)
+            )
 
         return self._install(module, lambda original: forward)
 
@@ -161,28 +164,37 @@ def _transformers_forward(module: Any, mesh: DeviceMesh) -> Any:
         cache: Any = None,
         **kwargs: Any,
     ) -> tuple[Tensor, None]:
-        refuse_unhandled(type(module).__name__, {"cache": cache, **kwargs}, allowed=("position_ids",))
+        # position_ids and cu_seq_lens_q: the model's hook already turned them into the GlobalSequence
+        allowed = ("position_ids", "cu_seq_lens_q")
+        refuse_unhandled(type(module).__name__, {"cache": cache, **kwargs}, allowed=allowed)
         if module.training and module.attention_dropout:
             raise NotImplementedError(
                 f"{type(module).__name__}: attention_dropout={module.attention_dropout} is not supported "
                 "under context parallelism; set config.attention_dropout = 0"
             )
-        if attention_mask is not None and not isinstance(attention_mask, GlobalKeyMask):
+        if not isinstance(attention_mask, GlobalSequence):
             raise NotImplementedError(
-                f"{type(module).__name__} under context parallelism got a local attention_mask of shape "
-                f"{tuple(attention_mask.shape)}; pass the 2-D padding mask to the whole model, which "
-                "apply_context_parallel(model, ...) gathers for its attention layers"
+                f"{type(module).__name__} under context parallelism needs the whole sequence's layout, "
+                f"which apply_context_parallel(model, ...) passes as its attention_mask; got "
+                f"{type(attention_mask).__name__}: call the whole model, not the layer alone"
             )
-        _check_shard(hidden_states, hidden_size)
-        out = attention_forward(
-            adapter, mesh, hidden_states, cos_sin=position_embeddings, key_mask=attention_mask
-        )
-        return out, None
+        error = _shard_error(hidden_states, hidden_size)
+        if error is not None:
+            raise ValueError(error)
+        return attention_forward(
+            adapter, mesh, hidden_states, attention_mask, cos_sin=position_embeddings
+        ), None
 
     return forward
 
 
-def _check_shard(x_BTC: Tensor, hidden_size: int) -> None:
+def _shard_error(x_BTC: Tensor, hidden_size: int) -> str | None:
     shape = tuple(x_BTC.shape)
     if len(shape) != 3 or shape[-1] != hidden_size:
-        raise ValueError(f"the local shard must be [B, T/cp, hidden_size={hidden_size}]; got {shape}")
+        return f"the local shard must be [B, T/cp, hidden_size={hidden_size}]; got {shape}"
+    return None
+
+
+def _int_like(mesh: DeviceMesh, x: Tensor) -> Tensor:
+    """An int64 tensor on x's device (for host-built index data)."""
+    return mesh.platform.ops.arange(1, like=x)

@@ -22,11 +22,15 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from hyperpar_gdn.ops.layer import LayerDims
+import numpy as np
 
-from .attention_style import GlobalKeyMask, SoftmaxAttentionContextParallel
+from hyperpar_gdn.ops.layer import LayerDims
+from hyperpar_gdn.ops.varlen import check_cu_seqlens, doc_ids_from_cu_seqlens
+
+from .attention_style import SoftmaxAttentionContextParallel
 from .cp.ulysses import ulysses_head_error
 from .mesh import DeviceMesh, as_cp_mesh
+from .sequence import GlobalSequence, exchange_lengths, gather_pieces
 from .style import MODES, LinearAttentionContextParallel, refuse_unhandled
 
 __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
@@ -146,29 +150,43 @@ def _bind(module: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return arguments
 
 
-def _shard_inputs(module: Any, mesh: DeviceMesh, arguments: dict[str, Any]) -> tuple[Any, int]:
-    """The local input tensor and its T/cp, with the cache refused and use_cache False."""
+def _local_input(module: Any, arguments: dict[str, Any]) -> tuple[Any, str | None]:
+    """This rank's input tensor and what is wrong with its call (None if nothing); the cache is
+    refused and use_cache turned off."""
     name = type(module).__name__
     if arguments.get("use_cache"):
         raise NotImplementedError(f"{name}: use_cache=True is not supported under context parallelism")
     arguments["use_cache"] = False
-    refuse_unhandled(
-        name, {"cache": arguments.get("cache"), "past_key_values": arguments.get("past_key_values")}
-    )
+    refuse_unhandled(name, {k: arguments.get(k) for k in ("cache", "past_key_values")})
     x = arguments.get("input_ids")
     if x is None:
         x = arguments.get("inputs_embeds")
     if x is None or x.dim() < 2:
-        raise ValueError(
-            f"{name} under context parallelism needs input_ids [B, T/cp] or inputs_embeds [B, T/cp, C]"
-        )
-    return x, x.shape[1]
+        return x, f"{name} under context parallelism needs input_ids [B, T/cp] or inputs_embeds [B, T/cp, C]"
+    shape = tuple(x.shape[:2])
+    for key in ("attention_mask", "position_ids"):
+        value = arguments.get(key)
+        if isinstance(value, dict) or (value is not None and tuple(value.shape) != shape):
+            got = type(value).__name__ if isinstance(value, dict) else f"shape {tuple(value.shape)}"
+            return (
+                x,
+                f"{name} under context parallelism takes {key} as this rank's shard [B, T/cp] = {shape}; got {got}",
+            )
+    return x, None
 
 
-def _global_positions(x: Any, mesh: DeviceMesh, t_local: int) -> Any:
-    xp = mesh.platform.ops
-    positions = xp.arange(t_local, like=x) + mesh.get_local_rank() * t_local
-    return positions.reshape(1, t_local).expand(x.shape[0], t_local)
+def _layout(module: Any, mesh: DeviceMesh, arguments: dict[str, Any]) -> tuple[tuple[int, ...], Any]:
+    """Exchange the piece lengths (every rank stops on any rank's bad input) and fill in the
+    global position_ids when none are given. Returns (lengths, position_ids [B, T_r])."""
+    x, error = _local_input(module, arguments)
+    lengths = exchange_lengths(mesh, None if error else x.shape[1], error)
+    positions = arguments.get("position_ids")
+    if positions is None:
+        b, t = x.shape[0], x.shape[1]
+        positions = mesh.platform.ops.arange(t, like=x) + sum(lengths[: mesh.get_local_rank()])
+        positions = positions.reshape(1, t).expand(b, t)
+        arguments["position_ids"] = positions
+    return lengths, positions
 
 
 def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
@@ -176,29 +194,63 @@ def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
 
     def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         arguments = _bind(module, args, kwargs)
-        x, t_local = _shard_inputs(module, mesh, arguments)
-        if arguments.get("position_ids") is None:
-            arguments["position_ids"] = _global_positions(x, mesh, t_local)
+        lengths, positions = _layout(module, mesh, arguments)
         mask = arguments.get("attention_mask")
-        if isinstance(mask, dict) or (mask is not None and mask.dim() != 2):
-            raise NotImplementedError(
-                f"{type(module).__name__} under context parallelism takes a 2-D attention_mask [B, T/cp] "
-                f"(this rank's shard of the padding mask); got {type(mask).__name__}"
-                + ("" if isinstance(mask, dict) else f" of shape {tuple(mask.shape)}")
-            )
-        if mask is not None and tuple(mask.shape) != (x.shape[0], t_local):
-            raise ValueError(
-                f"attention_mask must be this rank's shard [B, T/cp] = {(x.shape[0], t_local)}; "
-                f"got {tuple(mask.shape)}"
-            )
+        xp = mesh.platform.ops
+        local = xp.stack(
+            [positions, positions * 0 + 1 if mask is None else xp.cast(mask != 0, positions.dtype)], 0
+        )
+        whole = gather_pieces(mesh, local, lengths, 2) if mesh.size() > 1 else local  # [2, B, T]
+        key_mask = whole[1] if bool((whole[1] == 0).any()) else None  # the same choice on every rank
+        cu = _packed_cu_seqlens(arguments, xp.to_numpy(whole[0]))
+        doc_ids = None
+        if cu is not None:
+            ids = doc_ids_from_cu_seqlens(cu, seq_len=sum(lengths))
+            doc_ids = xp.constant(ids.reshape(1, -1), like=positions)
+            arguments["cu_seq_lens_q"] = xp.constant(cu, like=positions)  # for the GDN layers
         per_type: dict[str, Any] = dict.fromkeys(layer_types)
-        if mask is not None:
-            per_type["full_attention"] = GlobalKeyMask(_gather_tokens(mesh, mask))
-            per_type["linear_attention"] = None if bool((mask != 0).all()) else mask
+        per_type["full_attention"] = GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids)
+        if mask is not None and not bool((mask != 0).all()):
+            per_type["linear_attention"] = mask
         arguments["attention_mask"] = per_type
         return (), arguments
 
     return hook
+
+
+def _packed_cu_seqlens(arguments: dict[str, Any], positions: Any) -> np.ndarray | None:
+    """The global cu_seqlens of packed documents, or None: from transformers' ``cu_seq_lens_q``
+    (global, the same on every rank) or from position_ids that restart (a new document wherever
+    a position is not its predecessor + 1, as transformers detects packing). Both must agree;
+    ``cu_seq_lens_k`` and ``max_length_q/k``, if given, must match."""
+    b, t = positions.shape
+    restarts = np.flatnonzero((np.diff(positions, axis=1) != 1).any(axis=0)) + 1
+    given = arguments.pop("cu_seq_lens_q", None)
+    from_positions = None
+    if len(restarts):
+        if b != 1:
+            raise NotImplementedError(
+                f"packed documents (position_ids that restart) need batch size B=1; got B={b}"
+            )
+        from_positions = np.concatenate([[0], restarts, [t]])
+    cu = from_positions
+    if given is not None:
+        cu = check_cu_seqlens(given, seq_len=t, batch_size=b)
+        if from_positions is not None and not np.array_equal(cu, from_positions):
+            raise ValueError(
+                f"cu_seq_lens_q {cu.tolist()} and the documents of position_ids {from_positions.tolist()} differ"
+            )
+    for key in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        value = arguments.pop(key, None)
+        if value is None:
+            continue
+        expected = cu if key == "cu_seq_lens_k" else (None if cu is None else int(np.diff(cu).max()))
+        got = check_cu_seqlens(value, seq_len=t) if key == "cu_seq_lens_k" else int(value)
+        if expected is None or not np.array_equal(got, expected):
+            raise ValueError(
+                f"{key}={got!r} does not match the packed documents {None if cu is None else cu.tolist()}"
+            )
+    return cu
 
 
 def _multimodal_hook(outer: Any, mesh: DeviceMesh) -> Any:
@@ -208,18 +260,7 @@ def _multimodal_hook(outer: Any, mesh: DeviceMesh) -> Any:
         arguments = _bind(module, args, kwargs)
         media = {k: arguments.get(k) for k in ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")}
         refuse_unhandled(type(module).__name__ + " (images and videos)", media)
-        x, t_local = _shard_inputs(module, mesh, arguments)
-        if arguments.get("position_ids") is None:
-            arguments["position_ids"] = _global_positions(x, mesh, t_local)
+        _layout(module, mesh, arguments)
         return (), arguments
 
     return hook
-
-
-def _gather_tokens(mesh: DeviceMesh, x_BT: Any) -> Any:
-    """[B, T/cp] on every rank -> [B, T] (rank order), without gradient."""
-    if mesh.size() == 1:
-        return x_BT
-    xp = mesh.platform.ops
-    gathered = mesh.platform.collectives.all_gather(x_BT, mesh.get_group())  # [cp, B, T/cp]
-    return xp.permute(gathered, (1, 0, 2)).reshape(x_BT.shape[0], -1)

@@ -160,8 +160,9 @@ class DecoderBlock(nn.Module):
     def mixer(self) -> nn.Module:
         return self.linear_attn if self.layer_type == LINEAR else self.self_attn
 
-    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        x_BTC = x_BTC + self.mixer(self.input_layernorm(x_BTC))
+    def forward(self, x_BTC: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        x_BTC = x_BTC + self.mixer(self.input_layernorm(x_BTC), **packed)
         return x_BTC + self.mlp(self.post_attention_layernorm(x_BTC))
 
 
@@ -191,12 +192,14 @@ class HybridLM(nn.Module):
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents; every mixer restarts at each
+        (under context parallelism: the global boundaries, the same tensor on every rank)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
-            x_BTC = block(x_BTC)
+            x_BTC = block(x_BTC, cu_seqlens=cu_seqlens)
         logits_BTV = F.linear(self.norm(x_BTC), self.embed_tokens.weight)
         return logits_BTV.to(torch.promote_types(logits_BTV.dtype, torch.float32))
 

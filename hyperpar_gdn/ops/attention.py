@@ -42,12 +42,15 @@ def causal_attention(
     *,
     q_offset: int,
     key_mask: Tensor | None = None,
+    doc_ids: Tensor | None = None,
 ) -> Tensor:
     """Causal softmax attention -> ``[B, Tq, H*D]`` (scale ``D**-0.5``).
 
     Query i sits at global position ``q_offset + i`` and sees keys ``j <= q_offset + i`` (keys
-    are positions ``0 .. Tk-1``) where ``key_mask`` ``[B, Tk]`` (1 = token, 0 = padding) is not 0.
-    A query that sees no key (left padding) gives zeros.
+    are positions ``0 .. Tk-1``) where ``key_mask`` ``[B, Tk]`` (1 = token, 0 = padding) is not 0
+    and, for packed documents, of its own document (``doc_ids`` int ``[1, Tk]``: the document of
+    every key; queries take theirs at their positions). A query that sees no key (left padding)
+    gives zeros.
 
     Args:
         q_BHTD: ``[B, H, Tq, D]``; k_BHTD, v_BHTD: ``[B, Hkv, Tk, D]`` (H a multiple of Hkv).
@@ -69,5 +72,10 @@ def causal_attention(
     visible = (xp.arange(tk, like=q_BHTD).reshape(1, tk) <= q_pos.reshape(tq, 1)).reshape(1, 1, tq, tk)
     if key_mask is not None:
         visible = visible & (key_mask != 0).reshape(b, 1, 1, tk)
+    if doc_ids is not None:
+        if tuple(doc_ids.shape) != (1, tk):
+            raise ValueError(f"doc_ids must be [1, Tk] = {(1, tk)}; got {tuple(doc_ids.shape)}")
+        q_docs = doc_ids[:, q_offset : q_offset + tq].reshape(1, 1, tq, 1)
+        visible = visible & (q_docs == doc_ids.reshape(1, 1, 1, tk))
     o_BHTD = xp.masked_attention(q_BHTD, k_BHTD, v_BHTD, visible)
     return xp.swapaxes(o_BHTD, 1, 2).reshape(b, tq, h * d)

@@ -94,6 +94,12 @@ def doc_starts_from_cu_seqlens(cu_seqlens: Any, *, seq_len: int) -> np.ndarray:
     return starts
 
 
+def doc_ids_from_cu_seqlens(cu_seqlens: Any, *, seq_len: int) -> np.ndarray:
+    """int64 ``[T]``: the document of every token (0 for the first document's tokens, 1 for the
+    second's, ...), for document-causal attention masks."""
+    return np.cumsum(doc_starts_from_cu_seqlens(cu_seqlens, seq_len=seq_len)) - 1
+
+
 def _check_position_ids(position_ids: Any) -> np.ndarray:
     pos = _host_ints("position_ids", position_ids)
     shape = tuple(pos.shape)

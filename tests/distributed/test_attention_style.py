@@ -3,6 +3,8 @@ outputs, input gradients and every parameter gradient (summed over ranks), on re
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from distributed_harness import run_ranks
@@ -133,7 +135,7 @@ def _misuse(rank: int, world: int) -> list[str]:
         lambda: style.apply(attn, mesh),
         lambda: SoftmaxAttentionContextParallel.undo(SoftmaxAttentionContextParallel.undo(attn)),
         lambda: style.apply(torch.nn.Linear(4, 4), mesh),
-        lambda: apply_context_parallel(HybridLM(LM), mesh, mode="ulysses"),
+        lambda: apply_context_parallel(HybridLM(replace(LM, linear_num_value_heads=6)), mesh, mode="ulysses"),
         lambda: apply_context_parallel(HybridLM(LM), mesh, mode="ring"),
     ):
         try:
@@ -145,10 +147,11 @@ def _misuse(rank: int, world: int) -> list[str]:
 
 
 def test_misuse_is_a_clear_error() -> None:
-    # 4 ranks: the LM's 2 GDN key heads do not split over ulysses cp=4
+    # 4 ranks: 6 GDN value heads do not split over ulysses cp=4
     messages = run_ranks(_misuse, 4, timeout_s=60)[0]
     assert "already has context parallelism applied" in messages[0]
     assert "has no context parallelism applied" in messages[1]
     assert "Linear has no project()" in messages[2]
-    assert "block 0 has num_k_heads=2 and num_v_heads=4" in messages[3] and "cp=4" in messages[3]
+    assert "layer 0: mode='ulysses' splits the value heads over the ranks: num_v_heads=6" in messages[3]
+    assert "not divisible by cp=4" in messages[3]
     assert "mode='ring' is not a context-parallel mode" in messages[4]

@@ -182,7 +182,7 @@ def test_refuses_what_it_does_not_handle() -> None:
         for kwargs in (
             {"use_cache": True},
             {"attention_mask": torch.ones(1, 1, 8, 8)},
-            {"cu_seq_lens_q": ids},
+            {"seq_idx": ids},
         ):
             try:
                 model(input_ids=ids, **kwargs)
@@ -193,5 +193,5 @@ def test_refuses_what_it_does_not_handle() -> None:
 
     for messages in run_ranks(worker, 2, timeout_s=60):
         assert "use_cache=True" in messages[0]
-        assert "2-D attention_mask" in messages[1]
-        assert "cu_seq_lens_q=" in messages[2]
+        assert "attention_mask as this rank's shard [B, T/cp] = (1, 8); got shape (1, 1, 8, 8)" in messages[1]
+        assert "does not handle seq_idx=" in messages[2]

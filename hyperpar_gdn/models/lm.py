@@ -17,14 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hyperpar_gdn.ops.blocks import decoder_block, lm_logits, swiglu
+from hyperpar_gdn.platform import ops_for
 
 from .attention import CausalSelfAttention
 from .gated_deltanet import GatedDeltaNet
 from .norm import RMSNorm
 
 LINEAR, FULL = "linear_attention", "full_attention"
+_TORCH = ops_for(torch.empty(0))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -110,6 +113,34 @@ class HybridLMConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    # The block-building interface that the decoder blocks of both frameworks read (also
+    # implemented by hyperpar_gdn.models.qwen35_config.Qwen35Config).
+    zero_centred_norms = False  # plain RMSNorm: weight * x / rms(x)
+    num_experts = 0  # a dense SwiGLU MLP in every block
+
+    def gdn_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of a GDN mixer (``GatedDeltaNet(**kwargs)``, either framework)."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_k_heads": self.linear_num_key_heads,
+            "num_v_heads": self.linear_num_value_heads,
+            "head_k_dim": self.linear_key_head_dim,
+            "head_v_dim": self.linear_value_head_dim,
+            "conv_kernel_size": self.linear_conv_kernel_dim,
+            "norm_eps": self.rms_norm_eps,
+        }
+
+    def attention_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of a softmax mixer (``CausalSelfAttention(**kwargs)``)."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_attention_heads,
+            "num_kv_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "norm_eps": self.rms_norm_eps,
+        }
+
 
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
@@ -121,7 +152,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return swiglu(_TORCH, x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
 class DecoderBlock(nn.Module):
@@ -129,40 +160,36 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, config: HybridLMConfig, layer_type: str) -> None:
         super().__init__()
-        self.layer_type = layer_type
-        c = config.hidden_size
-        self.input_layernorm = RMSNorm(c, eps=config.rms_norm_eps)
+        self.layer_type = check_layer_type(layer_type)
+        if config.num_experts:
+            raise NotImplementedError(f"num_experts={config.num_experts}: the torch DecoderBlock has no MoE")
+        norm = {"eps": config.rms_norm_eps, "zero_centred": config.zero_centred_norms}
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
         if layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(
-                c,
-                config.linear_num_key_heads,
-                config.linear_num_value_heads,
-                config.linear_key_head_dim,
-                config.linear_value_head_dim,
-                conv_kernel_size=config.linear_conv_kernel_dim,
-                norm_eps=config.rms_norm_eps,
-            )
-        elif layer_type == FULL:
-            self.self_attn = CausalSelfAttention(
-                c,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                rope_theta=config.rope_theta,
-                norm_eps=config.rms_norm_eps,
-            )
+            self.linear_attn = GatedDeltaNet(**config.gdn_kwargs())
         else:
-            raise ValueError(f"layer_type={layer_type!r} is not {LINEAR!r} or {FULL!r}")
-        self.post_attention_layernorm = RMSNorm(c, eps=config.rms_norm_eps)
-        self.mlp = MLP(c, config.intermediate_size)
+            self.self_attn = CausalSelfAttention(**config.attention_kwargs())
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     @property
     def mixer(self) -> nn.Module:
         return self.linear_attn if self.layer_type == LINEAR else self.self_attn
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        x_BTC = x_BTC + self.mixer(self.input_layernorm(x_BTC))
-        return x_BTC + self.mlp(self.post_attention_layernorm(x_BTC))
+        return decoder_block(
+            x_BTC,
+            mixer=self.mixer,
+            mlp=self.mlp,
+            input_norm=self.input_layernorm,
+            post_norm=self.post_attention_layernorm,
+        )
+
+
+def check_layer_type(layer_type: str) -> str:
+    if layer_type not in (LINEAR, FULL):
+        raise ValueError(f"layer_type={layer_type!r} is not {LINEAR!r} or {FULL!r}")
+    return layer_type
 
 
 class HybridLM(nn.Module):
@@ -197,8 +224,7 @@ class HybridLM(nn.Module):
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
             x_BTC = block(x_BTC)
-        logits_BTV = F.linear(self.norm(x_BTC), self.embed_tokens.weight)
-        return logits_BTV.to(torch.promote_types(logits_BTV.dtype, torch.float32))
+        return lm_logits(_TORCH, self.norm(x_BTC), self.embed_tokens.weight)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -10,11 +10,11 @@ Legend: B batch, T tokens, C hidden size, I MLP width, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hyperpar_gdn.platform import Tensor, TensorOps
 
-__all__ = ["decoder_block", "lm_logits", "rms_norm", "swiglu"]
+__all__ = ["decoder_block", "lm_logits", "rms_norm", "sparse_moe", "swiglu"]
 
 
 def rms_norm(xp: TensorOps, x: Tensor, weight: Tensor, eps: float, *, zero_centred: bool = False) -> Tensor:
@@ -39,6 +39,37 @@ def rms_norm(xp: TensorOps, x: Tensor, weight: Tensor, eps: float, *, zero_centr
 def swiglu(xp: TensorOps, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """``down(silu(gate(x)) * up(x))``: x ``[..., C]``, gate and up ``[I, C]``, down ``[C, I]``."""
     return xp.linear(xp.silu(xp.linear(x, gate)) * xp.linear(x, up), down)
+
+
+def sparse_moe(
+    xp: TensorOps,
+    x: Tensor,
+    *,
+    router: Tensor,
+    experts: Sequence[tuple[Tensor, Tensor, Tensor]],
+    top_k: int,
+    shared: tuple[Tensor, Tensor, Tensor],
+    shared_gate: Tensor,
+) -> Tensor:
+    """Qwen3.5-MoE's sparse block (transformers' ``Qwen3_5MoeSparseMoeBlock``) on x ``[..., C]``.
+
+    Router probabilities ``softmax(x @ router.T)`` (router ``[E, C]``, in the compute dtype); each
+    token keeps its ``top_k`` experts with their probabilities renormalised to sum to 1; the
+    output is the weighted sum of those experts' SwiGLU outputs plus the shared expert's SwiGLU
+    output times ``sigmoid(x @ shared_gate.T)`` (shared_gate ``[1, C]``). ``experts`` and
+    ``shared`` are (gate, up, down) weights as for :func:`swiglu`.
+
+    Every expert runs on every token and is weighted by zero where not chosen: exact, and right
+    for few experts; a model with hundreds wants a grouped (token-sorted) kernel instead."""
+    logits = xp.linear(x, router)
+    probs = xp.softmax(xp.cast(logits, xp.compute_dtype(logits)), -1)  # [..., E]
+    chosen = probs * xp.cast(xp.top_k_mask(probs, top_k), xp.dtype(probs))
+    weights = xp.cast(chosen / xp.sum(chosen, -1, keepdim=True), xp.dtype(x))
+    routed = None
+    for e, (gate, up, down) in enumerate(experts):
+        term = swiglu(xp, x, gate, up, down) * weights[..., e : e + 1]
+        routed = term if routed is None else routed + term
+    return routed + xp.sigmoid(xp.linear(x, shared_gate)) * swiglu(xp, x, *shared)
 
 
 def decoder_block(

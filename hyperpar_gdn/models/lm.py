@@ -23,6 +23,7 @@ from hyperpar_gdn.ops.blocks import decoder_block, lm_logits, swiglu
 from hyperpar_gdn.platform import ops_for
 
 from .attention import CausalSelfAttention
+from .block_config import DecoderSizes
 from .gated_deltanet import GatedDeltaNet
 from .norm import RMSNorm
 
@@ -31,7 +32,7 @@ _TORCH = ops_for(torch.empty(0))
 
 
 @dataclass(kw_only=True, frozen=True)
-class HybridLMConfig:
+class HybridLMConfig(DecoderSizes):
     """Sizes of :class:`HybridLM`.
 
     Attributes:
@@ -112,34 +113,6 @@ class HybridLMConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    # The block-building interface that the decoder blocks of both frameworks read (also
-    # implemented by hyperpar_gdn.models.qwen35_config.Qwen35Config).
-    zero_centred_norms = False  # plain RMSNorm: weight * x / rms(x)
-    num_experts = 0  # a dense SwiGLU MLP in every block
-
-    def gdn_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of a GDN mixer (``GatedDeltaNet(**kwargs)``, either framework)."""
-        return {
-            "hidden_size": self.hidden_size,
-            "num_k_heads": self.linear_num_key_heads,
-            "num_v_heads": self.linear_num_value_heads,
-            "head_k_dim": self.linear_key_head_dim,
-            "head_v_dim": self.linear_value_head_dim,
-            "conv_kernel_size": self.linear_conv_kernel_dim,
-            "norm_eps": self.rms_norm_eps,
-        }
-
-    def attention_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of a softmax mixer (``CausalSelfAttention(**kwargs)``)."""
-        return {
-            "hidden_size": self.hidden_size,
-            "num_heads": self.num_attention_heads,
-            "num_kv_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
-            "norm_eps": self.rms_norm_eps,
-        }
 
 
 class MLP(nn.Module):

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .block_config import DecoderSizes
+
 __all__ = ["Qwen35Config"]
 
 DENSE, MOE = "qwen3_5_text", "qwen3_5_moe_text"
@@ -26,7 +28,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass(kw_only=True, frozen=True)
-class Qwen35Config:
+class Qwen35Config(DecoderSizes):
     """What the MindSpore Qwen3.5 model needs from ``config.json`` (names as transformers').
 
     ``source`` is the text config as read (written back by :meth:`to_dict`). Build with
@@ -60,7 +62,7 @@ class Qwen35Config:
     zero_centred_norms = True  # Qwen3_5RMSNorm: x / rms(x) * (1 + weight)
 
     @property
-    def rotary_dim(self) -> int:
+    def rotary_dim(self) -> int:  # type: ignore[override]
         """The leading dims of each attention head that RoPE rotates (transformers' ``int(D * factor)``)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -165,30 +167,7 @@ class Qwen35Config:
         out.pop("torch_dtype", None)
         return out
 
-    # --- the block-building interface (as HybridLMConfig's) ----------------------------------
-    def gdn_kwargs(self) -> dict[str, Any]:
-        return {
-            "hidden_size": self.hidden_size,
-            "num_k_heads": self.linear_num_key_heads,
-            "num_v_heads": self.linear_num_value_heads,
-            "head_k_dim": self.linear_key_head_dim,
-            "head_v_dim": self.linear_value_head_dim,
-            "conv_kernel_size": self.linear_conv_kernel_dim,
-            "norm_eps": self.rms_norm_eps,
-        }
-
-    def attention_kwargs(self) -> dict[str, Any]:
-        return {
-            "hidden_size": self.hidden_size,
-            "num_heads": self.num_attention_heads,
-            "num_kv_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
-            "norm_eps": self.rms_norm_eps,
-            "rotary_dim": self.rotary_dim,
-            "zero_centred_norms": True,
-        }
-
+    # --- the block-building interface beyond DecoderSizes' ------------------------------------
     def moe_kwargs(self) -> dict[str, Any]:
         return {
             "hidden_size": self.hidden_size,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperpar_gdn.ops.attention import apply_rotary, causal_attention
+from hyperpar_gdn.ops.attention import causal_attention, finish_attention, project_attention
 from hyperpar_gdn.ops.varlen import doc_ids_from_cu_seqlens
 from hyperpar_gdn.platform import Tensor, ops_for
 
@@ -56,22 +56,23 @@ class TransformersAttention:
         self.module = module
 
     def project(self, x_BTC: Tensor, *, position_offset: int, cos_sin: Any = None) -> tuple[Tensor, ...]:
-        m, xp = self.module, ops_for(x_BTC)
-        b, t, _ = x_BTC.shape
-        d = m.head_dim
-        q_gate = m.q_proj(x_BTC).reshape(b, t, -1, 2 * d)
-        h = q_gate.shape[2]
-        q_BHTD = xp.swapaxes(m.q_norm(q_gate[..., :d]), 1, 2)
-        k_BHTD = xp.swapaxes(m.k_norm(m.k_proj(x_BTC).reshape(b, t, -1, d)), 1, 2)
-        v_BHTD = xp.swapaxes(m.v_proj(x_BTC).reshape(b, t, -1, d), 1, 2)
+        m, t = self.module, x_BTC.shape[1]
         cos, sin = cos_sin
-        cos, sin = cos.reshape(cos.shape[0], 1, t, -1), sin.reshape(sin.shape[0], 1, t, -1)
-        q_BHTD = apply_rotary(xp, q_BHTD, cos, sin)
-        k_BHTD = apply_rotary(xp, k_BHTD, cos, sin)
-        return q_BHTD, k_BHTD, v_BHTD, q_gate[..., d:].reshape(b, t, h * d)
+        return project_attention(
+            ops_for(x_BTC),
+            x_BTC,
+            head_dim=m.head_dim,
+            q_proj=m.q_proj,
+            k_proj=m.k_proj,
+            v_proj=m.v_proj,
+            q_norm=m.q_norm,
+            k_norm=m.k_norm,
+            cos=cos.reshape(cos.shape[0], 1, t, -1),
+            sin=sin.reshape(sin.shape[0], 1, t, -1),
+        )
 
     def finish(self, o_BTX: Tensor, gate_BTX: Tensor) -> Tensor:
-        return self.module.o_proj(o_BTX * ops_for(gate_BTX).sigmoid(gate_BTX))
+        return finish_attention(ops_for(o_BTX), o_BTX, gate_BTX, self.module.o_proj)
 
 
 def attention_forward(

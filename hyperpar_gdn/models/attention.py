@@ -1,7 +1,8 @@
 """Causal softmax attention with RoPE, as in the full-attention layers of Qwen3.5.
 
 Written for one device, as three stages that a context-parallel style can reuse with global
-positions (see ``hyperpar_gdn.distributed.attention_style``):
+positions (see ``hyperpar_gdn.distributed.attention_style``); the maths of each is in
+``hyperpar_gdn.ops.attention``:
 
 1. :meth:`CausalSelfAttention.project`: q (with its output gate), k, v, per-head RMSNorm on q and
    k, RoPE at positions ``position_offset + t``.
@@ -14,29 +15,23 @@ Legend: B batch, T tokens (Tq queries, Tk keys), H query heads, Hkv key/value he
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
-from hyperpar_gdn.ops.attention import apply_rotary, causal_attention
+from hyperpar_gdn.ops.attention import (
+    causal_attention,
+    finish_attention,
+    init_attention_dims,
+    project_attention,
+    rope_cos_sin,
+)
 from hyperpar_gdn.ops.varlen import doc_ids_from_cu_seqlens
 from hyperpar_gdn.platform import ops_for
 
 from .norm import RMSNorm
 
 _TORCH = ops_for(torch.empty(0))
-
-
-def rope_cos_sin(
-    positions_T: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``[T, D]`` for integer positions ``[T]`` (computed in fp32)."""
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim; got head_dim={head_dim}")
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions_T.device) / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    freqs_TD2 = positions_T.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb_TD = torch.cat([freqs_TD2, freqs_TD2], dim=-1)
-    return emb_TD.cos().to(dtype), emb_TD.sin().to(dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -50,6 +45,9 @@ class CausalSelfAttention(nn.Module):
         head_dim: per-head dim D (even, for RoPE).
         rope_theta: RoPE base.
         norm_eps: epsilon of the q/k RMSNorms.
+        rotary_dim: the leading dims of each head that RoPE rotates (None: all D; Qwen3.5 rotates
+            ``partial_rotary_factor * D``).
+        zero_centred_norms: q/k norms are Qwen3.5's ``x / rms(x) * (1 + weight)``.
 
     forward(hidden_states ``[B, T, hidden]``) -> ``[B, T, hidden]``; token t sits at position t.
 
@@ -68,23 +66,25 @@ class CausalSelfAttention(nn.Module):
         head_dim: int,
         rope_theta: float = 10000.0,
         norm_eps: float = 1e-6,
+        rotary_dim: int | None = None,
+        zero_centred_norms: bool = False,
     ) -> None:
         super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-        if head_dim % 2:
-            raise ValueError(f"head_dim={head_dim} must be even for RoPE")
-        self.hidden_size = hidden_size
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.rope_theta = rope_theta
+        init_attention_dims(
+            self,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rope_theta=rope_theta,
+            rotary_dim=rotary_dim,
+        )
         self.q_proj = nn.Linear(hidden_size, 2 * num_heads * head_dim, bias=False)  # query and gate
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps=norm_eps)
-        self.k_norm = RMSNorm(head_dim, eps=norm_eps)
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps, zero_centred=zero_centred_norms)
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps, zero_centred=zero_centred_norms)
 
     def project(
         self, x_BTC: torch.Tensor, *, position_offset: int = 0
@@ -92,18 +92,23 @@ class CausalSelfAttention(nn.Module):
         """x ``[B, T, hidden]`` whose token t sits at position ``position_offset + t`` ->
         q ``[B, H, T, D]``, k and v ``[B, Hkv, T, D]`` (q and k normed and rotated by RoPE),
         gate ``[B, T, H*D]``."""
-        b, t, _ = x_BTC.shape
-        positions_T = torch.arange(t, device=x_BTC.device) + position_offset
-        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q_gate = self.q_proj(x_BTC).view(b, t, h, 2 * d)
-        q_BTHD, gate_BTHD = q_gate[..., :d], q_gate[..., d:]
-        q_BHTD = self.q_norm(q_BTHD).transpose(1, 2)
-        k_BHTD = self.k_norm(self.k_proj(x_BTC).view(b, t, hkv, d)).transpose(1, 2)
-        v_BHTD = self.v_proj(x_BTC).view(b, t, hkv, d).transpose(1, 2)
-        cos_TD, sin_TD = rope_cos_sin(positions_T, d, self.rope_theta, q_BHTD.dtype)
-        q_BHTD = apply_rotary(_TORCH, q_BHTD, cos_TD, sin_TD)
-        k_BHTD = apply_rotary(_TORCH, k_BHTD, cos_TD, sin_TD)
-        return q_BHTD, k_BHTD, v_BHTD, gate_BTHD.reshape(b, t, h * d)
+        positions_T = np.arange(x_BTC.shape[1]) + position_offset
+        cos, sin = (
+            torch.from_numpy(a).to(device=x_BTC.device, dtype=x_BTC.dtype)
+            for a in rope_cos_sin(positions_T, self.rotary_dim, self.rope_theta)
+        )
+        return project_attention(
+            _TORCH,
+            x_BTC,
+            head_dim=self.head_dim,
+            q_proj=self.q_proj,
+            k_proj=self.k_proj,
+            v_proj=self.v_proj,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+            cos=cos,
+            sin=sin,
+        )
 
     def attend(
         self, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, *, q_offset: int
@@ -114,7 +119,7 @@ class CausalSelfAttention(nn.Module):
 
     def finish(self, o_BTX: torch.Tensor, gate_BTX: torch.Tensor) -> torch.Tensor:
         """Sigmoid output gate, then ``o_proj``: ``[B, T, H*D]`` -> ``[B, T, hidden]``."""
-        return self.o_proj(o_BTX * torch.sigmoid(gate_BTX))
+        return finish_attention(_TORCH, o_BTX, gate_BTX, self.o_proj)
 
     def forward(self, hidden_states: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states ``[B, T, hidden]`` -> ``[B, T, hidden]``; ``cu_seqlens`` (int ``[N+1]``,

@@ -17,18 +17,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hyperpar_gdn.ops.blocks import decoder_block, lm_logits, swiglu
+from hyperpar_gdn.platform import ops_for
+
 from .attention import CausalSelfAttention
+from .block_config import DecoderSizes
 from .gated_deltanet import GatedDeltaNet
 from .norm import RMSNorm
 
 LINEAR, FULL = "linear_attention", "full_attention"
+_TORCH = ops_for(torch.empty(0))
 
 
 @dataclass(kw_only=True, frozen=True)
-class HybridLMConfig:
+class HybridLMConfig(DecoderSizes):
     """Sizes of :class:`HybridLM`.
 
     Attributes:
@@ -121,7 +125,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return swiglu(_TORCH, x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
 class DecoderBlock(nn.Module):
@@ -129,32 +133,17 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, config: HybridLMConfig, layer_type: str) -> None:
         super().__init__()
-        self.layer_type = layer_type
-        c = config.hidden_size
-        self.input_layernorm = RMSNorm(c, eps=config.rms_norm_eps)
+        self.layer_type = check_layer_type(layer_type)
+        if config.num_experts:
+            raise NotImplementedError(f"num_experts={config.num_experts}: the torch DecoderBlock has no MoE")
+        norm = {"eps": config.rms_norm_eps, "zero_centred": config.zero_centred_norms}
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
         if layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(
-                c,
-                config.linear_num_key_heads,
-                config.linear_num_value_heads,
-                config.linear_key_head_dim,
-                config.linear_value_head_dim,
-                conv_kernel_size=config.linear_conv_kernel_dim,
-                norm_eps=config.rms_norm_eps,
-            )
-        elif layer_type == FULL:
-            self.self_attn = CausalSelfAttention(
-                c,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                rope_theta=config.rope_theta,
-                norm_eps=config.rms_norm_eps,
-            )
+            self.linear_attn = GatedDeltaNet(**config.gdn_kwargs())
         else:
-            raise ValueError(f"layer_type={layer_type!r} is not {LINEAR!r} or {FULL!r}")
-        self.post_attention_layernorm = RMSNorm(c, eps=config.rms_norm_eps)
-        self.mlp = MLP(c, config.intermediate_size)
+            self.self_attn = CausalSelfAttention(**config.attention_kwargs())
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     @property
     def mixer(self) -> nn.Module:
@@ -162,8 +151,19 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x_BTC: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-        x_BTC = x_BTC + self.mixer(self.input_layernorm(x_BTC), **packed)
-        return x_BTC + self.mlp(self.post_attention_layernorm(x_BTC))
+        return decoder_block(
+            x_BTC,
+            mixer=lambda h: self.mixer(h, **packed),
+            mlp=self.mlp,
+            input_norm=self.input_layernorm,
+            post_norm=self.post_attention_layernorm,
+        )
+
+
+def check_layer_type(layer_type: str) -> str:
+    if layer_type not in (LINEAR, FULL):
+        raise ValueError(f"layer_type={layer_type!r} is not {LINEAR!r} or {FULL!r}")
+    return layer_type
 
 
 class HybridLM(nn.Module):
@@ -200,8 +200,7 @@ class HybridLM(nn.Module):
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
             x_BTC = block(x_BTC, cu_seqlens=cu_seqlens)
-        logits_BTV = F.linear(self.norm(x_BTC), self.embed_tokens.weight)
-        return logits_BTV.to(torch.promote_types(logits_BTV.dtype, torch.float32))
+        return lm_logits(_TORCH, self.norm(x_BTC), self.embed_tokens.weight)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -2,7 +2,9 @@
 
 Written once against the platform's :class:`~hyperpar_gdn.platform.TensorOps`; the attention
 layers (ours on torch and MindSpore, transformers' ``Qwen3_5Attention`` under context
-parallelism) project with their own weights and call these.
+parallelism) hold their weights and call these: :func:`project_attention` (q with its output
+gate, k, v, q/k norms, RoPE), :func:`causal_attention`, :func:`finish_attention` (gate, o_proj).
+RoPE angles come from :func:`rope_cos_sin` (numpy, fp32, as transformers computes them).
 
 Legend: B batch, H query heads, Hkv key/value heads, Tq queries, Tk keys, D head dim,
 R rotary dims (R <= D, even).
@@ -10,7 +12,85 @@ R rotary dims (R <= D, even).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
+
 from hyperpar_gdn.platform import Tensor, TensorOps
+
+Projection = Callable[[Tensor], Tensor]
+
+
+def init_attention_dims(
+    module: object,
+    *,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope_theta: float,
+    rotary_dim: int | None,
+) -> None:
+    """Check an attention layer's constructor arguments and set its dimension attributes
+    (``rotary_dim`` None: the whole head is rotated), on a module of any framework."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} must be even for RoPE")
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even and in (0, head_dim={head_dim}]")
+    module.hidden_size = hidden_size
+    module.num_heads = num_heads
+    module.num_kv_heads = num_kv_heads
+    module.head_dim = head_dim
+    module.rope_theta = rope_theta
+    module.rotary_dim = rotary_dim
+
+
+def rope_cos_sin(positions_T: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin ``[T, R]`` (fp32 numpy) for integer positions ``[T]``: inverse frequencies
+    ``theta ** -(2i / R)``, angles repeated for the two halves (as transformers' default RoPE)."""
+    if rotary_dim % 2:
+        raise ValueError(f"RoPE needs an even number of rotary dims; got rotary_dim={rotary_dim}")
+    exponent = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    freqs_TR2 = np.asarray(positions_T).astype(np.float32)[:, None] * inv_freq[None, :]
+    emb_TR = np.concatenate([freqs_TR2, freqs_TR2], axis=-1)
+    return np.cos(emb_TR), np.sin(emb_TR)
+
+
+def project_attention(
+    xp: TensorOps,
+    x_BTC: Tensor,
+    *,
+    head_dim: int,
+    q_proj: Projection,
+    k_proj: Projection,
+    v_proj: Projection,
+    q_norm: Projection,
+    k_norm: Projection,
+    cos: Tensor,
+    sin: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x ``[B, T, C]`` -> q ``[B, H, T, D]``, k and v ``[B, Hkv, T, D]`` (q and k normed per head
+    and rotated by RoPE), output gate ``[B, T, H*D]``. ``q_proj`` gives ``[q | gate]`` per head;
+    cos and sin ``[T, R]`` or ``[B, 1, T, R]``."""
+    b, t, _ = x_BTC.shape
+    d = head_dim
+    q_gate = q_proj(x_BTC).reshape(b, t, -1, 2 * d)
+    h = q_gate.shape[2]
+    q_BHTD = xp.swapaxes(q_norm(q_gate[..., :d]), 1, 2)
+    k_BHTD = xp.swapaxes(k_norm(k_proj(x_BTC).reshape(b, t, -1, d)), 1, 2)
+    v_BHTD = xp.swapaxes(v_proj(x_BTC).reshape(b, t, -1, d), 1, 2)
+    q_BHTD = apply_rotary(xp, q_BHTD, cos, sin)
+    k_BHTD = apply_rotary(xp, k_BHTD, cos, sin)
+    return q_BHTD, k_BHTD, v_BHTD, q_gate[..., d:].reshape(b, t, h * d)
+
+
+def finish_attention(xp: TensorOps, o_BTX: Tensor, gate_BTX: Tensor, o_proj: Projection) -> Tensor:
+    """Sigmoid output gate, then ``o_proj``: ``[B, T, H*D]`` -> ``[B, T, C]``."""
+    return o_proj(o_BTX * xp.sigmoid(gate_BTX))
 
 
 def rotate_half(xp: TensorOps, x: Tensor) -> Tensor:

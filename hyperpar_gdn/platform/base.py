@@ -80,6 +80,14 @@ class TensorOps(ABC):
     @abstractmethod
     def cumsum(self, x: Tensor, dim: int) -> Tensor: ...
 
+    @abstractmethod
+    def softmax(self, x: Tensor, dim: int) -> Tensor: ...
+
+    @abstractmethod
+    def top_k_mask(self, x: Tensor, k: int) -> Tensor:
+        """A bool tensor like ``x``, True at the ``k`` largest entries along the last dim (ties at
+        the k-th value all count). Not differentiable."""
+
     # --- shapes -----------------------------------------------------------------------------
     @abstractmethod
     def swapaxes(self, x: Tensor, a: int, b: int) -> Tensor:

@@ -171,6 +171,13 @@ class MindSporeOps(TensorOps):
     def cumsum(self, x: ms.Tensor, dim: int) -> ms.Tensor:
         return mint.cumsum(x, dim) if self._ascend else x.cumsum(dim)
 
+    def softmax(self, x: ms.Tensor, dim: int) -> ms.Tensor:
+        return ops.softmax(x, dim)
+
+    def top_k_mask(self, x: ms.Tensor, k: int) -> ms.Tensor:
+        values, _ = ops.topk(ops.stop_gradient(x), k)
+        return x >= values[..., k - 1 : k]
+
     # --- shapes -----------------------------------------------------------------------------
     def swapaxes(self, x: ms.Tensor, a: int, b: int) -> ms.Tensor:
         return x.swapaxes(a, b)

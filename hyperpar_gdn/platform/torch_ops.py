@@ -80,6 +80,12 @@ class TorchOps(TensorOps):
     def cumsum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x.cumsum(dim)
 
+    def softmax(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.softmax(x, dim)
+
+    def top_k_mask(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        return x >= x.detach().topk(k, -1).values[..., k - 1 : k]
+
     def swapaxes(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
         return x.transpose(a, b)
 

@@ -6,19 +6,22 @@ very same tokens), logging, parity check, summary and metrics (inherited). What 
 
 - the model is :class:`hyperpar_gdn.models.mindspore.HybridLM`, made with
   :meth:`~hyperpar_gdn.models.mindspore.HybridLM.from_torch` from the torch model that
-  ``torch.manual_seed(--seed)`` draws: both platforms start from the same weights;
+  ``torch.manual_seed(--seed)`` draws: both platforms start from the same weights; with
+  ``--model DIR`` it is :class:`hyperpar_gdn.models.mindspore.Qwen3_5ForCausalLM` read from the
+  directory (only the tokenizer comes from transformers), and ``--export`` writes it back;
 - gradients come from ``mindspore.value_and_grad``; the loss term of each rank is its sum of token
   losses over the tokens of its DP replica, gradients are summed over the CP group and averaged
   over the DP groups: the gradient of the mean loss over the global batch, as on torch;
 - the optimizer is :class:`AdamW`, torch's ``AdamW`` maths (decay on matrices, betas (0.9, 0.95),
   eps 1e-8) with torch's global-norm clipping, written with MindSpore tensors;
 - checkpoints have the same layout and parts; the ``model`` part is a torch state dict with the
-  torch model's names (a torch ``HybridLM`` loads it), the ``optimizer`` part is :class:`AdamW`'s
+  torch model's names (a torch ``HybridLM`` loads it; for ``--model``, transformers' names), the ``optimizer`` part is :class:`AdamW`'s
   own state (format :data:`ADAMW_FORMAT`), so a run resumes on the platform that saved it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import resource
 from collections.abc import Sequence
@@ -29,12 +32,14 @@ import numpy as np
 import torch
 from mindspore import ops
 
+from hyperpar_gdn.distributed.parallelize import text_model_of
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
-from hyperpar_gdn.models.mindspore import HybridLM, load_torch_state_dict
+from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
 
 from .config import TrainConfig
 from .data import shard_batch
 from .loop import Trainer
+from .transformers_model import load_tokenizer
 
 __all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm", "cross_entropy_sum"]
 
@@ -155,7 +160,7 @@ class AdamW:
 class _Replica:
     """A model, its optimizer and its loss-and-gradient function."""
 
-    def __init__(self, model: HybridLM, config: TrainConfig) -> None:
+    def __init__(self, model: HybridLM | Qwen3_5ForCausalLM, config: TrainConfig) -> None:
         self.model = model
         named = [(name, p) for name, p in model.parameters_and_names() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -209,25 +214,24 @@ class MindSporeTrainer(Trainer):
                 "--fsdp is torch's FSDP2; on MindSpore parameters stay replicated (use --ac to save memory)"
             )
         if self.config.ac:
-            for block in self.model.layers:
+            for block in text_model_of(self.model).layers:
                 block.recompute()
 
     def _build_model(self) -> None:
-        """The MindSpore model from the torch Trainer's initial weights (seeded by ``_build``), its
-        replica with the optimizer, and the rank-0 copy for --check-parity."""
+        """The MindSpore model (from the torch Trainer's initial weights, seeded by ``_build``, or
+        from ``--model DIR``), its replica with the optimizer, and the rank-0 copy for --check-parity."""
         config = self.config
-        if config.model_dir is not None:
-            raise NotImplementedError(
-                f"--model {config.model_dir}: training a transformers model directory runs on PyTorch "
-                "(HP_PLATFORM=cpu|cuda|npu); on MindSpore only the built-in model trains so far"
-            )
         self.tokenizer = None
-        initial = TorchHybridLM(config.model)
-        self.model = HybridLM.from_torch(initial)
+        if config.model_dir is not None:
+            self.tokenizer = load_tokenizer(config.model_dir)
+            build = functools.partial(Qwen3_5ForCausalLM.from_pretrained, config.model_dir)
+        else:
+            build = functools.partial(HybridLM.from_torch, TorchHybridLM(config.model))
+        self.model = build()
         self.replica = _Replica(self.model, config)
         self.reference = None
         if config.check_parity and self.rank == 0:
-            self.reference = _Replica(HybridLM.from_torch(initial), config)
+            self.reference = _Replica(build(), config)
 
     def _train_step(self, batch: torch.Tensor) -> float:
         """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""

@@ -19,7 +19,7 @@ from .corpus import BUILTIN_CORPUS
 EOS = "<|endoftext|>"
 TEXT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
-__all__ = ["export_model_dir", "gdn_dims", "load_model_dir", "write_tiny_qwen35"]
+__all__ = ["export_model_dir", "gdn_dims", "load_model_dir", "load_tokenizer", "write_tiny_qwen35"]
 
 
 def _text_config(path: str | Path) -> dict[str, Any]:
@@ -53,7 +53,7 @@ def gdn_dims(path: str | Path) -> tuple[int, int, int]:
 
 def load_model_dir(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) from a transformers model directory, the model in ``dtype``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
@@ -63,15 +63,24 @@ def load_model_dir(path: str | Path, *, dtype: torch.dtype = torch.float32) -> t
             f"--model {path}: output_router_logits=true (the MoE load-balancing loss) is not supported "
             "under context parallelism; set it to false in config.json"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"--model {path}: the tokenizer has no EOS token (documents are joined with it)")
+    tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model, tokenizer
 
 
-def export_model_dir(model: torch.nn.Module, tokenizer: Any, out: str | Path) -> Path:
-    """Write ``model`` and ``tokenizer`` as a transformers directory that ``from_pretrained`` loads."""
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a model directory (transformers' ``AutoTokenizer``); it must have an EOS token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"--model {path}: the tokenizer has no EOS token (documents are joined with it)")
+    return tokenizer
+
+
+def export_model_dir(model: Any, tokenizer: Any, out: str | Path) -> Path:
+    """Write ``model`` (transformers' torch model, or the MindSpore ``Qwen3_5ForCausalLM``) and
+    ``tokenizer`` as a transformers directory that ``from_pretrained`` loads."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -33,8 +33,8 @@ LM = HybridLMConfig(
 )
 # Relative to the tensor's largest entry (gradients: to the largest gradient). fp32: DESIGN.md's
 # 1e-4; measured 3.3e-5 (each module agrees to 3e-6, the 4 blocks of perturbed weights amplify it).
-# fp64: torch's RMSNorm and RoPE compute in fp32 whatever the dtype, and MindSpore's do the same,
-# so fp32 rounding (ulp-different kernels) enters both; measured 2.9e-6.
+# fp64: RoPE angles are fp32 (numpy) whatever the dtype, on both frameworks (RMSNorm is fp64 since it
+# moved to ops.blocks), so fp32 rounding enters both; measured 2.9e-6 before that move.
 TOL = {"float32": 1e-4, "float64": 2e-5}
 
 

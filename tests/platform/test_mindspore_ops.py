@@ -159,6 +159,9 @@ OP_CASES = [
     OpCase("sum-dim-1", lambda xp, x: xp.sum(x, -1), ((2, 3, 4),)),
     OpCase("sum-dims-keepdim", lambda xp, x: xp.sum(x, (-2, -1), keepdim=True), ((2, 3, 4),)),
     OpCase("cumsum-dim1", lambda xp, x: xp.cumsum(x, 1), ((2, 6, 3),)),
+    OpCase("softmax-last", lambda xp, x: xp.softmax(x, -1), ((2, 3, 5),)),
+    # the mask picks 2 of 5 per row (no gradient through it); the product carries the gradient
+    OpCase("top-k-mask", lambda xp, x: x * xp.cast(xp.top_k_mask(x, 2), xp.dtype(x)), ((3, 5),)),
     OpCase("swapaxes", lambda xp, x: xp.swapaxes(x, -1, -2) * 1, ((2, 3, 4),)),
     OpCase("permute", lambda xp, x: xp.permute(x, (2, 0, 3, 1)), ((2, 3, 4, 5),)),
     OpCase("cat-last", lambda xp, x, y: xp.cat([x, y], -1), ((2, 3), (2, 5))),

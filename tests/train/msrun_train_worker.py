@@ -1,10 +1,14 @@
-"""msrun worker for tests/train/test_train_mindspore.py: one 2-worker job, two sections.
+"""msrun worker for tests/train/test_train_mindspore.py: one 2-worker job, four sections.
 
 - ``lm_cp``: the MindSpore HybridLM under ``apply_context_parallel`` in every mode against the
   single-device MindSpore model with the same fp64 weights: logits shard and every parameter
   gradient summed over the ranks (relative errors), then ``undo_context_parallel``;
-- ``train`` (and ``train_ac``, the same with ``--ac``): ``scripts/train.py`` (its ``main``, as msrun would run it) with the options after
-  ``--``; rank 0 returns the losses of its ``--metrics-json``.
+- ``qwen_cp``: the same for the MindSpore Qwen3_5ForCausalLM of each ``--qwen-dirs`` directory
+  (dense and MoE), loaded in fp64 and moved off its init;
+- ``train``: ``scripts/train.py`` (its ``main``, as msrun would run it) with the options after
+  ``--``; rank 0 returns the losses of its ``--metrics-json``; ``train_ac``: the same with ``--ac``;
+- ``train_model``: the same with ``--model`` (the first ``--qwen-dirs`` entry) and
+  ``--export`` (``--export-dir``).
 
 Each rank writes ``{"rank", "sections": {name: {"ok", "seconds", "data" or "error"}}}``.
 """
@@ -53,17 +57,11 @@ def _rel(actual: np.ndarray, expected: np.ndarray) -> float:
 
 
 def lm_cp_section(platform: Any) -> dict[str, Any]:
-    import mindspore as ms
     import torch
-    from mindspore import ops
 
-    from hyperpar_gdn import init_device_mesh
-    from hyperpar_gdn.distributed.parallelize import apply_context_parallel, undo_context_parallel
     from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
     from hyperpar_gdn.models.mindspore import HybridLM
 
-    rank, world = platform.rank(), platform.world_size()
-    mesh = init_device_mesh("mindspore", (world,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
     initial = TorchHybridLM(lm_config())
     with torch.no_grad():  # move every parameter off its init so each gradient is exercised
@@ -71,6 +69,41 @@ def lm_cp_section(platform: Any) -> dict[str, Any]:
             p.add_(0.1 * torch.randn_like(p))
     initial = initial.to(torch.float64)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1)).numpy()
+    return cp_errors(platform, lambda: HybridLM.from_torch(initial), ids)
+
+
+def qwen_cp_section(platform: Any, model_dirs: list[str]) -> dict[str, Any]:
+    import mindspore as ms
+
+    from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM
+
+    def build(path: str) -> Any:
+        model = Qwen3_5ForCausalLM.from_pretrained(path, dtype="float64")
+        rng = np.random.default_rng(0)  # off the init (zero norms, ones): every gradient shows
+        for param in model.get_parameters():
+            noise = 0.1 * rng.standard_normal(tuple(param.shape))
+            param.set_data(param.value() + ms.Tensor(noise, ms.float64))
+        return model
+
+    out = {}
+    for path in model_dirs:
+        vocab = build(path).config.vocab_size
+        ids = np.random.default_rng(1).integers(0, vocab, (2, 40)).astype(np.int64)
+        out[Path(path).name] = cp_errors(platform, lambda path=path: build(path), ids)
+    return out
+
+
+def cp_errors(platform: Any, build: Any, ids: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per mode: relative errors of the CP logits shard, of every parameter gradient summed over
+    the ranks, and of the logits after ``undo_context_parallel``, against ``build()`` run whole."""
+    import mindspore as ms
+    from mindspore import ops
+
+    from hyperpar_gdn import init_device_mesh
+    from hyperpar_gdn.distributed.parallelize import apply_context_parallel, undo_context_parallel
+
+    rank, world = platform.rank(), platform.world_size()
+    mesh = init_device_mesh("mindspore", (world,), mesh_dim_names=("cp",))
     t = ids.shape[1] // world
     shard = slice(rank * t, (rank + 1) * t)
 
@@ -85,11 +118,10 @@ def lm_cp_section(platform: Any) -> dict[str, Any]:
         (_, logits), grads = grad_fn(ms.Tensor(inputs))
         return logits.asnumpy(), {n: g.asnumpy() for n, g in zip(names, grads, strict=True)}
 
-    reference = HybridLM.from_torch(initial)
-    logits_ref, grads_ref = run(reference, ids)
+    logits_ref, grads_ref = run(build(), ids)
     out: dict[str, Any] = {}
     for mode in MODES:
-        model = HybridLM.from_torch(initial)
+        model = build()
         apply_context_parallel(model, mesh, mode=mode)
         logits, grads = run(model, ids[:, shard])
         errors = {"logits": _rel(logits, logits_ref[:, shard])}
@@ -113,7 +145,17 @@ def train_section(platform: Any, options: list[str]) -> dict[str, Any]:
         metrics = json.loads(metrics_path.read_text()) if platform.rank() == 0 else None
     data: dict[str, Any] = {"exit_code": code}
     if metrics is not None:
-        keys = ("losses", "steps", "platform", "world_size", "cp_size", "dp_size", "num_parameters", "parity")
+        keys = (
+            "losses",
+            "steps",
+            "platform",
+            "world_size",
+            "cp_size",
+            "dp_size",
+            "num_parameters",
+            "parity",
+            "tokens_per_s",
+        )
         for key in keys:
             data[key] = metrics[key]
     return data
@@ -122,6 +164,8 @@ def train_section(platform: Any, options: list[str]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sections", nargs="+", default=["lm_cp", "train"])
+    parser.add_argument("--qwen-dirs", nargs="*", default=[], help="transformers Qwen3.5 directories")
+    parser.add_argument("--export-dir", default=None, help="train_model's --export")
     parser.add_argument("train_options", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     train_options = [a for a in args.train_options if a != "--"]
@@ -138,10 +182,15 @@ def main() -> None:
         try:
             if section == "lm_cp":
                 data = lm_cp_section(platform)
+            elif section == "qwen_cp":
+                data = qwen_cp_section(platform, args.qwen_dirs)
             elif section == "train":
                 data = train_section(platform, train_options)
             elif section == "train_ac":  # the same run with activation checkpointing
                 data = train_section(platform, [*train_options, "--ac"])
+            elif section == "train_model":
+                model_options = ["--model", args.qwen_dirs[0], "--export", args.export_dir]
+                data = train_section(platform, [*train_options, *model_options])
             else:
                 raise ValueError(f"unknown section {section!r}")
             entry = {"ok": True, "data": data}

@@ -1,10 +1,12 @@
 """Training on MindSpore under msrun (2 MCCL workers, one job for the whole module): the hybrid LM
-with context parallelism equals the single-device MindSpore model (fp64, every mode), and
-``scripts/train.py`` trains it with CP along the torch run's loss curve (no CP, same weights, same
-batches)."""
+and the MindSpore Qwen3.5 models (dense and MoE, from transformers directories) with context
+parallelism equal the single-device MindSpore model (fp64, every mode), and ``scripts/train.py``
+trains both with CP along the torch run's loss curve (no CP, same weights, same batches); the
+Qwen3.5 run exports a directory that transformers loads."""
 
 from __future__ import annotations
 
+import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from msrun_train_worker import lm_config  # noqa: E402  (tests/train is on sys.p
 
 from hyperpar_gdn.models.lm import HybridLM  # noqa: E402
 from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, load_checkpoint  # noqa: E402
+from hyperpar_gdn.train.transformers_model import write_tiny_qwen35  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "msrun_train_worker.py"
 MODES = ("ulysses", "p2p", "all_gather")
@@ -36,11 +39,27 @@ def _flags(options: dict[str, Any]) -> list[str]:
     return [f"--{key.replace('_', '-')}={value}" for key, value in options.items()]
 
 
+_ROOT = tempfile.TemporaryDirectory(prefix="hp-ms-train-")  # removed when the session ends
+QWEN_KINDS = ("dense", "moe")
+
+
+@cache
+def _model_dirs() -> dict[str, Path]:
+    """Tiny transformers Qwen3.5 directories (random weights, a BPE tokenizer), written once."""
+    root = Path(_ROOT.name)
+    return {kind: write_tiny_qwen35(root / kind, moe=kind == "moe") for kind in QWEN_KINDS}
+
+
 @cache
 def _job() -> MsrunOutcome:
     train_options = [*_flags({**OPTIONS, "cp_mode": TRAIN_MODE}), "--check-parity"]
-    args = ["--sections", "lm_cp", "train", "train_ac", "--", *train_options]
-    return run_msrun(WORKER, 2, args, timeout_s=180)
+    dirs = [str(_model_dirs()[kind]) for kind in QWEN_KINDS]
+    args = [
+        *("--sections", "lm_cp", "qwen_cp", "train", "train_ac", "train_model"),
+        *("--qwen-dirs", *dirs, "--export-dir", str(Path(_ROOT.name) / "export")),
+        *("--", *train_options),
+    ]
+    return run_msrun(WORKER, 2, args, timeout_s=480)
 
 
 def _section(name: str) -> list[dict[str, Any]]:
@@ -72,6 +91,44 @@ def test_lm_cp_equals_single_device_on_mindspore(mode: str) -> None:
         assert len(errors) == 2 + num_params  # logits, undo, every parameter's gradient
         bad = {name: err for name, err in errors.items() if not err <= LM_TOL}
         assert not bad, f"rank {rank} {mode}: errors above {LM_TOL}: {bad}"
+
+
+@pytest.mark.parametrize("kind", QWEN_KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_qwen35_cp_equals_single_device_on_mindspore(mode: str, kind: str) -> None:
+    from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM
+
+    num_params = len(list(Qwen3_5ForCausalLM.from_pretrained(_model_dirs()[kind]).get_parameters()))
+    for rank, results in enumerate(_section("qwen_cp")):
+        errors = results[kind][mode]
+        assert len(errors) == 2 + num_params  # logits, undo, every parameter's gradient
+        bad = {name: err for name, err in errors.items() if not err <= LM_TOL}
+        assert not bad, f"rank {rank} {kind} {mode}: errors above {LM_TOL}: {bad}"
+
+
+def test_train_script_trains_a_transformers_directory_along_torchs_curve() -> None:
+    """``HP_PLATFORM=mindspore msrun ... scripts/train.py --model DIR`` (CP over 2 workers) follows
+    the torch Trainer on the same directory without CP, and exports a directory transformers loads."""
+    import transformers
+
+    rank0, rank1 = _section("train_model")
+    assert rank0["exit_code"] == rank1["exit_code"] == 0
+    assert (rank0["platform"], rank0["cp_size"]) == ("mindspore", 2)
+    losses = rank0["losses"]
+    assert max(losses[-3:]) < losses[0] - 0.2, losses
+    options = {**OPTIONS, "cp_size": 1, "model_dir": str(_model_dirs()["dense"])}
+    torch_losses = run_ranks(_torch_losses, 1, options, timeout_s=120)[0]
+    diffs = [abs(a - b) for a, b in zip(losses, torch_losses, strict=True)]
+    assert max(diffs) <= LOSS_TOL, f"MindSpore {losses}\ntorch {torch_losses}\n|diff| {diffs}"
+    parity = rank0["parity"]
+    assert parity["ok"] and parity["max_abs_diff"] <= LOSS_TOL, parity
+    export = Path(_ROOT.name) / "export"
+    model = transformers.AutoModelForCausalLM.from_pretrained(export)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    assert transformers.AutoTokenizer.from_pretrained(export).eos_token == "<|endoftext|>"
+    initial = transformers.AutoModelForCausalLM.from_pretrained(_model_dirs()["dense"])
+    moved = (model.model.embed_tokens.weight - initial.model.embed_tokens.weight).abs().max().item()
+    assert moved > 1e-4, "the exported weights are the initial ones"
 
 
 def test_train_script_follows_the_torch_loss_curve() -> None:
@@ -125,11 +182,17 @@ def _torch_resume_error(rank: int, world: int, options: dict[str, Any]) -> str:
     return "no error"
 
 
-def test_save_and_resume_continue_the_same_curve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("model", ["builtin", "qwen35"])
+def test_save_and_resume_continue_the_same_curve(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Saving at step 2 and resuming to step 4 gives bit for bit the straight run's losses; the
-    model part is a torch state dict, the optimizer part MindSpore's own (torch refuses it)."""
+    model part is a torch state dict (the torch model's or transformers' names), the optimizer
+    part MindSpore's own (torch refuses it)."""
     monkeypatch.setenv("HP_PLATFORM", "mindspore")
-    options = {"seq_len": 32, "batch_size": 2, "steps": 4, "seed": 5}
+    options: dict[str, Any] = {"seq_len": 32, "batch_size": 2, "steps": 4, "seed": 5}
+    if model == "qwen35":
+        options["model_dir"] = str(_model_dirs()["dense"])
     straight = _ms_train(TrainConfig(**options, save=str(tmp_path), save_every=2))
     resumed = _ms_train(TrainConfig(**options, resume=str(tmp_path / "step-2")))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
@@ -138,7 +201,14 @@ def test_save_and_resume_continue_the_same_curve(tmp_path: Path, monkeypatch: py
 
     step, parts, _ = load_checkpoint(tmp_path)
     assert step == 4
-    HybridLM(MODEL_SIZES["tiny"]).load_state_dict(parts["model"])  # strict: every name and shape
+    if model == "builtin":
+        HybridLM(MODEL_SIZES["tiny"]).load_state_dict(parts["model"])  # strict: every name and shape
+    else:
+        import transformers
+
+        reference = transformers.AutoModelForCausalLM.from_pretrained(options["model_dir"])
+        missing, unexpected = reference.load_state_dict(parts["model"], strict=False)
+        assert (missing, unexpected) == (["lm_head.weight"], []), (missing, unexpected)  # tied head
     monkeypatch.setenv("HP_PLATFORM", "cpu")
     message = run_ranks(_torch_resume_error, 1, {**options, "steps": 6, "resume": str(tmp_path)})[0]
     assert "holds no torch AdamW state" in message and "HP_PLATFORM=mindspore" in message, message

@@ -1,11 +1,17 @@
 """MindSpore model code for one device; parallelism is applied from outside
 (``LinearAttentionContextParallel(mode).apply(cell, mesh)`` or
-``apply_context_parallel(model, mesh, mode=...)`` under ``HP_PLATFORM=mindspore``)."""
+``apply_context_parallel(model, mesh, mode=...)`` under ``HP_PLATFORM=mindspore``).
+
+``Qwen3_5ForCausalLM.from_pretrained(DIR)`` builds transformers' Qwen3.5 (dense or MoE) from a
+transformers model directory; ``save_pretrained(DIR)`` writes one back."""
 
 from .attention import CausalSelfAttention
 from .gated_deltanet import CausalDepthwiseConv1d, GatedDeltaNet, GatedRMSNorm
-from .lm import HybridLM, HybridLMConfig, load_torch_state_dict
+from .lm import HybridLM, HybridLMConfig
+from .moe import SparseMoeBlock
 from .norm import RMSNorm
+from .qwen35 import Qwen3_5ForCausalLM, Qwen35Config, Qwen35TextModel
+from .weights import load_torch_state_dict
 
 __all__ = [
     "CausalDepthwiseConv1d",
@@ -14,6 +20,10 @@ __all__ = [
     "GatedRMSNorm",
     "HybridLM",
     "HybridLMConfig",
+    "Qwen35Config",
+    "Qwen35TextModel",
+    "Qwen3_5ForCausalLM",
     "RMSNorm",
+    "SparseMoeBlock",
     "load_torch_state_dict",
 ]

@@ -22,14 +22,9 @@ from mindspore import Parameter, nn
 from hyperpar_gdn.ops.layer import LayerDims, gated_rms_norm, init_layer_dims, layer_forward
 from hyperpar_gdn.platform import ops_for
 
-__all__ = ["CausalDepthwiseConv1d", "GatedDeltaNet", "GatedRMSNorm"]
+from .weights import assign_parameters, torch_values
 
-_FROM_TORCH_DTYPES = {
-    "float32": ms.float32,
-    "float64": ms.float64,
-    "bfloat16": ms.bfloat16,
-    "float16": ms.float16,
-}
+__all__ = ["CausalDepthwiseConv1d", "GatedDeltaNet", "GatedRMSNorm"]
 
 
 class GatedRMSNorm(nn.Cell):
@@ -156,21 +151,4 @@ class GatedDeltaNet(nn.Cell):
         """Copy torch tensors (a torch layer's ``state_dict()``) into this layer's parameters, by
         name, keeping the torch dtype (float32, float64, bfloat16 or float16). Every parameter
         must be present with its shape; other entries (buffers) are ignored."""
-        params = dict(self.parameters_and_names())
-        missing = sorted(set(params) - set(state_dict))
-        if missing:
-            raise ValueError(f"the torch state dict lacks {', '.join(missing)} (it has {sorted(state_dict)})")
-        for name, param in params.items():
-            tensor = state_dict[name].detach().cpu()
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"{name}: torch shape {tuple(tensor.shape)} differs from this layer's {tuple(param.shape)}"
-                )
-            dtype_name = str(tensor.dtype).removeprefix("torch.")
-            if dtype_name not in _FROM_TORCH_DTYPES:
-                raise ValueError(f"{name}: torch dtype {tensor.dtype} is not supported")
-            value = ms.Tensor(tensor.float().numpy() if dtype_name == "bfloat16" else tensor.numpy())
-            target = _FROM_TORCH_DTYPES[dtype_name]
-            if param.dtype != target:
-                param.set_dtype(target)  # set_data alone would cast the value to the old dtype
-            param.set_data(value.astype(target))
+        assign_parameters(self, torch_values(state_dict), source="the torch state dict", allow_extra=True)

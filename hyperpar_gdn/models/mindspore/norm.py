@@ -1,5 +1,5 @@
-"""RMSNorm as a ``mindspore.nn.Cell`` with the torch module's parameter name ``weight``; like
-:class:`hyperpar_gdn.models.RMSNorm` it normalises in fp32 whatever the input dtype."""
+"""RMSNorm as a ``mindspore.nn.Cell`` with the torch module's parameter name ``weight``; the maths
+is :func:`hyperpar_gdn.ops.blocks.rms_norm`, as for :class:`hyperpar_gdn.models.RMSNorm`."""
 
 from __future__ import annotations
 
@@ -7,22 +7,15 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn
 
-from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
+from hyperpar_gdn.ops.blocks import rms_norm
+from hyperpar_gdn.platform import ops_for
 
-__all__ = ["RMSNorm", "rms_norm"]
-
-
-def rms_norm(xp: TensorOps, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``weight * x / rms(x)`` over the last dim, normalised in fp32 (as torch's
-    :class:`hyperpar_gdn.models.RMSNorm`, even for fp64 input); the result has x's dtype."""
-    dtype = xp.dtype(x)
-    x_ct = xp.cast(x, ms.float32)
-    mean_sq = xp.sum(x_ct * x_ct, -1, keepdim=True) / xp.scalar(float(x.shape[-1]), x_ct)
-    return weight * xp.cast(x_ct * xp.rsqrt(mean_sq + xp.scalar(eps, x_ct)), dtype)
+__all__ = ["RMSNorm"]
 
 
 class RMSNorm(nn.Cell):
-    """``weight * x / rms(x)`` over the last dim.
+    """``weight * x / rms(x)`` over the last dim; with ``zero_centred``, ``x / rms(x) * (1 + weight)``
+    and the weight starts at zeros (transformers' ``Qwen3_5RMSNorm``).
 
     Example:
         >>> norm = RMSNorm(8)
@@ -30,10 +23,12 @@ class RMSNorm(nn.Cell):
         (2, 3, 8)
     """
 
-    def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, *, eps: float = 1e-6, zero_centred: bool = False) -> None:
         super().__init__()
-        self.weight = Parameter(ms.Tensor(np.ones(dim, np.float32)), name="weight")
+        init = np.zeros(dim, np.float32) if zero_centred else np.ones(dim, np.float32)
+        self.weight = Parameter(ms.Tensor(init), name="weight")
         self.eps = eps
+        self.zero_centred = zero_centred
 
     def construct(self, x: ms.Tensor) -> ms.Tensor:
-        return rms_norm(ops_for(x), x, self.weight, self.eps)
+        return rms_norm(ops_for(x), x, self.weight, self.eps, zero_centred=self.zero_centred)

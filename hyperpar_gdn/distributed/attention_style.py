@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperpar_gdn.ops.attention import causal_attention, finish_attention, project_attention
-from hyperpar_gdn.ops.varlen import doc_ids_from_cu_seqlens
+from hyperpar_gdn.ops.attention import causal_attention, doc_ids_tensor, finish_attention, project_attention
 from hyperpar_gdn.platform import Tensor, ops_for
 
 from .mesh import DeviceMesh, as_cp_mesh
@@ -143,10 +142,8 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
             lengths = exchange_lengths(cp_mesh, None if error else hidden_states.shape[1], error)
             doc_ids = None
             if cu_seqlens is not None:
-                ids = doc_ids_from_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
-                doc_ids = cp_mesh.platform.ops.constant(
-                    ids.reshape(1, -1), like=_int_like(cp_mesh, hidden_states)
-                )
+                xp = cp_mesh.platform.ops
+                doc_ids = doc_ids_tensor(xp, cu_seqlens, seq_len=sum(lengths), like=hidden_states)
             return attention_forward(
                 adapter, cp_mesh, hidden_states, GlobalSequence(lengths, doc_ids=doc_ids)
             )
@@ -194,8 +191,3 @@ def _shard_error(x_BTC: Tensor, hidden_size: int) -> str | None:
     if len(shape) != 3 or shape[-1] != hidden_size:
         return f"the local shard must be [B, T/cp, hidden_size={hidden_size}]; got {shape}"
     return None
-
-
-def _int_like(mesh: DeviceMesh, x: Tensor) -> Tensor:
-    """An int64 tensor on x's device (for host-built index data)."""
-    return mesh.platform.ops.arange(1, like=x)

@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from hyperpar_gdn.ops.attention import doc_ids_tensor
 from hyperpar_gdn.ops.layer import LayerDims
-from hyperpar_gdn.ops.varlen import check_cu_seqlens, doc_ids_from_cu_seqlens
+from hyperpar_gdn.ops.varlen import check_cu_seqlens
 
 from .attention_style import SoftmaxAttentionContextParallel
 from .cp.ulysses import ulysses_head_error
@@ -205,8 +206,7 @@ def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
         cu = _packed_cu_seqlens(arguments, xp.to_numpy(whole[0]))
         doc_ids = None
         if cu is not None:
-            ids = doc_ids_from_cu_seqlens(cu, seq_len=sum(lengths))
-            doc_ids = xp.constant(ids.reshape(1, -1), like=positions)
+            doc_ids = doc_ids_tensor(xp, cu, seq_len=sum(lengths), like=positions)
             arguments["cu_seq_lens_q"] = xp.constant(cu, like=positions)  # for the GDN layers
         per_type: dict[str, Any] = dict.fromkeys(layer_types)
         per_type["full_attention"] = GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids)

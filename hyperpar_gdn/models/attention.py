@@ -25,8 +25,8 @@ from hyperpar_gdn.ops.attention import (
     init_attention_dims,
     project_attention,
     rope_cos_sin,
+    self_attention,
 )
-from hyperpar_gdn.ops.varlen import doc_ids_from_cu_seqlens
 from hyperpar_gdn.platform import ops_for
 
 from .norm import RMSNorm
@@ -124,16 +124,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states ``[B, T, hidden]`` -> ``[B, T, hidden]``; ``cu_seqlens`` (int ``[N+1]``,
         B = 1): packed documents, each attending only to itself."""
-        b, t = hidden_states.shape[:2]
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states must be [B, T, hidden_size={self.hidden_size}]; "
                 f"got {tuple(hidden_states.shape)}"
             )
-        if cu_seqlens is not None and b != 1:
-            raise ValueError(f"packed documents (cu_seqlens) need batch size B=1; got B={b}")
         q, k, v, gate = self.project(hidden_states)
-        doc_ids = None
-        if cu_seqlens is not None:
-            doc_ids = torch.as_tensor(doc_ids_from_cu_seqlens(cu_seqlens, seq_len=t), device=q.device)[None]
-        return self.finish(causal_attention(_TORCH, q, k, v, q_offset=0, doc_ids=doc_ids), gate)
+        return self.finish(self_attention(_TORCH, q, k, v, cu_seqlens=cu_seqlens), gate)

@@ -13,9 +13,11 @@ R rotary dims (R <= D, even).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from hyperpar_gdn.ops.varlen import doc_ids_from_cu_seqlens
 from hyperpar_gdn.platform import Tensor, TensorOps
 
 Projection = Callable[[Tensor], Tensor]
@@ -159,3 +161,24 @@ def causal_attention(
         visible = visible & (q_docs == doc_ids.reshape(1, 1, 1, tk))
     o_BHTD = xp.masked_attention(q_BHTD, k_BHTD, v_BHTD, visible)
     return xp.swapaxes(o_BHTD, 1, 2).reshape(b, tq, h * d)
+
+
+def doc_ids_tensor(xp: TensorOps, cu_seqlens: Any, *, seq_len: int, like: Tensor) -> Tensor:
+    """The document of every token, int64 ``[1, T]`` on ``like``'s device, from packed
+    documents' ``cu_seqlens`` (int ``[N+1]``, validated against T)."""
+    ids = doc_ids_from_cu_seqlens(cu_seqlens, seq_len=seq_len)
+    return xp.constant(ids.reshape(1, seq_len), like=xp.arange(1, like=like))
+
+
+def self_attention(
+    xp: TensorOps, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, *, cu_seqlens: Any = None
+) -> Tensor:
+    """Causal attention of a whole sequence on one device -> ``[B, T, H*D]``; with
+    ``cu_seqlens`` (packed documents, B = 1) each document attends only to itself."""
+    b, t = q_BHTD.shape[0], q_BHTD.shape[2]
+    doc_ids = None
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(f"packed documents (cu_seqlens) need batch size B=1; got B={b}")
+        doc_ids = doc_ids_tensor(xp, cu_seqlens, seq_len=t, like=q_BHTD)
+    return causal_attention(xp, q_BHTD, k_BHTD, v_BHTD, q_offset=0, doc_ids=doc_ids)

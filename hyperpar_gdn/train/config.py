@@ -79,6 +79,9 @@ class TrainConfig:
         data: a text file, a JSONL file ("text" field per line) or a directory of them; byte
             tokens for the built-in model, the directory's tokenizer for ``--model``; None: the
             built-in corpus.
+        doc_boundaries: where a document starts inside a sequence, pack the DP replica's rows
+            into one row whose documents restart the model's state, conv and attention, and
+            learn no label across a boundary; False: plain windows of the concatenated stream.
         metrics_json: where rank 0 writes the per-step losses, tokens/s and peak memory.
         save: checkpoint root; ``step-N/`` directories go under it.
         save_every: also save every this many steps (0: only at the last step).
@@ -105,6 +108,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     data: str | None = None
+    doc_boundaries: bool = True
     metrics_json: str | None = None
     save: str | None = None
     save_every: int = 0
@@ -245,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         default=None,
         help='text file, JSONL file ("text" per line) or a directory of them; None = the built-in corpus',
+    )
+    add(
+        "--no-doc-boundaries",
+        dest="doc_boundaries",
+        action="store_false",
+        help="train on plain windows of the concatenated documents (no restart at document starts)",
     )
     add("--metrics-json", default=None, help="JSON file for per-step losses, tokens/s, peak memory (rank 0)")
     add("--save", default=None, help="checkpoint root directory (step-N/ under it); None = no checkpoints")

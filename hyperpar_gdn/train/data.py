@@ -8,6 +8,7 @@ continues from the saved position with the very batches an uninterrupted run wou
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,24 +65,56 @@ def _file_documents(file: Path) -> list[str]:
     return documents
 
 
-def load_tokens(path: str | None, tokenizer: Any = None) -> torch.Tensor:
-    """The token stream ``[N]`` (int64) of ``--data`` (see :func:`read_documents`).
+@dataclass(frozen=True)
+class TokenStream:
+    """The training data as one stream: ``tokens`` int64 ``[N]`` and ``doc_starts`` bool ``[N]``
+    (True at the first token of every document)."""
 
-    Without a tokenizer, bytes (the built-in model): a text file as its raw bytes, documents of
-    a JSONL file or directory joined with a newline. With one (a transformers model directory's),
-    each document's tokens followed by the EOS token."""
-    if tokenizer is None:
-        if path is not None and Path(path).is_file() and Path(path).suffix != ".jsonl":
-            data = Path(path).read_bytes()
-        else:
-            data = "\n".join(read_documents(path)).encode("utf-8")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for document in read_documents(path):
-        ids.extend(tokenizer(document, add_special_tokens=False)["input_ids"])
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.int64)
+    tokens: torch.Tensor
+    doc_starts: torch.Tensor
+
+
+def load_stream(path: str | None, tokenizer: Any = None) -> TokenStream:
+    """The documents of ``--data`` (see :func:`read_documents`) as one token stream.
+
+    Without a tokenizer, bytes (the built-in model): a text file as its raw bytes (one document),
+    the documents of a JSONL file or directory joined with a newline. With one (a transformers
+    model directory's), each document's tokens followed by the EOS token."""
+    if tokenizer is None and path is not None and Path(path).is_file() and Path(path).suffix != ".jsonl":
+        documents = [list(Path(path).read_bytes())]
+    elif tokenizer is None:
+        texts = read_documents(path)
+        documents = [
+            list((text + "\n" * (i + 1 < len(texts))).encode("utf-8")) for i, text in enumerate(texts)
+        ]
+    else:
+        eos = tokenizer.eos_token_id
+        documents = [
+            tokenizer(text, add_special_tokens=False)["input_ids"] + [eos] for text in read_documents(path)
+        ]
+    lengths = [len(d) for d in documents if d]
+    starts = torch.zeros(sum(lengths), dtype=torch.bool)
+    starts[torch.tensor([0, *lengths[:-1]]).cumsum(0)] = True
+    return TokenStream(torch.tensor([t for d in documents for t in d], dtype=torch.int64), starts)
+
+
+def load_tokens(path: str | None, tokenizer: Any = None) -> torch.Tensor:
+    """The token stream ``[N]`` (int64) of ``--data``: :func:`load_stream` without the documents."""
+    return load_stream(path, tokenizer).tokens
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A global batch: ``tokens`` int64 ``[B, T+1]`` (windows of the stream: inputs and, shifted
+    by one, labels) and ``doc_starts`` bool ``[B, T+1]`` (where the stream's documents start)."""
+
+    tokens: torch.Tensor
+    doc_starts: torch.Tensor
+
+    @property
+    def has_documents(self) -> bool:
+        """Whether a document starts inside a row (after its first input token)."""
+        return bool(self.doc_starts[:, 1:].any())
 
 
 class BatchSampler:
@@ -90,29 +123,40 @@ class BatchSampler:
     Stateful (``state_dict``/``load_state_dict``): its state is the number of batches drawn.
 
     Args:
-        tokens: the token stream ``[N]``.
+        stream: the data (:class:`TokenStream`), or a bare token stream ``[N]`` (one document).
         seq_len: tokens per training sequence (each window has one more: the last label).
         batch_size: sequences per global batch.
         seed: with the batch index, fixes the offsets.
     """
 
-    def __init__(self, tokens: torch.Tensor, *, seq_len: int, batch_size: int, seed: int) -> None:
+    def __init__(
+        self, stream: TokenStream | torch.Tensor, *, seq_len: int, batch_size: int, seed: int
+    ) -> None:
+        if not isinstance(stream, TokenStream):
+            starts = torch.zeros(stream.numel(), dtype=torch.bool)
+            starts[:1] = True
+            stream = TokenStream(stream, starts)
+        tokens = stream.tokens
         if tokens.dim() != 1 or tokens.numel() < seq_len + 1:
             raise ValueError(
                 f"the data has {tokens.numel()} tokens; --seq-len {seq_len} needs at least {seq_len + 1}"
             )
         self.tokens = tokens
+        self.doc_starts = stream.doc_starts
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
         self.position = 0
 
-    def next_batch(self) -> torch.Tensor:
-        """The next global batch ``[batch_size, seq_len + 1]`` (int64, on the CPU)."""
+    def next_batch(self) -> Batch:
+        """The next global batch: windows ``[batch_size, seq_len + 1]`` (on the CPU)."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
-        starts = torch.randint(0, self.tokens.numel() - self.seq_len, (self.batch_size,), generator=generator)
+        offsets = torch.randint(
+            0, self.tokens.numel() - self.seq_len, (self.batch_size,), generator=generator
+        )
         self.position += 1
-        return self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)]
+        index = offsets[:, None] + torch.arange(self.seq_len + 1)
+        return Batch(self.tokens[index], self.doc_starts[index])
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position, "seed": self.seed, "num_tokens": self.tokens.numel()}
@@ -127,19 +171,49 @@ class BatchSampler:
         self.position = int(state["position"])
 
 
-def shard_batch(
-    batch: torch.Tensor, *, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (inputs, labels), each ``[batch/dp, seq_len/cp]``, from a global batch
-    ``[batch, seq_len + 1]``: rows of DP replica ``dp_rank``, tokens
-    ``[cp_rank*T/cp, (cp_rank+1)*T/cp)`` of the inputs and the next token of each as its label."""
-    rows, width = batch.shape
+@dataclass(frozen=True)
+class RankBatch:
+    """One rank's part of a global batch.
+
+    Attributes:
+        inputs, labels: int64 ``[rows, T_local]``; labels ``-100`` where none is learnt.
+        cu_seqlens: packed documents: int64 ``[N+1]`` over the DP replica's whole packed row (the
+            same on every rank of its CP group), or None.
+    """
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+
+
+def rank_batch(
+    batch: Batch, *, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int, doc_boundaries: bool = True
+) -> RankBatch:
+    """This rank's inputs and labels from a global batch ``[B, T+1]``: rows of DP replica
+    ``dp_rank``, the ``cp_rank``-th of ``cp_size`` contiguous pieces of their tokens.
+
+    With ``doc_boundaries`` and a document starting inside a row, the replica's rows are packed
+    into one row of ``B/dp * T`` tokens whose documents (row starts included) are its
+    ``cu_seqlens``: the state, the conv and attention restart at each, and the last token of a
+    document learns no label (its next token opens another document). Otherwise the rows are
+    plain windows of the concatenated stream, as without documents."""
+    rows, width = batch.tokens.shape
     seq_len = width - 1
     if rows % dp_size or seq_len % cp_size:
         raise ValueError(
             f"a batch of {rows} sequences of {seq_len} tokens does not split over dp={dp_size}, cp={cp_size}"
         )
-    b, t = rows // dp_size, seq_len // cp_size
-    part = batch[dp_rank * b : (dp_rank + 1) * b]
-    start = cp_rank * t
-    return part[:, start : start + t], part[:, start + 1 : start + t + 1]
+    b = rows // dp_size
+    part = slice(dp_rank * b, (dp_rank + 1) * b)
+    tokens, starts = batch.tokens[part], batch.doc_starts[part]
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    cu = None
+    if doc_boundaries and batch.has_documents:
+        labels = labels.masked_fill(starts[:, 1:], -100)
+        row_starts = starts[:, :-1].clone()
+        row_starts[:, 0] = True
+        inputs, labels, row_starts = inputs.reshape(1, -1), labels.reshape(1, -1), row_starts.reshape(-1)
+        cu = torch.cat([row_starts.nonzero()[:, 0], torch.tensor([row_starts.numel()])])
+    t = inputs.shape[1] // cp_size
+    window = slice(cp_rank * t, (cp_rank + 1) * t)
+    return RankBatch(inputs[:, window], labels[:, window], cu)

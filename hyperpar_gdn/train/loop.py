@@ -22,14 +22,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hyperpar_gdn.distributed.mesh import init_device_mesh
+from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
 from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.platform import get_platform, platform_name
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_atomic
 from .config import TrainConfig
-from .data import BatchSampler, load_tokens, shard_batch
+from .data import Batch, BatchSampler, RankBatch, load_stream, rank_batch
 from .log import logger, setup_logging
 from .sharding import apply_activation_checkpointing, apply_fsdp, full_state_dicts, load_full_state_dicts
 from .transformers_model import export_model_dir, load_model_dir
@@ -38,7 +38,7 @@ SUPPORTED_PLATFORMS = ("cpu", "cuda", "npu")
 # Options a resumed run must share with its checkpoint to draw the same batches and shapes.
 _SAME_STREAM = ("model_size", "model_dir", "seq_len", "batch_size", "seed", "data")
 # Options that change the loss curve if they differ (a warning only).
-_SAME_CURVE = ("lr", "warmup_steps", "weight_decay", "grad_clip")
+_SAME_CURVE = ("lr", "warmup_steps", "weight_decay", "grad_clip", "doc_boundaries")
 
 
 @dataclass
@@ -114,11 +114,13 @@ class Trainer:
 
         torch.manual_seed(config.seed)  # the initial weights, on every platform
         self._build_model()
-        if self.cp > 1:
+        if (
+            self.cp > 1 or self.tokenizer is not None
+        ):  # transformers' own layers would drop cu_seqlens on a CPU
             apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode)
         self._apply_sharding()
         self.sampler = BatchSampler(
-            load_tokens(config.data, self.tokenizer),
+            load_stream(config.data, self.tokenizer),
             seq_len=config.seq_len,
             batch_size=config.batch_size,
             seed=config.seed,
@@ -145,6 +147,9 @@ class Trainer:
         else:
             self.model = HybridLM(config.model).to(self.device)
         self.reference = copy.deepcopy(self.model) if config.check_parity and self.rank == 0 else None
+        if self.reference is not None and self.tokenizer is not None:  # our layers, on one rank
+            solo = DeviceMesh.from_group(self.platform, None, [self.rank], mesh_dim_name="cp")
+            apply_context_parallel(self.reference, solo, mode=config.cp_mode)
         self.optimizer = _adamw(self.model, config)
         self.ref_optimizer = None if self.reference is None else _adamw(self.reference, config)
 
@@ -205,38 +210,56 @@ class Trainer:
     def _peak_memory(self) -> tuple[int, str]:
         return peak_memory(self.device)
 
-    def _train_step(self, batch: torch.Tensor) -> float:
-        """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
-        inputs, labels = shard_batch(
-            batch, dp_rank=self.dp_rank, dp_size=self.dp, cp_rank=self.cp_rank, cp_size=self.cp
+    def _rank_batch(self, batch: Batch, *, whole: bool = False) -> RankBatch:
+        """This rank's part of ``batch`` on the device (``whole``: all of it, for the reference)."""
+        part = rank_batch(
+            batch,
+            dp_rank=0 if whole else self.dp_rank,
+            dp_size=1 if whole else self.dp,
+            cp_rank=0 if whole else self.cp_rank,
+            cp_size=1 if whole else self.cp,
+            doc_boundaries=self.config.doc_boundaries,
         )
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
-        logits = self._logits(self.model, inputs)
-        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
-        (loss_sum / (labels.numel() * self.cp)).backward()  # / tokens of this DP replica
+        cu = None if part.cu_seqlens is None else part.cu_seqlens.to(self.device)
+        return RankBatch(part.inputs.to(self.device), part.labels.to(self.device), cu)
+
+    def _train_step(self, batch: Batch) -> float:
+        """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
+        part = self._rank_batch(batch)
+        logits = self._logits(self.model, part)
+        loss_sum = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), part.labels.reshape(-1), reduction="sum"
+        )
+        dtype = _stat_dtype(self.device)
+        totals = torch.stack([loss_sum.detach().to(dtype), (part.labels != -100).sum().to(dtype)])
+        self.comm.all_reduce_sum(totals, None)  # the loss sum and the labelled tokens of the global batch
+        # sum / all labelled tokens, times dp: gradients are summed over CP and averaged over DP
+        (loss_sum * (self.dp / totals[1].item())).backward()
         self._sync_gradients()
         _optimizer_step(self.model, self.optimizer, self.config, self.step + 1)
-        dtype = _stat_dtype(self.device)
-        totals = torch.stack([loss_sum.detach().to(dtype), loss_sum.new_tensor(labels.numel(), dtype=dtype)])
-        self.comm.all_reduce_sum(totals, None)
         return (totals[0] / totals[1]).item()
 
-    def _reference_step(self, batch: torch.Tensor) -> float:
+    def _reference_step(self, batch: Batch) -> float:
         """The same step without any parallelism, on the whole global batch (rank 0 only)."""
         assert self.reference is not None and self.ref_optimizer is not None
-        batch = batch.to(self.device)
-        logits = self._logits(self.reference, batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        part = self._rank_batch(batch, whole=True)
+        logits = self._logits(self.reference, part)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), part.labels.reshape(-1))
         loss.backward()
         _optimizer_step(self.reference, self.ref_optimizer, self.config, self.step)
         return loss.item()
 
-    def _logits(self, model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-        """``[B, T(/cp), V]`` logits of the built-in or a transformers model (which, under context
-        parallelism, gets its global positions from apply_context_parallel's hook)."""
+    def _logits(self, model: torch.nn.Module, part: RankBatch) -> torch.Tensor:
+        """``[rows, T_local, V]`` logits of the built-in or a transformers model (which, under
+        context parallelism, gets its global positions from apply_context_parallel's hook)."""
         if self.tokenizer is None:
-            return model(inputs)
-        return model(input_ids=inputs, use_cache=False).logits
+            return (
+                model(part.inputs)
+                if part.cu_seqlens is None
+                else model(part.inputs, cu_seqlens=part.cu_seqlens)
+            )
+        packed = {} if part.cu_seqlens is None else {"cu_seq_lens_q": part.cu_seqlens}
+        return model(input_ids=part.inputs, use_cache=False, **packed).logits
 
     def _sync_gradients(self) -> None:
         """Sum the gradient shares over the CP group, then average over the DP groups."""

@@ -35,23 +35,16 @@ from mindspore import ops
 from hyperpar_gdn.distributed.parallelize import text_model_of
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
+from hyperpar_gdn.platform import ops_for
 
 from .config import TrainConfig
-from .data import shard_batch
+from .data import Batch, RankBatch, rank_batch
 from .loop import Trainer
 from .transformers_model import load_tokenizer
 
-__all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm", "cross_entropy_sum"]
+__all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm"]
 
 ADAMW_FORMAT = "hyperpar_gdn.train.mindspore_loop.AdamW/1"
-
-
-def cross_entropy_sum(logits_BTV: ms.Tensor, labels_BT: ms.Tensor) -> ms.Tensor:
-    """Sum over tokens of ``-log softmax(logits)[label]`` (fp32, or fp64 for fp64 logits)."""
-    b, t = labels_BT.shape
-    log_probs = ops.log_softmax(logits_BTV, -1)
-    picked = ops.gather_elements(log_probs, -1, labels_BT.reshape(b, t, 1))
-    return -picked.sum()
 
 
 def clip_grad_norm(grads: Sequence[ms.Tensor], max_norm: float) -> tuple[list[ms.Tensor], float]:
@@ -166,18 +159,20 @@ class _Replica:
         self.params = [p for _, p in named]
         self.optimizer = AdamW(self.params, weight_decay=config.weight_decay, names=[n for n, _ in named])
 
-        def loss_fn(inputs: ms.Tensor, labels: ms.Tensor, tokens: ms.Tensor) -> tuple[ms.Tensor, ms.Tensor]:
-            loss_sum = cross_entropy_sum(model(inputs), labels)
-            return loss_sum / tokens, loss_sum
+        def loss_fn(
+            inputs: ms.Tensor, labels: ms.Tensor, scale: ms.Tensor, cu_seqlens: ms.Tensor | None
+        ) -> tuple[ms.Tensor, ms.Tensor]:
+            logits = model(inputs) if cu_seqlens is None else model(inputs, cu_seqlens)
+            loss_sum = ops_for(logits).cross_entropy_sum(logits, labels)  # labels -100: no loss
+            return loss_sum * scale, loss_sum
 
         self.value_and_grad = ms.value_and_grad(loss_fn, None, self.params, has_aux=True)
 
-    def loss_and_grads(
-        self, inputs: torch.Tensor, labels: torch.Tensor, tokens: int
-    ) -> tuple[ms.Tensor, list[ms.Tensor]]:
-        """(sum of token losses, gradients of that sum / ``tokens``)."""
+    def loss_and_grads(self, part: RankBatch, scale: float) -> tuple[ms.Tensor, list[ms.Tensor]]:
+        """(sum of token losses, gradients of that sum times ``scale``)."""
+        cu = None if part.cu_seqlens is None else ms.Tensor(part.cu_seqlens.numpy())
         (_, loss_sum), grads = self.value_and_grad(
-            ms.Tensor(inputs.numpy()), ms.Tensor(labels.numpy()), ms.Tensor(float(tokens), ms.float32)
+            ms.Tensor(part.inputs.numpy()), ms.Tensor(part.labels.numpy()), ms.Tensor(scale, ms.float32), cu
         )
         return loss_sum, list(grads)
 
@@ -233,18 +228,25 @@ class MindSporeTrainer(Trainer):
         if config.check_parity and self.rank == 0:
             self.reference = _Replica(build(), config)
 
-    def _train_step(self, batch: torch.Tensor) -> float:
+    def _train_step(self, batch: Batch) -> float:
         """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
-        inputs, labels = shard_batch(
-            batch, dp_rank=self.dp_rank, dp_size=self.dp, cp_rank=self.cp_rank, cp_size=self.cp
+        part = rank_batch(
+            batch,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp,
+            cp_rank=self.cp_rank,
+            cp_size=self.cp,
+            doc_boundaries=self.config.doc_boundaries,
         )
-        loss_sum, grads = self.replica.loss_and_grads(inputs, labels, labels.numel() * self.cp)
+        dtype = self._stat_dtype()
+        count = ms.Tensor([float((part.labels != -100).sum())], dtype)
+        total = float(self.comm.all_reduce_sum(count, None).asnumpy()[0])  # labelled tokens, all ranks
+        # sum / all labelled tokens, times dp: gradients are summed over CP and averaged over DP
+        loss_sum, grads = self.replica.loss_and_grads(part, self.dp / total)
         grads = self._sync_grads(grads)
         self.replica.step(grads, self.config, self.step + 1)
-        dtype = self._stat_dtype()
-        totals = ops.stack([loss_sum.astype(dtype), ms.Tensor(float(labels.numel()), dtype)])
-        totals = self.comm.all_reduce_sum(totals, None).asnumpy()
-        return float(totals[0] / totals[1])
+        loss_total = self.comm.all_reduce_sum(loss_sum.astype(dtype).reshape(1), None).asnumpy()[0]
+        return float(loss_total / total)
 
     def _sync_grads(self, grads: list[ms.Tensor]) -> list[ms.Tensor]:
         """Sum the gradient shares over the CP group, then average over the DP groups."""
@@ -262,13 +264,16 @@ class MindSporeTrainer(Trainer):
             offset += n
         return out
 
-    def _reference_step(self, batch: torch.Tensor) -> float:
+    def _reference_step(self, batch: Batch) -> float:
         """The same step without any parallelism, on the whole global batch (rank 0 only)."""
         assert self.reference is not None
-        inputs, labels = batch[:, :-1], batch[:, 1:]
-        loss_sum, grads = self.reference.loss_and_grads(inputs, labels, labels.numel())
+        part = rank_batch(
+            batch, dp_rank=0, dp_size=1, cp_rank=0, cp_size=1, doc_boundaries=self.config.doc_boundaries
+        )
+        count = int((part.labels != -100).sum())
+        loss_sum, grads = self.reference.loss_and_grads(part, 1.0 / count)
         self.reference.step(grads, self.config, self.step)
-        return float(loss_sum.asnumpy()) / labels.numel()
+        return float(loss_sum.asnumpy()) / count
 
     def _checkpoint_parts(self) -> dict[str, Any]:
         """As the torch trainer's; ``model`` is a torch state dict (the torch model's names)."""

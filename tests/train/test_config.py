@@ -8,9 +8,10 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, UsageError, parse_args
-from hyperpar_gdn.train.data import BatchSampler, load_tokens, shard_batch
+from hyperpar_gdn.train.data import Batch, BatchSampler, load_tokens, rank_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,13 +109,14 @@ def test_batches_are_a_function_of_seed_and_position(tmp_path: Path) -> None:
     tokens = load_tokens(str(text))
     assert tokens.tolist()[:3] == [0, 1, 2] and tokens.numel() == 1024
     a = BatchSampler(tokens, seq_len=16, batch_size=4, seed=1)
-    first, second = a.next_batch(), a.next_batch()
+    first, second = a.next_batch().tokens, a.next_batch().tokens
     b = BatchSampler(tokens, seq_len=16, batch_size=4, seed=1)
     b.load_state_dict({"position": 1, "seed": 1, "num_tokens": 1024})
-    assert first.shape == (4, 17) and (second == b.next_batch()).all() and not (first == second).all()
+    assert first.shape == (4, 17) and (second == b.next_batch().tokens).all() and not (first == second).all()
     assert ((first[:, 1:] - first[:, :-1]) % 256 == 1).all()  # contiguous windows of the text
-    inputs, labels = shard_batch(first, dp_rank=1, dp_size=2, cp_rank=1, cp_size=2)
-    assert (inputs == first[2:, 8:16]).all() and (labels == first[2:, 9:17]).all()
+    part = rank_batch(Batch(first, first < 0), dp_rank=1, dp_size=2, cp_rank=1, cp_size=2)
+    assert (part.inputs == first[2:, 8:16]).all() and (part.labels == first[2:, 9:17]).all()
+    assert part.cu_seqlens is None  # no document starts inside a row: plain windows
     with pytest.raises(FileNotFoundError, match="--data .*missing.txt: no such file"):
         load_tokens(str(tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match="the data has 1024 tokens; --seq-len 2000 needs at least 2001"):
@@ -131,3 +133,22 @@ def test_readme_first_command_runs_the_embedded_default() -> None:
     while launch and re.fullmatch(r"[A-Z_]+=\S*", launch[0]):  # environment assignments
         launch.pop(0)
     assert launch == ["torchrun", "--nproc-per-node", "2", "scripts/train.py"], commands[0]
+
+
+def test_documents_pack_the_rows_of_a_replica() -> None:
+    """Two rows of 6 inputs; a document starts at input 2 of row 0 and at the label after row 1's
+    last input: the replica's rows become one row whose documents restart at the row starts too;
+    no label crosses into another document."""
+    tokens = torch.arange(14).reshape(2, 7)
+    starts = torch.zeros(2, 7, dtype=torch.bool)
+    starts[0, 2] = starts[1, 6] = True
+    part = rank_batch(Batch(tokens, starts), dp_rank=0, dp_size=1, cp_rank=1, cp_size=2)
+    assert part.cu_seqlens.tolist() == [0, 2, 6, 12]
+    assert part.inputs.tolist() == [[7, 8, 9, 10, 11, 12]]  # the second half of the packed row
+    assert part.labels.tolist() == [[8, 9, 10, 11, 12, -100]]
+    first = rank_batch(Batch(tokens, starts), dp_rank=0, dp_size=1, cp_rank=0, cp_size=2)
+    assert first.labels.tolist() == [[1, -100, 3, 4, 5, 6]]  # token 2 opens a new document
+    plain = rank_batch(
+        Batch(tokens, starts), dp_rank=0, dp_size=1, cp_rank=0, cp_size=1, doc_boundaries=False
+    )
+    assert plain.cu_seqlens is None and plain.labels.tolist() == tokens[:, 1:].tolist()

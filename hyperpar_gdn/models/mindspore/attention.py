@@ -8,6 +8,8 @@ Legend: B batch, T tokens (Tq queries, Tk keys), H query heads, Hkv key/value he
 
 from __future__ import annotations
 
+from typing import Any
+
 import mindspore as ms
 import numpy as np
 from mindspore import nn
@@ -18,6 +20,7 @@ from hyperpar_gdn.ops.attention import (
     init_attention_dims,
     project_attention,
     rope_cos_sin,
+    self_attention,
 )
 from hyperpar_gdn.platform import ops_for
 
@@ -103,9 +106,10 @@ class CausalSelfAttention(nn.Cell):
         xp = ops_for(o_BTX)
         return finish_attention(xp, o_BTX, gate_BTX, lambda x: xp.linear(x, self.o_proj.weight))
 
-    def construct(self, hidden_states: ms.Tensor) -> ms.Tensor:
+    def construct(self, hidden_states: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+        """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents, each attending only to itself."""
         shape = tuple(hidden_states.shape)
         if len(shape) != 3 or shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [B, T, hidden_size={self.hidden_size}]; got {shape}")
         q, k, v, gate = self.project(hidden_states)
-        return self.finish(self.attend(q, k, v, q_offset=0), gate)
+        return self.finish(self_attention(ops_for(q), q, k, v, cu_seqlens=cu_seqlens), gate)

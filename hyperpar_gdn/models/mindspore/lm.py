@@ -79,10 +79,10 @@ class DecoderBlock(nn.Cell):
     def mixer(self) -> nn.Cell:
         return self.linear_attn if self.layer_type == LINEAR else self.self_attn
 
-    def construct(self, x_BTC: ms.Tensor) -> ms.Tensor:
+    def construct(self, x_BTC: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
         return decoder_block(
             x_BTC,
-            mixer=self.mixer,
+            mixer=self.mixer if cu_seqlens is None else lambda h: self.mixer(h, cu_seqlens=cu_seqlens),
             mlp=self.mlp,
             input_norm=self.input_layernorm,
             post_norm=self.post_attention_layernorm,
@@ -138,11 +138,13 @@ class HybridLM(nn.Cell):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         init_normal(self, config.initializer_range)
 
-    def construct(self, input_ids: ms.Tensor) -> ms.Tensor:
+    def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+        """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents (under context parallelism: the
+        global boundaries, the same on every rank)."""
         check_input_ids(input_ids)
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
-            x_BTC = block(x_BTC)
+            x_BTC = block(x_BTC, cu_seqlens)
         return lm_logits(ops_for(x_BTC), self.norm(x_BTC), self.embed_tokens.weight)
 
     def num_parameters(self) -> int:

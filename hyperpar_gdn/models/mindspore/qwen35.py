@@ -22,6 +22,7 @@ Legend: B batch, T tokens, C hidden size, V vocabulary.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mindspore as ms
 import numpy as np
@@ -54,11 +55,11 @@ class Qwen35TextModel(nn.Cell):
         self.layers = nn.CellList([DecoderBlock(config, kind) for kind in config.layer_types])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centred=True)
 
-    def construct(self, input_ids: ms.Tensor) -> ms.Tensor:
+    def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
         check_input_ids(input_ids)
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
-            x_BTC = block(x_BTC)
+            x_BTC = block(x_BTC, cu_seqlens)
         return self.norm(x_BTC)
 
 
@@ -89,8 +90,10 @@ class Qwen3_5ForCausalLM(nn.Cell):
         """``[V, C]``: ``lm_head.weight``, or the embedding's when tied."""
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def construct(self, input_ids: ms.Tensor) -> ms.Tensor:
-        hidden_BTC = self.model(input_ids)
+    def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+        """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents (under context parallelism: the
+        global boundaries, the same on every rank)."""
+        hidden_BTC = self.model(input_ids, cu_seqlens)
         return lm_logits(ops_for(hidden_BTC), hidden_BTC, self.head_weight)
 
     def num_parameters(self) -> int:

@@ -289,3 +289,30 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
     assert torch.isfinite(actual).all(), f"{name}: non-finite values"
     err = rel_err(actual, expected)
     assert err <= tol, f"{name}: error {err:.3g} relative to max|expected| exceeds {tol:.1g}"
+
+
+def transformers_gdn_layer(*, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' ``Qwen3_5GatedDeltaNet`` (hidden 32, 2 key heads of 16, 4 value heads of 8,
+    conv 4), seeded, every parameter moved off its init and a slow decay (the state entering a
+    shard or a document matters): the layer the CP and packed-document tests compare with."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    config = Qwen3_5TextConfig(
+        hidden_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    torch.manual_seed(0)
+    layer = Qwen3_5GatedDeltaNet(config, layer_idx=0).to(dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        layer.A_log.copy_(torch.log(torch.empty_like(layer.A_log).uniform_(0.05, 0.5)))
+        layer.dt_bias.add_(-4.0)
+    return layer

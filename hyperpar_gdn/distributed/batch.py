@@ -19,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from hyperpar_gdn.ops.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.platform import Tensor, ops_for
 
 from .mesh import as_cp_mesh
@@ -36,14 +39,18 @@ class ContextParallelBatch:
         input_ids: ``[B, T/cp]``.
         position_ids: ``[B, T/cp]``, the global positions ``r*T/cp + t``.
         labels: ``[B, T/cp]``, the next token of the whole sequence (``-100`` after the last
-            token and where the next token is padding), or None.
+            token, where the next token is padding or opens another packed document).
         attention_mask: ``[B, T/cp]`` shard of the padding mask, or None.
+        cu_seqlens: packed documents: int ``[N+1]`` over the whole sequence (the same on every
+            rank; pass it to ``HybridLM``), or None. For transformers' models ``position_ids``
+            already restart at every document, which the model's hook reads.
     """
 
     input_ids: Tensor
     position_ids: Tensor
-    labels: Tensor | None
+    labels: Tensor
     attention_mask: Tensor | None
+    cu_seqlens: Tensor | None = None
 
     def model_inputs(self) -> dict[str, Tensor]:
         """Keyword arguments of a transformers model's forward (labels stay out: the model's own
@@ -60,6 +67,8 @@ def shard_for_context_parallel(
     *,
     labels: Tensor | None = None,
     attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> ContextParallelBatch:
     """Cut a whole batch into this rank's context-parallel shard (no communication).
 
@@ -69,9 +78,13 @@ def shard_for_context_parallel(
         labels: ``[B, T]`` int aligned with ``input_ids`` (token t's own id, ``-100`` to ignore),
             as transformers takes them; None: ``input_ids`` (language modelling).
         attention_mask: ``[B, T]`` (1 = token, 0 = padding) or None. Padding is never a label.
+        position_ids: ``[B, T]``: transformers' packed convention (restarting at 0 for every
+            document, as ``DataCollatorWithFlattening`` emits) or plain positions; None: ``0..T-1``.
+        cu_seqlens: packed documents (B = 1), int ``[N+1]`` (fla's); with position_ids, both must
+            describe the same documents.
 
     Returns a :class:`ContextParallelBatch` whose labels are already shifted (predict token t+1
-    at position t).
+    at position t); no label crosses into another document.
     """
     cp_mesh = as_cp_mesh(mesh)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
@@ -82,7 +95,11 @@ def shard_for_context_parallel(
     b, t = shape
     if t % cp:
         raise ValueError(f"the sequence length T={t} must be divisible by the CP size {cp}")
-    for name, tensor in (("labels", labels), ("attention_mask", attention_mask)):
+    for name, tensor in (
+        ("labels", labels),
+        ("attention_mask", attention_mask),
+        ("position_ids", position_ids),
+    ):
         if tensor is not None and tuple(tensor.shape) != shape:
             raise ValueError(f"{name} must have input_ids' shape [B, T] = {shape}; got {tuple(tensor.shape)}")
     targets = input_ids if labels is None else labels
@@ -91,15 +108,48 @@ def shard_for_context_parallel(
     if attention_mask is not None:
         next_is_token = xp.pad_dim(xp.cast(attention_mask[:, 1:] != 0, xp.dtype(shifted)), 1, 0, 1)
         shifted = (shifted - IGNORE_INDEX) * next_is_token + IGNORE_INDEX
+    starts = _packed_starts(xp, b, t, position_ids, cu_seqlens)  # bool [T] or None
+    cu = None
+    if starts is not None:
+        opens = np.append(starts[1:], False)  # the next token opens another document
+        shifted = (shifted - IGNORE_INDEX) * xp.constant(~opens, like=shifted).reshape(1, t) + IGNORE_INDEX
+        cu = xp.constant(np.append(np.flatnonzero(starts), t), like=input_ids)
+        if position_ids is None:  # transformers' packed convention: 0 at every document start
+            first = np.maximum.accumulate(np.where(starts, np.arange(t), 0))
+            position_ids = xp.constant((np.arange(t) - first).reshape(1, t), like=input_ids)
+    if position_ids is None:
+        position_ids = xp.arange(t, like=input_ids).reshape(1, t) + input_ids * 0
     t_local = t // cp
     window = slice(rank * t_local, (rank + 1) * t_local)
-    positions = xp.arange(t_local, like=input_ids) + rank * t_local
     return ContextParallelBatch(
         input_ids=input_ids[:, window],
-        position_ids=positions.reshape(1, t_local) + input_ids[:, window] * 0,
+        position_ids=position_ids[:, window],
         labels=shifted[:, window],
         attention_mask=None if attention_mask is None else attention_mask[:, window],
+        cu_seqlens=cu,
     )
+
+
+def _packed_starts(xp: Any, b: int, t: int, position_ids: Tensor | None, cu_seqlens: Tensor | None) -> Any:
+    """bool ``[T]`` (numpy), True where a packed document starts, or None when not packed."""
+    from_cu = None if cu_seqlens is None else doc_starts_from_cu_seqlens(cu_seqlens, seq_len=t)
+    if cu_seqlens is not None and b != 1:
+        raise ValueError(f"packed documents (cu_seqlens) need batch size B=1; got B={b}")
+    if position_ids is None:
+        return from_cu
+    positions = xp.to_numpy(position_ids)
+    restarts = np.diff(positions, axis=1) != 1
+    if not restarts.any():
+        return from_cu
+    if b != 1:
+        raise ValueError(f"packed documents (position_ids that restart) need batch size B=1; got B={b}")
+    from_positions = np.concatenate([[True], restarts[0]])
+    if from_cu is not None and not np.array_equal(from_cu, from_positions):
+        raise ValueError(
+            f"cu_seqlens starts documents at {np.flatnonzero(from_cu).tolist()}, position_ids at "
+            f"{np.flatnonzero(from_positions).tolist()}"
+        )
+    return from_positions
 
 
 def context_parallel_loss(logits: Tensor, labels: Tensor, mesh: Any) -> Tensor:

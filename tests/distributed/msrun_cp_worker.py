@@ -10,6 +10,8 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
   ``init_device_mesh("cpu", ...)`` (MindSpore under ``HP_PLATFORM=mindspore``), every mode on every
   case against the single-device MindSpore layer and the torch layer with the same weights (output
   shard, input-gradient shard, parameter gradients summed over ranks);
+- ``packed``: packed documents (global ``cu_seqlens``), every mode, against the torch layer run on
+  each document alone (float64);
 - ``bad_input``: the (type, message) of each bad call on every rank, compared with torch's;
 - ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
   ``hyperpar_gdn.distributed.verify.compare_with_reference``;
@@ -43,7 +45,7 @@ from hyperpar_gdn.distributed.verify import compare_with_reference, relative_err
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
-SECTIONS = ("collectives", "cp", "bad_input", "mesh2d", "stall")
+SECTIONS = ("collectives", "cp", "packed", "bad_input", "mesh2d", "stall")
 HIDDEN = 32
 PARAMS = (
     "in_proj_qkv.weight",
@@ -226,6 +228,56 @@ def section_cp(platform: Platform, world: int) -> dict[str, Any]:
                 "seconds": seconds,
                 "bytes_sent": sent,
             }
+    return results
+
+
+# Packed documents (B = 1, float64): global boundaries; shards of 48 (cp 2) or 24 (cp 4) tokens.
+PACKED_T = 96
+PACKED_CASES = {
+    "tiny-and-long": (0, 1, 3, 10, 60, 96),  # 1 and 2 tokens (< conv halo); 10..60 crosses 24 and 48
+    "at-shard-start": (0, 48, 72, 96),
+    "short-across": (0, 47, 49, 50, 96),
+}
+
+
+def section_packed(platform: Platform, world: int) -> dict[str, Any]:
+    """Every mode on packed documents against the torch layer run on each document alone."""
+
+    from hyperpar_gdn.models.mindspore import GatedDeltaNet
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    case = Case(2, 4, PACKED_T, dtype="float64")
+    layer_t = torch_layer(case)
+    rng = np.random.default_rng(3)
+    x, cot = rng.standard_normal((1, PACKED_T, HIDDEN)), rng.standard_normal((1, PACKED_T, HIDDEN))
+    local = slice(mesh.get_local_rank() * PACKED_T // world, (mesh.get_local_rank() + 1) * PACKED_T // world)
+    results: dict[str, Any] = {}
+    for name, cu in PACKED_CASES.items():
+        pieces = [
+            torch_reference(layer_t, x[:, a:b], cot[:, a:b], None, "float64")
+            for a, b in zip(cu[:-1], cu[1:], strict=True)
+        ]
+        reference = (
+            np.concatenate([p[0] for p in pieces], 1),
+            np.concatenate([p[1] for p in pieces], 1),
+            {k: sum(p[2][k] for p in pieces) for k in PARAMS},
+        )
+        for mode in MODES:
+            layer = LinearAttentionContextParallel(mode=mode).apply(GatedDeltaNet.from_torch(layer_t), mesh)
+            cu_t = np.asarray(cu)
+            out, (dx,), grads = platform.value_and_grads(
+                lambda inp, layer=layer, cu_t=cu_t: layer(inp, cu_seqlens=cu_t),
+                [platform.from_numpy(x[:, local], dtype="float64")],
+                platform.from_numpy(cot[:, local], dtype="float64"),
+                layer,
+            )
+            totals = {
+                k: platform.to_numpy(platform.collectives.all_reduce_sum(g, mesh.get_group()))
+                for k, g in grads.items()
+            }
+            results[f"{name}/{mode}"] = _errors(
+                (platform.to_numpy(out), platform.to_numpy(dx), totals), reference, local
+            )
     return results
 
 
@@ -469,6 +521,7 @@ def section_collectives(platform: Platform, world: int) -> dict[str, Any]:
 SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "collectives": section_collectives,
     "cp": section_cp,
+    "packed": section_packed,
     "bad_input": section_bad_input,
     "mesh2d": section_mesh2d,
     "stall": section_stall,

@@ -169,3 +169,17 @@ def test_selfcheck_runs_under_msrun() -> None:
     for mode in worker.MODES:
         assert re.search(rf"^{mode}\s+\S+ \(\w[\w.]*\)\s+[\d.]+s\s+ok$", log, re.MULTILINE), log
     assert log.rstrip().endswith("selfcheck: 3/3 ok"), log
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
+def test_packed_documents_equal_each_document_alone(world: int) -> None:
+    """Global cu_seqlens, every mode (float64): the MindSpore layer under CP against the torch
+    layer run on each document alone (documents across shard boundaries, shorter than the conv
+    halo, starting exactly at a shard start)."""
+    per_rank = section_data(cp_worker_job(world), "packed")
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(worker.PACKED_CASES) * len(worker.MODES)
+        for key, errors in results.items():
+            assert set(errors) == ERROR_KEYS, key
+            bad = {k: v for k, v in errors.items() if not v <= TOL["float64"]}
+            assert not bad, f"rank {rank} {key}: {bad}"

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 from distributed_harness import launch_ranks, run_ranks
-from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+from oracles import transformers_gdn_layer
 
 from hyperpar_gdn import DTensor, LinearAttentionContextParallel, Shard, init_device_mesh
 from hyperpar_gdn.distributed.verify import compare_with_reference
@@ -23,25 +22,8 @@ from hyperpar_gdn.platform import get_platform
 MODES = ("ulysses", "p2p", "all_gather")
 
 
-def _transformers_layer() -> Qwen3_5GatedDeltaNet:
-    config = Qwen3_5TextConfig(
-        hidden_size=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
-    )
-    torch.manual_seed(0)
-    layer = Qwen3_5GatedDeltaNet(config, layer_idx=0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-        layer.A_log.copy_(torch.log(torch.empty_like(layer.A_log).uniform_(0.05, 0.5)))
-        layer.dt_bias.add_(-4.0)
-    return layer
+def _transformers_layer() -> torch.nn.Module:
+    return transformers_gdn_layer()
 
 
 def _transformers_worker(rank: int, world: int) -> dict[str, dict[str, float]]:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracles import assert_close
-from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from oracles import assert_close, transformers_gdn_layer
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from hyperpar_gdn.models import GatedDeltaNet
@@ -28,23 +27,7 @@ CASES = {
 
 
 def _layers() -> tuple[GatedDeltaNet, Qwen3_5GatedDeltaNet]:
-    config = Qwen3_5TextConfig(
-        hidden_size=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
-    )
-    torch.manual_seed(0)
-    hf = Qwen3_5GatedDeltaNet(config, layer_idx=0).double()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-        hf.A_log.copy_(torch.log(torch.empty_like(hf.A_log).uniform_(0.05, 0.5)))
-        hf.dt_bias.add_(-4.0)  # slow decay: the state matters across many tokens
+    hf = transformers_gdn_layer(dtype=torch.float64)
     ours = GatedDeltaNet(32, 2, 4, 16, 8).double()
     ours.load_state_dict(hf.state_dict())
     return ours, hf

@@ -5,6 +5,8 @@ values with RoPE at those global positions, all-gathers the keys and values of t
 sequence (differentiable: the gradient is reduce-scattered back to each shard's owner) and runs
 causal attention of its queries over keys ``0 .. (r+1)*T/cp - 1`` (later shards are invisible to
 it, so they are dropped before the matmuls). The result equals the single-device layer's rows.
+Shards may differ in length (they are padded to the longest for the all-gather); padding and
+packed documents mask the keys (:class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`).
 
 The algorithm is written once (:func:`attention_forward`); per layer class a small adapter says
 how the layer projects its shard and finishes the output:
@@ -105,15 +107,16 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
     mesh's platform (its TensorOps and differentiable all-gather).
 
     After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard
-    ``[B, T/cp, hidden]`` (every rank the same T/cp) and gives exactly the single-device rows.
+    ``[B, T_r, hidden]`` (shards may differ in length) and gives exactly the single-device rows;
+    ours also take ``cu_seqlens=`` (packed documents: the whole sequence's boundaries).
     Parameters are untouched; their gradients are this rank's share (sum them over the CP ranks).
     ``undo(module)`` restores the original forward.
 
     transformers' layers keep their call signature ``(hidden_states, position_embeddings,
     attention_mask, ...)`` and return ``(output, None)``; ``position_embeddings`` must be the
-    cos/sin of the shard's global positions, and ``attention_mask`` None or the
-    :class:`GlobalKeyMask` that ``apply_context_parallel`` passes for a whole transformers model
-    (a local 4-D mask cannot describe the keys of other ranks, so it is refused).
+    cos/sin of the shard's positions, and ``attention_mask`` the :class:`GlobalSequence` (lengths,
+    padding, documents) that ``apply_context_parallel`` passes for a whole transformers model (a
+    local 4-D mask cannot describe the keys of other ranks, so it is refused).
 
     Example::
 
@@ -126,7 +129,7 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
         cp_mesh = as_cp_mesh(mesh)
         if type(module).__name__ in TRANSFORMERS_ATTENTION:
             return self._install(module, lambda original: _transformers_forward(module, cp_mesh))
-        for name in ("project", "attend", "finish"):
+        for name in ("project", "finish"):
             if not callable(getattr(module, name, None)):
                 raise TypeError(
                     f"{type(module).__name__} has no {name}(): SoftmaxAttentionContextParallel supports "

@@ -1,11 +1,12 @@
 """The training loop: build (process groups, mesh, model, optimizer, data, checkpoint), train, close.
 
 Parallelism: the world is a 2-D mesh ``(dp, cp)``. Every rank of a CP group holds a contiguous
-``1/cp`` of each sequence of its DP replica's rows; the model's mixers are context parallel, the
-rest of the model works token by token. Each rank's loss term is ``sum of its token losses /
-tokens of its DP replica``; its parameter gradients are its share, summed over the CP group and
-then averaged over the DP groups. The result is the gradient of the mean loss over every token of
-the global batch: the same step as one device on the whole batch.
+``1/cp`` of each sequence of its DP replica's rows (or of their packed row, with documents); the
+model's mixers are context parallel, the rest of the model works token by token. Each rank's loss
+term is ``dp x sum of its token losses / labelled tokens of the global batch``; its parameter
+gradients are its share, summed over the CP group and then averaged over the DP groups (by
+FSDP's reduce-scatter under ``--fsdp``). The result is the gradient of the mean loss over every
+labelled token of the global batch: the same step as one device on the whole batch.
 """
 
 from __future__ import annotations
@@ -252,13 +253,10 @@ class Trainer:
     def _logits(self, model: torch.nn.Module, part: RankBatch) -> torch.Tensor:
         """``[rows, T_local, V]`` logits of the built-in or a transformers model (which, under
         context parallelism, gets its global positions from apply_context_parallel's hook)."""
+        name = "cu_seqlens" if self.tokenizer is None else "cu_seq_lens_q"  # ours / transformers'
+        packed = {} if part.cu_seqlens is None else {name: part.cu_seqlens}
         if self.tokenizer is None:
-            return (
-                model(part.inputs)
-                if part.cu_seqlens is None
-                else model(part.inputs, cu_seqlens=part.cu_seqlens)
-            )
-        packed = {} if part.cu_seqlens is None else {"cu_seq_lens_q": part.cu_seqlens}
+            return model(part.inputs, **packed)
         return model(input_ids=part.inputs, use_cache=False, **packed).logits
 
     def _sync_gradients(self) -> None:

@@ -7,6 +7,7 @@
   (dense and MoE), loaded in fp64 and moved off its init;
 - ``train``: ``scripts/train.py`` (its ``main``, as msrun would run it) with the options after
   ``--``; rank 0 returns the losses of its ``--metrics-json``; ``train_ac``: the same with ``--ac``;
+  ``train_packed``: the same on ``--packed-data`` (documents packed with boundaries);
 - ``train_model``: the same with ``--model`` (the first ``--qwen-dirs`` entry) and
   ``--export`` (``--export-dir``).
 
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--sections", nargs="+", default=["lm_cp", "train"])
     parser.add_argument("--qwen-dirs", nargs="*", default=[], help="transformers Qwen3.5 directories")
     parser.add_argument("--export-dir", default=None, help="train_model's --export")
+    parser.add_argument("--packed-data", default=None, help="train_packed's --data (several documents)")
     parser.add_argument("train_options", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     train_options = [a for a in args.train_options if a != "--"]
@@ -188,6 +190,8 @@ def main() -> None:
                 data = train_section(platform, train_options)
             elif section == "train_ac":  # the same run with activation checkpointing
                 data = train_section(platform, [*train_options, "--ac"])
+            elif section == "train_packed":  # documents packed with boundaries (the default)
+                data = train_section(platform, [*train_options, "--data", args.packed_data])
             elif section == "train_model":
                 model_options = ["--model", args.qwen_dirs[0], "--export", args.export_dir]
                 data = train_section(platform, [*train_options, *model_options])

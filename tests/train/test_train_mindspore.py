@@ -6,6 +6,7 @@ Qwen3.5 run exports a directory that transformers loads."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -21,6 +22,7 @@ from msrun_train_worker import lm_config  # noqa: E402  (tests/train is on sys.p
 
 from hyperpar_gdn.models.lm import HybridLM  # noqa: E402
 from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, load_checkpoint  # noqa: E402
+from hyperpar_gdn.train.corpus import BUILTIN_CORPUS  # noqa: E402
 from hyperpar_gdn.train.transformers_model import write_tiny_qwen35  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "msrun_train_worker.py"
@@ -51,12 +53,23 @@ def _model_dirs() -> dict[str, Path]:
 
 
 @cache
+def _packed_data() -> str:
+    """The built-in corpus's paragraphs, cut into JSONL documents of 15 to 500 bytes."""
+    pieces = [p.replace("\n", " ") for p in BUILTIN_CORPUS.split("\n\n")]
+    pieces = [piece for p in pieces for piece in (p[:15], p[15:]) if piece]
+    path = Path(_ROOT.name) / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": piece}) + "\n" for piece in pieces))
+    return str(path)
+
+
+@cache
 def _job() -> MsrunOutcome:
     train_options = [*_flags({**OPTIONS, "cp_mode": TRAIN_MODE}), "--check-parity"]
     dirs = [str(_model_dirs()[kind]) for kind in QWEN_KINDS]
     args = [
-        *("--sections", "lm_cp", "qwen_cp", "train", "train_ac", "train_model"),
+        *("--sections", "lm_cp", "qwen_cp", "train", "train_ac", "train_packed", "train_model"),
         *("--qwen-dirs", *dirs, "--export-dir", str(Path(_ROOT.name) / "export")),
+        *("--packed-data", _packed_data()),
         *("--", *train_options),
     ]
     return run_msrun(WORKER, 2, args, timeout_s=480)
@@ -162,6 +175,20 @@ def test_activation_checkpointing_keeps_the_losses() -> None:
         if "losses" in plain:  # rank 0
             diffs = [abs(a - b) for a, b in zip(recomputed["losses"], plain["losses"], strict=True)]
             assert max(diffs) <= 1e-6, (recomputed["losses"], plain["losses"])
+
+
+def test_packed_documents_follow_the_torch_run() -> None:
+    """Several documents in --data: packed with boundaries under CP on MindSpore, the losses follow
+    torch's run without CP on the same batches (and MindSpore's own no-CP copy)."""
+    rank0 = _section("train_packed")[0]
+    assert rank0["exit_code"] == 0
+    options = {**OPTIONS, "cp_size": 1, "data": _packed_data()}
+    torch_losses = run_ranks(_torch_losses, 1, options, timeout_s=120)[0]
+    diffs = [abs(a - b) for a, b in zip(rank0["losses"], torch_losses, strict=True)]
+    assert max(diffs) <= LOSS_TOL, f"MindSpore {rank0['losses']}\ntorch {torch_losses}"
+    assert rank0["parity"]["ok"], rank0["parity"]
+    plain = _section("train")[0]["losses"]  # the built-in corpus: a different run altogether
+    assert plain != rank0["losses"]
 
 
 def _ms_train(config: TrainConfig) -> Any:

@@ -64,12 +64,4 @@ def exchange_lengths(mesh: DeviceMesh, t_local: int | None, error: str | None) -
         if error is not None:
             raise ValueError(error)
         return (int(t_local),)
-    platform = mesh.platform
-    group = CPGroup(
-        xp=platform.ops,
-        comm=platform.collectives,
-        group=mesh.get_group(),
-        rank=mesh.get_local_rank(),
-        size=mesh.size(),
-    )
-    return tuple(shard_lengths(group, 0 if error else int(t_local), error))
+    return tuple(shard_lengths(CPGroup.of(mesh), 0 if error else int(t_local), error))

@@ -102,14 +102,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         head_error = ulysses_head_error(dims, cp) if self.mode == "ulysses" else None
         if head_error is not None:
             raise ValueError(head_error)
-        platform = cp_mesh.platform
-        group = CPGroup(
-            xp=platform.ops,
-            comm=platform.collectives,
-            group=cp_mesh.get_group(),
-            rank=cp_mesh.get_local_rank(),
-            size=cp,
-        )
+        group = CPGroup.of(cp_mesh)
 
         def make_forward(original: Callable) -> Callable:
             bind = _signature_binder(original)

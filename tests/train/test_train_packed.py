@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from distributed_harness import run_ranks
+from test_train import _train  # tests/train is on sys.path under pytest
 
-from hyperpar_gdn.train import TrainConfig, Trainer
 from hyperpar_gdn.train.corpus import BUILTIN_CORPUS
 
 STEPS = 8
@@ -26,15 +25,6 @@ def documents(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("data") / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": piece}) + "\n" for piece in pieces))
     return str(path)
-
-
-def _train(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
-    trainer = Trainer(TrainConfig(**options))
-    try:
-        result = trainer.train()
-    finally:
-        trainer.close()
-    return {"losses": result.losses, "reference": [r.reference_loss for r in result.records]}
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "p2p", "all_gather"])

@@ -25,6 +25,18 @@ class CPGroup:
     rank: int
     size: int
 
+    @classmethod
+    def of(cls, mesh: Any) -> CPGroup:
+        """This rank's place on a 1-D :class:`~hyperpar_gdn.distributed.mesh.DeviceMesh`."""
+        platform = mesh.platform
+        return cls(
+            xp=platform.ops,
+            comm=platform.collectives,
+            group=mesh.get_group(),
+            rank=mesh.get_local_rank(),
+            size=mesh.size(),
+        )
+
 
 @dataclass(frozen=True)
 class LayerCall:

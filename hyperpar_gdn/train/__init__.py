@@ -11,7 +11,14 @@ from .config import MODEL_SIZES, TrainConfig, UsageError, parse_args
 from .loop import Trainer, TrainResult
 
 # What a user can fix (an option, a file, a directory): scripts/train.py reports these in one line.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, NotImplementedError, CheckpointError)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    NotImplementedError,
+    ModuleNotFoundError,
+    CheckpointError,
+)
 
 __all__ = [
     "MODEL_SIZES",

@@ -8,6 +8,7 @@ trained and exported is exactly what transformers loads.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,16 @@ def gdn_dims(path: str | Path) -> tuple[int, int, int]:
     )
 
 
+def _require_transformers(path: str | Path) -> None:
+    if importlib.util.find_spec("transformers") is None:
+        raise ModuleNotFoundError(
+            f"--model {path} needs transformers, which is not installed: pip install -e '.[transformers]'"
+        )
+
+
 def load_model_dir(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) from a transformers model directory, the model in ``dtype``."""
+    _require_transformers(path)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
@@ -70,6 +79,7 @@ def load_model_dir(path: str | Path, *, dtype: torch.dtype = torch.float32) -> t
 
 def load_tokenizer(path: str | Path) -> Any:
     """The tokenizer of a model directory (transformers' ``AutoTokenizer``); it must have an EOS token."""
+    _require_transformers(path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)

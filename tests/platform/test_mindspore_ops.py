@@ -158,12 +158,20 @@ OP_CASES = [
     OpCase("silu", lambda xp, x: xp.silu(x), ((3, 5),)),
     OpCase("sum-dim-1", lambda xp, x: xp.sum(x, -1), ((2, 3, 4),)),
     OpCase("sum-dims-keepdim", lambda xp, x: xp.sum(x, (-2, -1), keepdim=True), ((2, 3, 4),)),
+    # MindSpore on CPU sums contiguous dims as a product with ones; views and gaps use its kernel
+    OpCase("sum-middle-dim", lambda xp, x: xp.sum(x, 1, keepdim=True), ((2, 5, 3, 4),)),
+    OpCase("sum-middle-dims", lambda xp, x: xp.sum(x, (1, 2)), ((2, 5, 3, 4),)),
+    OpCase("sum-dims-with-gap", lambda xp, x: xp.sum(x, (0, 2)), ((2, 5, 3),)),
+    OpCase("sum-transposed-view", lambda xp, x: xp.sum(xp.swapaxes(x, -1, -2), -1), ((3, 4, 5),)),
     OpCase("cumsum-dim1", lambda xp, x: xp.cumsum(x, 1), ((2, 6, 3),)),
     OpCase("softmax-last", lambda xp, x: xp.softmax(x, -1), ((2, 3, 5),)),
     # the mask picks 2 of 5 per row (no gradient through it); the product carries the gradient
     OpCase("top-k-mask", lambda xp, x: x * xp.cast(xp.top_k_mask(x, 2), xp.dtype(x)), ((3, 5),)),
     OpCase("swapaxes", lambda xp, x: xp.swapaxes(x, -1, -2) * 1, ((2, 3, 4),)),
     OpCase("permute", lambda xp, x: xp.permute(x, (2, 0, 3, 1)), ((2, 3, 4, 5),)),
+    # the last dim stays (MindSpore on CPU: one row gather, its gradient the inverse gather)
+    OpCase("permute-rows", lambda xp, x: xp.permute(x, (1, 0, 3, 2, 4)), ((2, 6, 3, 4, 5),)),
+    OpCase("permute-rows-of-view", lambda xp, x: xp.permute(x[:, 1:], (1, 0, 2)), ((2, 4, 3),)),
     OpCase("cat-last", lambda xp, x, y: xp.cat([x, y], -1), ((2, 3), (2, 5))),
     OpCase("stack-dim0", lambda xp, x, y, z: xp.stack([x, y, z], 0), ((2, 3),) * 3),
     OpCase("stack-dim1", lambda xp, x, y: xp.stack([x, y], 1), ((2, 3),) * 2),
@@ -176,6 +184,22 @@ OP_CASES = [
     OpCase("matmul-broadcast", lambda xp, a, b: xp.matmul(a, b), ((2, 3, 4, 5), (5, 2))),
     OpCase(
         "matmul-transposed", lambda xp, a, b: xp.matmul(xp.swapaxes(a, -1, -2), b), ((3, 5, 4), (3, 5, 2))
+    ),
+    # MindSpore on CPU reads transposed views through (Batch)MatMul's transpose flags
+    OpCase(
+        "matmul-both-transposed-2d",
+        lambda xp, a, b: xp.matmul(xp.swapaxes(a, -1, -2), xp.swapaxes(b, -1, -2)),
+        ((5, 4), (3, 5)),
+    ),
+    OpCase(
+        "matmul-b-transposed-5d",
+        lambda xp, a, b: xp.matmul(a, xp.swapaxes(b, -1, -2)),
+        ((3, 1, 2, 4, 6), (3, 1, 2, 5, 6)),
+    ),
+    OpCase(
+        "matmul-swapped-middle-view",  # not a last-two-dims transpose: the plain kernel
+        lambda xp, a, b: xp.matmul(xp.swapaxes(a, 0, 1), b),
+        ((3, 2, 4, 5), (2, 3, 5, 6)),
     ),
     OpCase("tril", lambda xp, x: xp.tril(x), ((2, 5, 5),)),
     OpCase("tril-1", lambda xp, x: xp.tril(x, -1), ((2, 3, 5, 5),)),

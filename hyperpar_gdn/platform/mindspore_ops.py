@@ -127,6 +127,7 @@ class MindSporeOps(TensorOps):
     """
 
     name = "mindspore"
+    prefers_batched_loops = True  # ~0.05-0.1 ms a call in PyNative, about 5x torch's
 
     def __init__(self, device_target: str | None = None) -> None:
         target = device_target if device_target is not None else ms.get_context("device_target")
@@ -192,6 +193,21 @@ class MindSporeOps(TensorOps):
 
     def silu(self, x: ms.Tensor) -> ms.Tensor:
         return mint.nn.functional.silu(x)
+
+    def mul(self, a: ms.Tensor, b: ms.Tensor) -> ms.Tensor:
+        if self._ascend or a.shape == b.shape or a.ndim == 0 or b.ndim == 0:
+            return a * b
+        # Tile the broadcast side to the full shape (CPU, [32, 1, 4, 64, 128] * [32, 1, 4, 64, 1]:
+        # 3.6 ms broadcast, 0.35 ms tiled then multiplied).
+        shape = tuple(int(d) for d in np.broadcast_shapes(tuple(a.shape), tuple(b.shape)))
+        return self._expand(a, shape) * self._expand(b, shape)
+
+    @staticmethod
+    def _expand(x: ms.Tensor, shape: tuple[int, ...]) -> ms.Tensor:
+        if tuple(x.shape) == shape:
+            return x
+        x = x.reshape((1,) * (len(shape) - x.ndim) + tuple(x.shape))
+        return ops.tile(x, tuple(n if d == 1 else 1 for d, n in zip(x.shape, shape, strict=True)))
 
     def sum(self, x: ms.Tensor, dim: int | tuple[int, ...], keepdim: bool = False) -> ms.Tensor:
         dims = sorted({d % x.ndim for d in (dim if isinstance(dim, tuple) else (dim,))}) if x.ndim else []
@@ -300,7 +316,9 @@ class MindSporeOps(TensorOps):
         return mint.tril(x, diagonal) if self._ascend else x.tril(diagonal)
 
     def flush_subnormal(self, x: ms.Tensor) -> ms.Tensor:
-        tiny = float(np.finfo(ms.dtype_to_nptype(x.dtype)).tiny)
+        # The bound as a tensor of x's dtype: a Python float would be rounded to float32, and
+        # float64's smallest normal (2.2e-308) is 0 in float32, which flushed nothing.
+        tiny = self.scalar(float(np.finfo(ms.dtype_to_nptype(x.dtype)).tiny), x)
         return x.masked_fill(ops.abs(x) < tiny, 0.0)
 
     def solve_unit_lower(self, a: ms.Tensor, b: ms.Tensor) -> ms.Tensor:

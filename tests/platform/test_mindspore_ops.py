@@ -156,6 +156,12 @@ OP_CASES = [
     OpCase("softplus", lambda xp, x: xp.softplus(x), ((3, 5),)),
     OpCase("softplus-tails", lambda xp, x: xp.softplus(x * xp.scalar(25.0, x)), ((4, 8),)),
     OpCase("silu", lambda xp, x: xp.silu(x), ((3, 5),)),
+    # MindSpore on CPU tiles the broadcast side first
+    OpCase("mul-same-shape", lambda xp, a, b: xp.mul(a, b), ((2, 3, 4), (2, 3, 4))),
+    OpCase("mul-broadcast-last", lambda xp, a, b: xp.mul(a, b), ((2, 3, 4, 5), (2, 3, 4, 1))),
+    OpCase("mul-broadcast-both", lambda xp, a, b: xp.mul(a, b), ((3, 1, 5), (3, 4, 1))),
+    OpCase("mul-lower-rank", lambda xp, a, b: xp.mul(a, b), ((4, 1), (2, 3, 4, 5))),
+    OpCase("mul-0d", lambda xp, a, b: xp.mul(a, b.reshape(())), ((2, 3), (1,))),
     OpCase("sum-dim-1", lambda xp, x: xp.sum(x, -1), ((2, 3, 4),)),
     OpCase("sum-dims-keepdim", lambda xp, x: xp.sum(x, (-2, -1), keepdim=True), ((2, 3, 4),)),
     # MindSpore on CPU sums contiguous dims as a product with ones; views and gaps use its kernel

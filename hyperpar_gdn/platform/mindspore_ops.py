@@ -234,7 +234,7 @@ class MindSporeOps(TensorOps):
     def _ones_like(self, shape: tuple[int, ...], like: ms.Tensor) -> ms.Tensor:
         key = (shape, like.dtype)
         if key not in self._ones:
-            self._ones[key] = ms.Tensor(np.ones(shape, dtype=ms.dtype_to_nptype(like.dtype)))
+            self._ones[key] = ops.ones(shape, like.dtype)
         return self._ones[key]
 
     def cumsum(self, x: ms.Tensor, dim: int) -> ms.Tensor:

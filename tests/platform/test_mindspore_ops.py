@@ -17,6 +17,7 @@ import pytest
 import torch
 
 ms = pytest.importorskip("mindspore")
+mint = ms.mint
 
 from hyperpar_gdn.ops import (  # noqa: E402
     apply_summary,
@@ -275,6 +276,29 @@ def test_elementwise_accuracy(name: str, dtype: str) -> None:
         actual = to_numpy(op(xp, tensor)).astype(np.float64)
         worst = float((np.abs(actual - expected) / expected).max())
         assert worst <= rel_tol, f"{side} {name}: relative error {worst:.3g} > {rel_tol:.3g} ({dtype})"
+
+
+def test_cpu_fast_routes_are_taken_and_match_the_plain_kernels() -> None:
+    """On CPU, MindSporeOps takes its faster routes (module docstring) where they apply: a row
+    gather for permute, (Batch)MatMul's transpose flags for transposed views, products with ones
+    for sums, tiling for broadcast products; each equals MindSpore's plain kernel."""
+    xp = MindSporeOps("CPU")
+    rng = np.random.default_rng(5)
+    x = ms.tensor(rng.standard_normal((3, 4, 5, 6)), dtype=ms.float32)
+    plain = x.permute(1, 0, 2, 3).contiguous()
+    np.testing.assert_array_equal(xp.permute(x, (1, 0, 2, 3)).asnumpy(), plain.asnumpy())
+    assert list(xp._row_orders) == [((3, 4, 5, 6), (1, 0, 2, 3))]
+    a = ms.tensor(rng.standard_normal((3, 4, 6, 5)), dtype=ms.float32)
+    b = ms.tensor(rng.standard_normal((3, 4, 7, 6)), dtype=ms.float32)
+    fast = xp.matmul(a.swapaxes(-1, -2), b.swapaxes(-1, -2)).asnumpy()
+    np.testing.assert_allclose(
+        fast, mint.matmul(a.swapaxes(-1, -2), b.swapaxes(-1, -2)).asnumpy(), rtol=1e-6, atol=1e-5
+    )
+    assert list(xp._matmul_prims) == [(True, True, True)]
+    np.testing.assert_allclose(xp.sum(x, 1).asnumpy(), x.sum(axis=1).asnumpy(), rtol=1e-6, atol=1e-6)
+    assert list(xp._ones) == [((3, 1, 4), ms.float32)]
+    y = ms.tensor(rng.standard_normal((4, 1, 6)), dtype=ms.float32)
+    np.testing.assert_array_equal(xp.mul(x, y).asnumpy(), (x * y).asnumpy())
 
 
 def test_conv1d_float64_is_not_rounded_to_float32() -> None:

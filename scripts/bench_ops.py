@@ -21,8 +21,9 @@ A backend is a class with the methods of :class:`TorchBackend`; ``BACKENDS`` map
 names to them. ``--backend mindspore`` (:class:`MindSporeBackend`) times ``ours`` on MindSpore
 tensors beside ``ours_torch`` and ``transformers`` on torch tensors of the same values; the matmul
 rates are then MindSpore's, and the report gives MindSpore's time over torch's for the same code
-(``mindspore_over_torch``, target <= 2.5, issue 11): the ratio of the medians and the median of
-the per-round ratios (the two take turns each round, so a round's ratio sees the same load). Its
+(``mindspore_over_torch``, target <= 2.5, issue 11): the ratio of the medians, the median of the
+per-round ratios (the two take turns each round, so a round's ratio sees the same load) and the
+ratio of the fastest runs. Its
 default T is 2048 (the issue's shape, B1 H4 K=V=128 fp32); torch's is 4096.
 
 Packed documents (torch): ``--packed-T`` tokens (8192) cut into ``--packed-docs`` documents (8) of
@@ -451,7 +452,8 @@ def agreement(backend: TorchBackend, impls: dict[str, Callable], x: dict[str, An
 
 def mindspore_over_torch(samples: dict[str, list[float]]) -> dict[str, Any]:
     """MindSpore's ``ours`` over torch's ``ours_torch`` (same code and inputs), forward and
-    forward+backward: the ratio of the medians, and the median of the per-round ratios."""
+    forward+backward: the ratio of the medians (the target's measure), the median of the
+    per-round ratios, and the ratio of the fastest runs (least disturbed by other jobs)."""
     report: dict[str, Any] = {"target": TARGET_MINDSPORE_OVER_TORCH}
     for mode in ("forward", "forward_backward"):
         ms_times, torch_times = samples[f"ours/{mode}"], samples[f"ours_torch/{mode}"]
@@ -459,6 +461,7 @@ def mindspore_over_torch(samples: dict[str, list[float]]) -> dict[str, Any]:
         report[mode] = {
             "ratio_of_medians": statistics.median(ms_times) / statistics.median(torch_times),
             "median_of_round_ratios": statistics.median(per_round),
+            "ratio_of_minima": min(ms_times) / min(torch_times),
             "round_ratios": per_round,
         }
     report["within_target"] = report["forward_backward"]["ratio_of_medians"] <= TARGET_MINDSPORE_OVER_TORCH
@@ -640,7 +643,8 @@ def print_report(result: dict[str, Any]) -> None:
             f"MindSpore / torch, same code (B{cfg['B']} T{cfg['T']} H{cfg['H']} K{cfg['K']} V{cfg['V']} fp32): "
             f"forward {fwd['ratio_of_medians']:.2f}x, forward+backward {fwd_bwd['ratio_of_medians']:.2f}x "
             f"(median of round ratios {fwd['median_of_round_ratios']:.2f}x, "
-            f"{fwd_bwd['median_of_round_ratios']:.2f}x); target forward+backward <= {ratio['target']}: "
+            f"{fwd_bwd['median_of_round_ratios']:.2f}x; fastest runs {fwd['ratio_of_minima']:.2f}x, "
+            f"{fwd_bwd['ratio_of_minima']:.2f}x); target forward+backward <= {ratio['target']}: "
             f"{'ok' if ratio['within_target'] else 'ABOVE TARGET'}"
         )
     load = result["machine"]["load_average"]

@@ -35,6 +35,7 @@ def test_mindspore_over_torch_ratios(bench: ModuleType) -> None:
     assert fwd["ratio_of_medians"] == pytest.approx(3.0 / 1.0)
     assert fwd["round_ratios"] == pytest.approx([2.0, 4.0, 1.5])
     assert fwd["median_of_round_ratios"] == pytest.approx(2.0)
+    assert fwd["ratio_of_minima"] == pytest.approx(2.0 / 1.0)
     assert fwd_bwd["ratio_of_medians"] == pytest.approx(6.0 / 2.0)
     assert fwd_bwd["median_of_round_ratios"] == pytest.approx(3.0)
     assert report["target"] == 2.5 and report["within_target"] is False

@@ -143,8 +143,8 @@ def prep_forward(
         eps = xp.scalar(L2NORM_EPS, q)
         rq = xp.rsqrt(xp.sum(q * q, -1, keepdim=True) + eps)  # [N, B, H, C, 1]
         rk = xp.rsqrt(xp.sum(k * k, -1, keepdim=True) + eps)
-        q = q * (rq * scale)
-        k = k * rk
+        q = xp.mul(q, rq * scale)
+        k = xp.mul(k, rk)
     else:
         q = q * scale
 
@@ -173,13 +173,13 @@ def prep_forward(
     kkd = xp.matmul(k, k_t) * decay_strict
     p = xp.matmul(q, k_t) * decay
     eye = xp.zeros((n, b, h, c, c), like=q) + xp.eye(c, like=q)
-    tinv = xp.solve_unit_lower(kkd * beta, eye)  # (I + A)^-1, unit lower triangular
+    tinv = xp.solve_unit_lower(xp.mul(kkd, beta), eye)  # (I + A)^-1, unit lower triangular
     # Scaling Tinv's columns ([C, C]) is cheaper than scaling v and k ([C, D]).
-    tinv_b = tinv * _t(xp, beta)
-    tinv_bg = tinv * _t(xp, beta * exp_g)
+    tinv_b = xp.mul(tinv, _t(xp, beta))
+    tinv_bg = xp.mul(tinv, _t(xp, beta * exp_g))
     u = xp.matmul(tinv_b, v)
     w = xp.matmul(tinv_bg, k)
-    outputs = (q * exp_g, p, u, w, k * exp_rest, gl.reshape(n, b, h))
+    outputs = (xp.mul(q, exp_g), p, u, w, xp.mul(k, exp_rest), gl.reshape(n, b, h))
     saved = PrepSaved(
         q, k, v, beta, exp_g, exp_rest, gl, decay, decay_strict, kkd, tinv, tinv_b, tinv_bg, p, rq, rk
     )
@@ -224,16 +224,16 @@ def prep_backward(
     d_tbg = xp.matmul(dw, _t(xp, x.k))
     dbeta_tb = colsum(d_tb * x.tinv)  # [N, B, H, C, 1]
     dbg_tbg = colsum(d_tbg * x.tinv)  # gradient of beta exp(G) through Tbg
-    d_tinv = d_tb * _t(xp, x.beta) + d_tbg * _t(xp, x.beta * x.exp_g)
+    d_tinv = xp.mul(d_tb, _t(xp, x.beta)) + xp.mul(d_tbg, _t(xp, x.beta * x.exp_g))
     # Tinv = (I + A)^-1: dA = -tril(Tinv^T dTinv Tinv^T, -1), with A = diag(beta) kkd. The tril
     # comes from the strictly lower kkd and decay_strict.
     tinv_t = _t(xp, x.tinv)
     neg_da = xp.matmul(xp.matmul(tinv_t, d_tinv), tinv_t)
     neg_da_kkd = neg_da * x.kkd
-    dkk = neg_da * x.decay_strict * (-x.beta)  # gradient of k k^T (strictly lower)
+    dkk = xp.mul(neg_da * x.decay_strict, -x.beta)  # gradient of k k^T (strictly lower)
     dqk = dp * x.decay  # gradient of q k^T
     # D_ij = exp(G_i - G_j): dD * D adds its row sums to dG and takes its column sums away.
-    hd_a = neg_da_kkd * (-x.beta)  # dD * D through A (= dA * A)
+    hd_a = xp.mul(neg_da_kkd, -x.beta)  # dD * D through A (= dA * A)
     hd_p = dp * x.p  # dD * D through p (= dp * p)
     rs_a, rs_p, cs_a, cs_p = rowsum(hd_a), rowsum(hd_p), colsum(hd_a), colsum(hd_p)
 
@@ -249,9 +249,9 @@ def prep_backward(
         d_big_g = xp.cat([d_big_g[:, :, :, : c - 1], d_big_g[:, :, :, c - 1 :] + d_g_last], 3)
         dg = xp.matmul(_t(xp, masks.seg_tril), d_big_g)
 
-    dq = xp.matmul(dqk, x.k) + dqg * x.exp_g
+    dq = xp.matmul(dqk, x.k) + xp.mul(dqg, x.exp_g)
     dk = xp.matmul(dkk + _t(xp, dkk), x.k) + xp.matmul(_t(xp, dqk), x.q)
-    dk = dk + xp.matmul(_t(xp, x.tinv_bg), dw) + dkd * x.exp_rest
+    dk = dk + xp.matmul(_t(xp, x.tinv_bg), dw) + xp.mul(dkd, x.exp_rest)
     scale = xp.scalar(kdim**-0.5, x.q)
     if x.rq is not None:
         # y = x r with r = rsqrt(|x|^2 + eps) gives dx = r (dy - y <dy, y>). The q kept is
@@ -259,8 +259,8 @@ def prep_backward(
         # the [C, C] products: <dq', q'> and <dk', k'> summed term by term.
         dq_dot = rs_p + qg_dot
         dk_dot = rs_a + cs_a + cs_p + dbg_tbg * bg + kd_dot
-        dq = (dq - x.q * (dq_dot * xp.scalar(kdim, x.q))) * (x.rq * scale)
-        dk = (dk - x.k * dk_dot) * x.rk
+        dq = xp.mul(dq - xp.mul(x.q, dq_dot * xp.scalar(kdim, x.q)), x.rq * scale)
+        dk = xp.mul(dk - xp.mul(x.k, dk_dot), x.rk)
     else:
         dq = dq * scale
 

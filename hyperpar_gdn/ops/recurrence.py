@@ -26,6 +26,7 @@ from __future__ import annotations
 from hyperpar_gdn.platform.base import Tensor, TensorOps
 
 from .common import from_chunks, to_chunks
+from .recurrence_batched import backward_states_batched
 
 
 def _t(xp: TensorOps, x: Tensor) -> Tensor:
@@ -66,7 +67,7 @@ def forward_states(
         vn = keep(u[i] - xp.matmul(w[i], s))
         states.append(s)
         vns.append(vn)
-        s = keep(gl[i] * s + xp.matmul(kd_t[i], vn))
+        s = keep(xp.mul(gl[i], s) + xp.matmul(kd_t[i], vn))
     exits.append(s)
     return xp.stack(states, 0), xp.stack(vns, 0), xp.stack(exits, 0)
 
@@ -96,6 +97,10 @@ def backward_states(
     ``[N, B, H, C, V]`` then also reaches vn (p_i^T do_i) and S (qg_i^T do_i), added in the loop.
     ``entry_chunks`` and ``flush`` as in :func:`forward_states`.
     """
+    if xp.prefers_batched_loops:  # the same sums with the per-chunk work batched (MindSpore)
+        return backward_states_batched(
+            xp, states, vn, w, kd, gl, d_exits, outputs, entry_chunks=entry_chunks, flush=flush
+        )
     n = w.shape[0]
     w_t = _t(xp, w)
     gl = gl.reshape(gl.shape + (1, 1))

@@ -22,6 +22,10 @@ class TensorOps(ABC):
     """
 
     name: str
+    # True where each call costs far more than its arithmetic at the loops' sizes (MindSpore
+    # PyNative on CPU): hand-written loops then take the work that does not depend on the carried
+    # state out of the loop, batched over chunks (see hyperpar_gdn/ops/recurrence_batched.py).
+    prefers_batched_loops: bool = False
 
     @abstractmethod
     def is_tensor(self, x: object) -> bool: ...
@@ -73,6 +77,12 @@ class TensorOps(ABC):
 
     @abstractmethod
     def silu(self, x: Tensor) -> Tensor: ...
+
+    def mul(self, a: Tensor, b: Tensor) -> Tensor:
+        """``a * b`` with broadcasting; for hand-written loops where one side broadcasts (a
+        framework may expand it first: MindSpore's CPU broadcasting kernels are 20-30x slower
+        than its same-shape ones)."""
+        return a * b
 
     @abstractmethod
     def sum(self, x: Tensor, dim: int | tuple[int, ...], keepdim: bool = False) -> Tensor: ...

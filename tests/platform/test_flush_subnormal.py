@@ -22,13 +22,17 @@ def test_torch_flush(dtype: str) -> None:
     np.testing.assert_array_equal(out, expected)
 
 
-def test_mindspore_flush_matches_torch() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_mindspore_flush_matches_torch(dtype: str) -> None:
     ms = pytest.importorskip("mindspore")
-    x = ms.Tensor(np.array(VALUES, dtype=np.float32))
-    t = torch.tensor(VALUES, dtype=torch.float32)
-    np.testing.assert_array_equal(
-        ops_for(x).flush_subnormal(x).asnumpy(), ops_for(t).flush_subnormal(t).numpy()
-    )
+    values = VALUES + [1e-310, -3e-320, 3e-308]  # subnormal, subnormal, normal in fp64
+    x = ms.Tensor(np.array(values, dtype=dtype))
+    t = torch.tensor(values, dtype=getattr(torch, dtype))
+    expected = ops_for(t).flush_subnormal(t).numpy()
+    np.testing.assert_array_equal(ops_for(x).flush_subnormal(x).asnumpy(), expected)
+    # zeros: 0.0 and the flushed ones (fp64: 1e-310, -3e-320; fp32: 1e-39, -1e-40, and the three
+    # values below 1e-300, which are already 0 in fp32)
+    assert int((expected == 0).sum()) == {"float32": 6, "float64": 3}[dtype]
 
 
 def test_summary_under_strong_decay_still_exact() -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 ms = pytest.importorskip("mindspore")
+mint = ms.mint
 
 from hyperpar_gdn.ops import (  # noqa: E402
     apply_summary,
@@ -156,14 +157,28 @@ OP_CASES = [
     OpCase("softplus", lambda xp, x: xp.softplus(x), ((3, 5),)),
     OpCase("softplus-tails", lambda xp, x: xp.softplus(x * xp.scalar(25.0, x)), ((4, 8),)),
     OpCase("silu", lambda xp, x: xp.silu(x), ((3, 5),)),
+    # MindSpore on CPU tiles the broadcast side first
+    OpCase("mul-same-shape", lambda xp, a, b: xp.mul(a, b), ((2, 3, 4), (2, 3, 4))),
+    OpCase("mul-broadcast-last", lambda xp, a, b: xp.mul(a, b), ((2, 3, 4, 5), (2, 3, 4, 1))),
+    OpCase("mul-broadcast-both", lambda xp, a, b: xp.mul(a, b), ((3, 1, 5), (3, 4, 1))),
+    OpCase("mul-lower-rank", lambda xp, a, b: xp.mul(a, b), ((4, 1), (2, 3, 4, 5))),
+    OpCase("mul-0d", lambda xp, a, b: xp.mul(a, b.reshape(())), ((2, 3), (1,))),
     OpCase("sum-dim-1", lambda xp, x: xp.sum(x, -1), ((2, 3, 4),)),
     OpCase("sum-dims-keepdim", lambda xp, x: xp.sum(x, (-2, -1), keepdim=True), ((2, 3, 4),)),
+    # MindSpore on CPU sums contiguous dims as a product with ones; views and gaps use its kernel
+    OpCase("sum-middle-dim", lambda xp, x: xp.sum(x, 1, keepdim=True), ((2, 5, 3, 4),)),
+    OpCase("sum-middle-dims", lambda xp, x: xp.sum(x, (1, 2)), ((2, 5, 3, 4),)),
+    OpCase("sum-dims-with-gap", lambda xp, x: xp.sum(x, (0, 2)), ((2, 5, 3),)),
+    OpCase("sum-transposed-view", lambda xp, x: xp.sum(xp.swapaxes(x, -1, -2), -1), ((3, 4, 5),)),
     OpCase("cumsum-dim1", lambda xp, x: xp.cumsum(x, 1), ((2, 6, 3),)),
     OpCase("softmax-last", lambda xp, x: xp.softmax(x, -1), ((2, 3, 5),)),
     # the mask picks 2 of 5 per row (no gradient through it); the product carries the gradient
     OpCase("top-k-mask", lambda xp, x: x * xp.cast(xp.top_k_mask(x, 2), xp.dtype(x)), ((3, 5),)),
     OpCase("swapaxes", lambda xp, x: xp.swapaxes(x, -1, -2) * 1, ((2, 3, 4),)),
     OpCase("permute", lambda xp, x: xp.permute(x, (2, 0, 3, 1)), ((2, 3, 4, 5),)),
+    # the last dim stays (MindSpore on CPU: one row gather, its gradient the inverse gather)
+    OpCase("permute-rows", lambda xp, x: xp.permute(x, (1, 0, 3, 2, 4)), ((2, 6, 3, 4, 5),)),
+    OpCase("permute-rows-of-view", lambda xp, x: xp.permute(x[:, 1:], (1, 0, 2)), ((2, 4, 3),)),
     OpCase("cat-last", lambda xp, x, y: xp.cat([x, y], -1), ((2, 3), (2, 5))),
     OpCase("stack-dim0", lambda xp, x, y, z: xp.stack([x, y, z], 0), ((2, 3),) * 3),
     OpCase("stack-dim1", lambda xp, x, y: xp.stack([x, y], 1), ((2, 3),) * 2),
@@ -176,6 +191,22 @@ OP_CASES = [
     OpCase("matmul-broadcast", lambda xp, a, b: xp.matmul(a, b), ((2, 3, 4, 5), (5, 2))),
     OpCase(
         "matmul-transposed", lambda xp, a, b: xp.matmul(xp.swapaxes(a, -1, -2), b), ((3, 5, 4), (3, 5, 2))
+    ),
+    # MindSpore on CPU reads transposed views through (Batch)MatMul's transpose flags
+    OpCase(
+        "matmul-both-transposed-2d",
+        lambda xp, a, b: xp.matmul(xp.swapaxes(a, -1, -2), xp.swapaxes(b, -1, -2)),
+        ((5, 4), (3, 5)),
+    ),
+    OpCase(
+        "matmul-b-transposed-5d",
+        lambda xp, a, b: xp.matmul(a, xp.swapaxes(b, -1, -2)),
+        ((3, 1, 2, 4, 6), (3, 1, 2, 5, 6)),
+    ),
+    OpCase(
+        "matmul-swapped-middle-view",  # not a last-two-dims transpose: the plain kernel
+        lambda xp, a, b: xp.matmul(xp.swapaxes(a, 0, 1), b),
+        ((3, 2, 4, 5), (2, 3, 5, 6)),
     ),
     OpCase("tril", lambda xp, x: xp.tril(x), ((2, 5, 5),)),
     OpCase("tril-1", lambda xp, x: xp.tril(x, -1), ((2, 3, 5, 5),)),
@@ -245,6 +276,29 @@ def test_elementwise_accuracy(name: str, dtype: str) -> None:
         actual = to_numpy(op(xp, tensor)).astype(np.float64)
         worst = float((np.abs(actual - expected) / expected).max())
         assert worst <= rel_tol, f"{side} {name}: relative error {worst:.3g} > {rel_tol:.3g} ({dtype})"
+
+
+def test_cpu_fast_routes_are_taken_and_match_the_plain_kernels() -> None:
+    """On CPU, MindSporeOps takes its faster routes (module docstring) where they apply: a row
+    gather for permute, (Batch)MatMul's transpose flags for transposed views, products with ones
+    for sums, tiling for broadcast products; each equals MindSpore's plain kernel."""
+    xp = MindSporeOps("CPU")
+    rng = np.random.default_rng(5)
+    x = ms.tensor(rng.standard_normal((3, 4, 5, 6)), dtype=ms.float32)
+    plain = x.permute(1, 0, 2, 3).contiguous()
+    np.testing.assert_array_equal(xp.permute(x, (1, 0, 2, 3)).asnumpy(), plain.asnumpy())
+    assert list(xp._row_orders) == [((3, 4, 5, 6), (1, 0, 2, 3))]
+    a = ms.tensor(rng.standard_normal((3, 4, 6, 5)), dtype=ms.float32)
+    b = ms.tensor(rng.standard_normal((3, 4, 7, 6)), dtype=ms.float32)
+    fast = xp.matmul(a.swapaxes(-1, -2), b.swapaxes(-1, -2)).asnumpy()
+    np.testing.assert_allclose(
+        fast, mint.matmul(a.swapaxes(-1, -2), b.swapaxes(-1, -2)).asnumpy(), rtol=1e-6, atol=1e-5
+    )
+    assert list(xp._matmul_prims) == [(True, True, True)]
+    np.testing.assert_allclose(xp.sum(x, 1).asnumpy(), x.sum(axis=1).asnumpy(), rtol=1e-6, atol=1e-6)
+    assert list(xp._ones) == [((3, 1, 4), ms.float32)]
+    y = ms.tensor(rng.standard_normal((4, 1, 6)), dtype=ms.float32)
+    np.testing.assert_array_equal(xp.mul(x, y).asnumpy(), (x * y).asnumpy())
 
 
 def test_conv1d_float64_is_not_rounded_to_float32() -> None:

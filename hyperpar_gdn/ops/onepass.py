@@ -59,12 +59,15 @@ def _forward(xp: TensorOps, qg, p, u, w, kd, gl, *, widened: bool):
     values, entry = _entering(xp, u, dk, widened)
     # The widened state's M columns are products of decays, which sink into subnormal floats.
     states, vn, exits = forward_states(xp, values, w, kd, gl, entry, flush=widened)
-    o = xp.matmul(qg, states) + xp.matmul(p, vn)  # [N, B, H, C, W]
     x = exits[0]
     saved = (qg, p, w, kd, gl, states, vn)
     if not widened:
-        return (o, x), saved
-    return (o[..., :dv], o[..., dv:], x[..., :dv], x[..., dv:]), saved
+        return (xp.matmul(qg, states) + xp.matmul(p, vn), x), saved
+    # o0 and Q_eff in tensors of their own: Q_eff is kept for the backward, and a view into the
+    # widened outputs [N, B, H, C, V+K] would keep all of them alive.
+    o0 = xp.matmul(qg, states[..., :dv]) + xp.matmul(p, vn[..., :dv])
+    q_eff = xp.matmul(qg, states[..., dv:]) + xp.matmul(p, vn[..., dv:])
+    return (o0, q_eff, x[..., :dv], x[..., dv:]), saved
 
 
 def _backward(xp: TensorOps, saved, *grads, widened: bool):

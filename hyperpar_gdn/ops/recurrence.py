@@ -115,23 +115,25 @@ def backward_states(
     gl = gl.reshape(gl.shape + (1, 1))
     keep = _keeper(xp, flush)
     entry_of = {c: e for e, c in enumerate(entry_chunks, 1)}
-    if outputs is not None:  # the outputs' contributions do not depend on the loop: batched
-        qg, p, do = outputs
-        dvn_out = xp.matmul(_t(xp, p), do)  # [N, B, H, C, V]
-        ds_out = xp.matmul(_t(xp, qg), do)  # [N, B, H, K, V]
     ds = d_exits[len(entry_chunks)]
     d_entries: list[Tensor] = [None] * (len(entry_chunks) + 1)  # type: ignore[list-item]
     dvns: list[Tensor] = [None] * n  # type: ignore[list-item]
-    d_leaving: list[Tensor] = [None] * n  # type: ignore[list-item]
+    dkds: list[Tensor] = [None] * n  # type: ignore[list-item]
+    dgls: list[Tensor] = [None] * n  # type: ignore[list-item]
+    if outputs is not None:
+        qg, p, do = outputs
+        qg_t, p_t = _t(xp, qg), _t(xp, p)
     for i in range(n - 1, -1, -1):
-        d_leaving[i] = ds  # the gradient of the state leaving chunk i
+        # ds is the gradient of the state leaving chunk i.
+        dkds[i] = xp.matmul(vn[i], _t(xp, ds))
+        dgls[i] = xp.sum(states[i] * ds, (-2, -1))
         dvn = xp.matmul(kd[i], ds)
         if outputs is not None:
-            dvn = dvn + dvn_out[i]
+            dvn = dvn + xp.matmul(p_t[i], do[i])
         dvn = keep(dvn, i)
         ds = gl[i] * ds - xp.matmul(w_t[i], dvn)
         if outputs is not None:
-            ds = ds + ds_out[i]
+            ds = ds + xp.matmul(qg_t[i], do[i])
         ds = keep(ds, i)
         dvns[i] = dvn
         if i in entry_of:  # the state entering chunk i was an entry, not the one leaving chunk i - 1
@@ -139,11 +141,8 @@ def backward_states(
             d_entries[e], ds = ds, d_exits[e - 1]
     d_entries[0] = ds
     dvn = xp.stack(dvns, 0)
-    d_leave = xp.stack(d_leaving, 0)  # [N, B, H, K, V]
     dw = -xp.matmul(dvn, _t(xp, states))
-    dkd = xp.matmul(vn, _t(xp, d_leave))
-    dgl = xp.sum(states * d_leave, (-2, -1))
-    return dvn, dw, dkd, dgl, xp.stack(d_entries, 0)
+    return dvn, dw, xp.stack(dkds, 0), xp.stack(dgls, 0), xp.stack(d_entries, 0)
 
 
 def outputs_forward(

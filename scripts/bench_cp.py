@@ -11,7 +11,7 @@ And the measure of issue 11, parallel efficiency with one core per rank (``--eff
 default; ``--efficiency-cp 0`` skips it): the layer on the whole sequence (``--seq-len``) in one
 process with 1 thread against ``cp`` ranks of 1 thread each holding T/cp tokens, timed
 alternately in one run: the same ``cp`` processes take turns, rank 0 timing the whole sequence
-while the others wait at a barrier, then all ranks timing a CP step. Per mode it reports the
+while the others wait at a barrier, then all ranks timing a CP step of each mode in turn. Per mode it reports the
 speedup (median single time / median over rounds of the slowest rank's CP time) and the parallel
 efficiency (speedup / cp), printed and saved under ``efficiency`` in the JSON.
 
@@ -220,7 +220,7 @@ def _efficiency_main(rank: int, cp: int, port: int, job: dict[str, Any], queue: 
 
 
 def _measure_efficiency(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
-    """Per mode and round: rank 0's time for the whole sequence on one thread (single), then
+    """Per round: rank 0's time for the whole sequence on one thread (single), then for each mode
     every rank's time for its CP step (1 thread each), separated by barriers."""
     import torch
 
@@ -255,28 +255,35 @@ def _measure_efficiency(rank: int, cp: int, job: dict[str, Any]) -> dict[str, An
         x_whole.detach()[:, rank * seq_len // cp : (rank + 1) * seq_len // cp].clone().requires_grad_(True)
     )
     single = make_layer() if rank == 0 else None
-    out: dict[str, Any] = {"rank": rank}
-    for mode in job["modes"]:
-        layer = LinearAttentionContextParallel(mode=mode).apply(make_layer(), mesh)
-        single_times, cp_times, single_cpu, cp_cpu = [], [], [], []
-        for _ in range(job["warmup"] + job["repeats"]):
-            comm.barrier(None)
-            if single is not None:
-                start, start_cpu = time.perf_counter(), time.process_time()
-                step(single, x_whole)
-                single_times.append(time.perf_counter() - start)
-                single_cpu.append(time.process_time() - start_cpu)
+    layers = {
+        mode: LinearAttentionContextParallel(mode=mode).apply(make_layer(), mesh) for mode in job["modes"]
+    }
+    # Every round times the single run and then every mode's CP step, so that load from other
+    # processes on a shared machine falls on all of them alike.
+    single_times, single_cpu = [], []
+    cp_times: dict[str, list[float]] = {mode: [] for mode in layers}
+    cp_cpu: dict[str, list[float]] = {mode: [] for mode in layers}
+    for _ in range(job["warmup"] + job["repeats"]):
+        comm.barrier(None)
+        if single is not None:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            step(single, x_whole)
+            single_times.append(time.perf_counter() - start)
+            single_cpu.append(time.process_time() - start_cpu)
+        for mode, layer in layers.items():
             comm.barrier(None)
             start, start_cpu = time.perf_counter(), time.process_time()
             step(layer, x_local)
-            cp_times.append(time.perf_counter() - start)
-            cp_cpu.append(time.process_time() - start_cpu)
-        skip = job["warmup"]
+            cp_times[mode].append(time.perf_counter() - start)
+            cp_cpu[mode].append(time.process_time() - start_cpu)
+    skip = job["warmup"]
+    out: dict[str, Any] = {"rank": rank}
+    for mode in layers:
         out[mode] = {
             "single_s": single_times[skip:],
-            "cp_s": cp_times[skip:],
+            "cp_s": cp_times[mode][skip:],
             "single_cpu_s": single_cpu[skip:],
-            "cp_cpu_s": cp_cpu[skip:],
+            "cp_cpu_s": cp_cpu[mode][skip:],
         }
     platform.destroy()
     return out

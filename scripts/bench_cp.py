@@ -337,6 +337,8 @@ def run_efficiency(cp: int, job: dict[str, Any], *, timeout_s: float) -> dict[st
             "single_samples_s": single,
             "cp_slowest_rank_samples_s": per_round,
             "cp_samples_s_per_rank": [results[r][mode]["cp_s"] for r in range(cp)],
+            "single_cpu_samples_s": results[0][mode]["single_cpu_s"],
+            "cp_cpu_samples_s_per_rank": [results[r][mode]["cp_cpu_s"] for r in range(cp)],
         }
     return rows
 

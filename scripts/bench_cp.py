@@ -7,6 +7,14 @@ to the user). Two sweeps:
 - fixed total T (``--seq-len``): each rank holds T/cp tokens; speed-up over cp=1 is the point.
 - fixed local T (``--local-seq-len``): each rank holds the same tokens whatever cp; the cost of CP.
 
+And the measure of issue 11, parallel efficiency with one core per rank (``--efficiency-cp``, 2 by
+default; ``--efficiency-cp 0`` skips it): the layer on the whole sequence (``--seq-len``) in one
+process with 1 thread against ``cp`` ranks of 1 thread each holding T/cp tokens, timed
+alternately in one run: the same ``cp`` processes take turns, rank 0 timing the whole sequence
+while the others wait at a barrier, then all ranks timing a CP step of each mode in turn. Per mode it reports the
+speedup (median single time / median over rounds of the slowest rank's CP time) and the parallel
+efficiency (speedup / cp), printed and saved under ``efficiency`` in the JSON.
+
 Threads: ``--total-threads`` is split evenly over the ranks (cp=1 gets all of them), so every
 run uses the same machine. Per rank and configuration it records the median forward+backward
 time over ``--repeats`` (after a warm-up), the activation memory (bytes of the distinct storages saved
@@ -44,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("ulysses", "p2p", "all_gather")
+EFFICIENCY_TARGETS = {"ulysses": 0.9, "p2p": 0.85, "all_gather": 0.85}  # issue 11, cp=2, one core per rank
 BACKENDS = ("torch", "mindspore")
 
 
@@ -189,6 +198,167 @@ def _measure(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
             job["mode"], shape, seq_len=job["seq_len"], cp=cp, rank=rank, itemsize=4
         ),
     }
+
+
+def _efficiency_main(rank: int, cp: int, port: int, job: dict[str, Any], queue: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(cp),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        HP_PLATFORM=os.environ.get("HP_PLATFORM", "cpu"),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        queue.put((rank, "ok", _measure_efficiency(rank, cp, job)))
+    except BaseException:  # report to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def _measure_efficiency(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Per round: rank 0's time for the whole sequence on one thread (single), then for each mode
+    every rank's time for its CP step (1 thread each), separated by barriers."""
+    import torch
+
+    from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
+    from hyperpar_gdn.models import GatedDeltaNet
+    from hyperpar_gdn.platform import get_platform
+
+    platform = get_platform()
+    platform.init_distributed(timeout_s=600)
+    comm = platform.collectives
+    shape = LayerShape(**job["shape"])
+    mesh = init_device_mesh(platform.name, (cp,), mesh_dim_names=("cp",))
+
+    def make_layer() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GatedDeltaNet(
+            shape.hidden,
+            shape.num_k_heads,
+            shape.num_v_heads,
+            shape.head_k_dim,
+            shape.head_v_dim,
+            shape.conv_kernel_size,
+        )
+
+    def step(layer: torch.nn.Module, x: torch.Tensor) -> None:
+        layer.zero_grad(set_to_none=True)
+        layer(x).sum().backward()
+
+    seq_len = job["seq_len"]
+    x_whole = torch.randn(shape.batch, seq_len, shape.hidden, requires_grad=True)
+    x_local = (
+        x_whole.detach()[:, rank * seq_len // cp : (rank + 1) * seq_len // cp].clone().requires_grad_(True)
+    )
+    single = make_layer() if rank == 0 else None
+    layers = {
+        mode: LinearAttentionContextParallel(mode=mode).apply(make_layer(), mesh) for mode in job["modes"]
+    }
+    # Every round times the single run and then every mode's CP step, so that load from other
+    # processes on a shared machine falls on all of them alike.
+    single_times, single_cpu = [], []
+    cp_times: dict[str, list[float]] = {mode: [] for mode in layers}
+    cp_cpu: dict[str, list[float]] = {mode: [] for mode in layers}
+    for _ in range(job["warmup"] + job["repeats"]):
+        comm.barrier(None)
+        if single is not None:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            step(single, x_whole)
+            single_times.append(time.perf_counter() - start)
+            single_cpu.append(time.process_time() - start_cpu)
+        for mode, layer in layers.items():
+            comm.barrier(None)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            step(layer, x_local)
+            cp_times[mode].append(time.perf_counter() - start)
+            cp_cpu[mode].append(time.process_time() - start_cpu)
+    skip = job["warmup"]
+    out: dict[str, Any] = {"rank": rank}
+    for mode in layers:
+        out[mode] = {
+            "single_s": single_times[skip:],
+            "cp_s": cp_times[mode][skip:],
+            "single_cpu_s": single_cpu[skip:],
+            "cp_cpu_s": cp_cpu[mode][skip:],
+        }
+    platform.destroy()
+    return out
+
+
+def run_efficiency(cp: int, job: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    """Parallel efficiency at ``cp`` ranks of one thread each against one thread, per mode."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_efficiency_main, args=(r, cp, port, job, queue)) for r in range(cp)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(results) < cp:
+            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    rows = {}
+    for mode in job["modes"]:
+        single = results[0][mode]["single_s"]
+        per_round = [max(results[r][mode]["cp_s"][i] for r in range(cp)) for i in range(len(single))]
+        speedup = statistics.median(single) / statistics.median(per_round)
+        rows[mode] = {
+            "cp": cp,
+            "seq_len": job["seq_len"],
+            "threads_per_rank": 1,
+            "single_s": statistics.median(single),
+            "cp_slowest_rank_s": statistics.median(per_round),
+            "speedup": speedup,
+            "parallel_efficiency": speedup / cp,
+            # the fastest round of each: less sensitive to other processes' load on a shared machine
+            "speedup_best_rounds": min(single) / min(per_round),
+            "parallel_efficiency_best_rounds": min(single) / min(per_round) / cp,
+            # process CPU time instead of wall time: blind to other processes' load, and to time a
+            # rank spends blocked waiting for a peer (communication latency), so an upper bound
+            "parallel_efficiency_cpu_time": statistics.median(results[0][mode]["single_cpu_s"])
+            / statistics.median(
+                [max(results[r][mode]["cp_cpu_s"][i] for r in range(cp)) for i in range(len(single))]
+            )
+            / cp,
+            "target_efficiency": EFFICIENCY_TARGETS[mode],
+            "single_samples_s": single,
+            "cp_slowest_rank_samples_s": per_round,
+            "cp_samples_s_per_rank": [results[r][mode]["cp_s"] for r in range(cp)],
+            "single_cpu_samples_s": results[0][mode]["single_cpu_s"],
+            "cp_cpu_samples_s_per_rank": [results[r][mode]["cp_cpu_s"] for r in range(cp)],
+        }
+    return rows
+
+
+def print_efficiency(rows: dict[str, Any]) -> None:
+    print(
+        f"{'mode':<11}{'cp':>3}{'T':>7}{'1 thread s':>12}{'cp ranks s':>12}{'speed-up':>10}"
+        f"{'efficiency':>12}{'target':>8}{'best rounds':>13}{'CPU time':>10}"
+    )
+    for mode, r in rows.items():
+        print(
+            f"{mode:<11}{r['cp']:>3}{r['seq_len']:>7}{r['single_s']:>12.3f}{r['cp_slowest_rank_s']:>12.3f}"
+            f"{r['speedup']:>10.2f}{r['parallel_efficiency']:>12.3f}{r['target_efficiency']:>8.2f}"
+            f"{r['parallel_efficiency_best_rounds']:>13.3f}{r['parallel_efficiency_cpu_time']:>10.3f}"
+        )
+    print(
+        "efficiency = speed-up / cp; speed-up = median single time / median over rounds of the slowest "
+        "rank's time (best rounds: fastest round of each; CPU time: process CPU time instead of wall "
+        f"time, an upper bound blind to load and to waits); load average now {os.getloadavg()[0]:.2f}"
+    )
 
 
 def _free_port() -> int:
@@ -434,6 +604,11 @@ def main() -> None:
     parser.add_argument(
         "--backend", nargs="+", default=["torch"], choices=BACKENDS, help="frameworks to time, in turn"
     )
+    parser.add_argument(
+        "--efficiency-cp", type=int, default=2, help="ranks of the one-core-per-rank efficiency run (0: skip)"
+    )
+    parser.add_argument("--efficiency-repeats", type=int, default=5)
+    parser.add_argument("--skip-sweeps", action="store_true", help="only the efficiency run")
     parser.add_argument("--worker-job", type=Path, help=argparse.SUPPRESS)  # MindSpore worker mode
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -445,6 +620,19 @@ def main() -> None:
     sweeps = [("fixed_total", args.seq_len, None)]
     if args.local_seq_len:
         sweeps.append(("fixed_local", None, args.local_seq_len))
+    efficiency = None
+    if args.efficiency_cp > 1 and "torch" in args.backend:
+        job = {
+            "modes": args.modes,
+            "seq_len": args.seq_len,
+            "shape": asdict(shape),
+            "repeats": args.efficiency_repeats,
+            "warmup": args.warmup,
+        }
+        efficiency = run_efficiency(args.efficiency_cp, job, timeout_s=args.timeout)
+        print_efficiency(efficiency)
+    if args.skip_sweeps:
+        sweeps = []
     rows = []
     for backend, (sweep, total, local) in ((b, sweep) for b in args.backend for sweep in sweeps):
         run = run_job if backend == "torch" else run_job_mindspore
@@ -483,12 +671,23 @@ def main() -> None:
                 )
                 print(f"done {backend} {sweep} {mode} cp={cp}: {slowest['time_s']:.3f}s", flush=True)
     summarize(rows)
+    if efficiency is not None:
+        print_efficiency(efficiency)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"shape": asdict(shape), "total_threads": args.total_threads, "rows": rows}
+    payload = {
+        "shape": asdict(shape),
+        "total_threads": args.total_threads,
+        "rows": rows,
+        "efficiency": efficiency,
+        "load_average_at_end": os.getloadavg(),
+    }
     args.out.write_text(json.dumps(payload, indent=2))
-    png = args.out.with_suffix(".png")
-    plot(rows, png)
-    print(f"wrote {args.out} and {png}")
+    if rows:
+        png = args.out.with_suffix(".png")
+        plot(rows, png)
+        print(f"wrote {args.out} and {png}")
+    else:
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ spreads over all of them).
 One extra untimed forward+backward checks that every implementation agrees with transformers
 (max |a - b| / max |b| per tensor, target 1e-5). It also measures this machine's fp32 matmul
 rates (one large square matmul, and the small batched matmul at the kernel's shapes) and rates
-our kernel against them using the FLOP count of its algorithm (:func:`chunk_gdn_flops`).
+our kernel against them using the FLOP count of its algorithm (:func:`chunk_gdn_flops`): "of mm" is
+the fraction of the large-matmul rate, "of small" of the small batched matmul rate.
 
 Implementations (backend ``torch``):
 - ``ours``: :func:`hyperpar_gdn.ops.chunk_gated_delta_rule`, in-kernel l2norm.
@@ -507,6 +508,7 @@ def run(cfg: BenchConfig, matmul_size: int) -> dict[str, Any]:
         # Rate of our algorithm's work over this implementation's time (same count for all).
         t["effective_gflops"] = flops["forward_backward"] / t["forward_backward_s"] / 1e9
         t["fraction_of_large_matmul"] = t["effective_gflops"] / rates["large_gflops"]
+        t["fraction_of_small_batched_matmul"] = t["effective_gflops"] / rates["small_gflops"]
     return {
         "config": asdict(cfg),
         "machine": {
@@ -601,7 +603,7 @@ def print_report(result: dict[str, Any]) -> None:
     timings, agree = result["timings"], result["agreement_vs_transformers"]
     header = (
         f"{'implementation':<14}{'fwd ms':>10}{'fwd+bwd ms':>12}{'x fwd':>8}{'x fwd+bwd':>11}"
-        f"{'GFLOP/s':>9}{'of mm':>7}{'err o':>10}{'err grads':>11}"
+        f"{'GFLOP/s':>9}{'of mm':>7}{'of small':>9}{'err o':>10}{'err grads':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -612,6 +614,7 @@ def print_report(result: dict[str, Any]) -> None:
             f"{name:<14}{t['forward_s'] * 1e3:>10.1f}{t['forward_backward_s'] * 1e3:>12.1f}"
             f"{t['speedup_forward_vs_transformers']:>8.2f}{t['speedup_forward_backward_vs_transformers']:>11.2f}"
             f"{t['effective_gflops']:>9.1f}{t['fraction_of_large_matmul']:>7.0%}"
+            f"{t['fraction_of_small_batched_matmul']:>9.0%}"
             f"{errors['o']:>10.1e}{grad_err:>11.1e}"
         )
     mm, flops = result["matmul"], result["flops"]

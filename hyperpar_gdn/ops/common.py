@@ -6,6 +6,8 @@ C chunk size, D any last dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
 L2NORM_EPS = 1e-6
@@ -82,3 +84,18 @@ def from_chunks(xp: TensorOps, x: Tensor, seq_len: int) -> Tensor:
     n, b, h, c, d = x.shape
     x = xp.permute(x, (1, 0, 3, 2, 4)).reshape(b, n * c, h, d)
     return x if seq_len == n * c else x[:, :seq_len]
+
+
+# With ``flush``, the state loops zero subnormal entries every FLUSH_EVERY chunks rather than every
+# chunk: a decaying product stays subnormal for many chunks (fp32 spans a factor 2^23 below the
+# smallest normal), so this catches nearly all of them at a quarter of the elementwise passes
+# (measured: flushing every chunk cost ~8% of the widened one-pass recurrence).
+FLUSH_EVERY = 4
+
+
+def subnormal_keeper(xp: TensorOps, flush: bool) -> Callable[[Tensor, int], Tensor]:
+    """``keep(x, i)``: x, with its subnormal entries zeroed at every FLUSH_EVERY-th chunk i when
+    ``flush`` (every state loop, readable or batched, flushes on the same chunks)."""
+    if not flush:
+        return lambda x, i: x
+    return lambda x, i: xp.flush_subnormal(x) if i % FLUSH_EVERY == 0 else x

@@ -25,26 +25,12 @@ from __future__ import annotations
 
 from hyperpar_gdn.platform.base import Tensor, TensorOps
 
-from .common import from_chunks, to_chunks
+from .common import from_chunks, subnormal_keeper, to_chunks
 from .recurrence_batched import backward_states_batched
-
-# With ``flush``, the loops zero subnormal entries every FLUSH_EVERY chunks rather than every chunk:
-# a decaying product stays subnormal for many chunks (fp32 spans a factor 2^23 below the smallest
-# normal), so this catches nearly all of them at a quarter of the elementwise passes (measured:
-# flushing every chunk cost ~8% of the widened one-pass recurrence).
-FLUSH_EVERY = 4
 
 
 def _t(xp: TensorOps, x: Tensor) -> Tensor:
     return xp.swapaxes(x, -1, -2)
-
-
-def _keeper(xp: TensorOps, flush: bool):
-    """``keep(x, i)``: x, with its subnormal entries zeroed at every FLUSH_EVERY-th chunk i when
-    ``flush``."""
-    if not flush:
-        return lambda x, i: x
-    return lambda x, i: xp.flush_subnormal(x) if i % FLUSH_EVERY == 0 else x
 
 
 def forward_states(
@@ -71,7 +57,7 @@ def forward_states(
     n = u.shape[0]
     kd_t = _t(xp, kd)
     gl = gl.reshape(gl.shape + (1, 1))
-    keep = _keeper(xp, flush)
+    keep = subnormal_keeper(xp, flush)
     entry_of = {c: e for e, c in enumerate(entry_chunks, 1)}
     s, states, vns, exits = entries[0], [], [], []
     for i in range(n):
@@ -118,7 +104,7 @@ def backward_states(
     n = w.shape[0]
     w_t = _t(xp, w)
     gl = gl.reshape(gl.shape + (1, 1))
-    keep = _keeper(xp, flush)
+    keep = subnormal_keeper(xp, flush)
     entry_of = {c: e for e, c in enumerate(entry_chunks, 1)}
     ds = d_exits[len(entry_chunks)]
     d_entries: list[Tensor] = [None] * (len(entry_chunks) + 1)  # type: ignore[list-item]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from hyperpar_gdn.platform.base import Tensor, TensorOps
 
+from .common import subnormal_keeper
+
 
 def _t(xp: TensorOps, x: Tensor) -> Tensor:
     return xp.swapaxes(x, -1, -2)
@@ -47,7 +49,7 @@ def backward_states_batched(
     Returns the gradients of u (= that of vn), w, kd, gl and the entries."""
     n = w.shape[0]
     gl = gl.reshape(tuple(gl.shape) + (1, 1))
-    keep = xp.flush_subnormal if flush else (lambda x: x)
+    keep = subnormal_keeper(xp, flush)
     entry_of = {c: e for e, c in enumerate(entry_chunks, 1)}
     dvn_out = ds_out = None
     if outputs is not None:
@@ -63,11 +65,11 @@ def backward_states_batched(
         dvn = xp.matmul(kd[i], ds)
         if dvn_out is not None:
             dvn = dvn + dvn_out[i]
-        dvn = keep(dvn)
+        dvn = keep(dvn, i)
         ds = xp.mul(gl[i], ds) - xp.matmul(_t(xp, w[i]), dvn)
         if ds_out is not None:
             ds = ds + ds_out[i]
-        ds = keep(ds)
+        ds = keep(ds, i)
         dvns[i] = dvn
         if i in entry_of:  # the state entering chunk i was an entry, not the one leaving chunk i - 1
             e = entry_of[i]

@@ -82,14 +82,17 @@ def _run(loop: Any, xp: Any, t: dict[str, Any], case: Case) -> list[np.ndarray]:
     return [xp.to_numpy(g) for g in grads]
 
 
-def _assert_same(actual: list[np.ndarray], expected: list[np.ndarray]) -> None:
+def _assert_same(actual: list[np.ndarray], expected: list[np.ndarray], *, exact_zeros: bool = True) -> None:
+    """``exact_zeros``: du and d_entries (the flushed ones) must have zeros in the same places (a
+    subnormal left in would pass the tolerance); checked on torch. MindSpore's float64 kernels
+    flush subnormal and near-subnormal values on their own, depending on shape and on the
+    process's floating-point mode (torch tests earlier in the same process change it), so on
+    MindSpore only the values are compared."""
     for name, a, e in zip(NAMES, actual, expected, strict=True):
         assert a.shape == e.shape, f"{name}: shape {a.shape} != {e.shape}"
-        if name in ("du", "d_entries"):  # the flushed ones: zeros in the same places (a subnormal
-            # left in would pass the tolerance; dw, dkd, dgl may hold subnormals that kernels
-            # flush or not depending on their shapes)
-            zeros, expected_zeros = int((a == 0).sum()), int((e == 0).sum())
-            assert np.array_equal(a == 0, e == 0), f"{name}: {zeros} zeros, readable {expected_zeros}"
+        if exact_zeros and name in ("du", "d_entries"):  # dw, dkd, dgl are not flushed by the loops
+            za, ze = a == 0, e == 0
+            assert np.array_equal(za, ze), f"{name}: {int(za.sum())} zeros, readable {int(ze.sum())}"
         err = float(np.abs(a - e).max()) / max(float(np.abs(e).max()), 1e-300)
         assert err <= TOL, f"{name}: batched vs readable error {err:.3g} > {TOL:g}"
 
@@ -115,8 +118,7 @@ def test_batched_backward_equals_readable_mindspore(case: Case) -> None:
     arrays = _arrays(case)
     t = {k: ms.Tensor(v) for k, v in arrays.items()}
     readable = _run(backward_states, ReadableMindSporeOps(), t, case)
-    _assert_same(_run(backward_states, batched_xp, t, case), readable)
+    _assert_same(_run(backward_states, batched_xp, t, case), readable, exact_zeros=False)
     # and both equal torch's readable loop
-    _assert_same(
-        readable, _run(backward_states, TorchOps(), {k: torch.tensor(v) for k, v in arrays.items()}, case)
-    )
+    torch_readable = _run(backward_states, TorchOps(), {k: torch.tensor(v) for k, v in arrays.items()}, case)
+    _assert_same(readable, torch_readable, exact_zeros=False)

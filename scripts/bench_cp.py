@@ -291,25 +291,7 @@ def _measure_efficiency(rank: int, cp: int, job: dict[str, Any]) -> dict[str, An
 
 def run_efficiency(cp: int, job: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
     """Parallel efficiency at ``cp`` ranks of one thread each against one thread, per mode."""
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_efficiency_main, args=(r, cp, port, job, queue)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(results) < cp:
-            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    results = _fork_ranks(_efficiency_main, cp, (job,), timeout_s=timeout_s)
     rows = {}
     for mode in job["modes"]:
         single = results[0][mode]["single_s"]
@@ -369,11 +351,16 @@ def _free_port() -> int:
 
 def run_job(cp: int, total_threads: int, job: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
     """Run one configuration on ``cp`` forked ranks; per-rank results in rank order."""
+    return _fork_ranks(_rank_main, cp, (max(1, total_threads // cp), job), timeout_s=timeout_s)
+
+
+def _fork_ranks(target: Any, cp: int, args: tuple, *, timeout_s: float) -> list[dict[str, Any]]:
+    """Fork ``cp`` ranks running ``target(rank, cp, port, *args, queue)``; their results in rank
+    order (a failing rank raises with its traceback; a stuck one is killed after ``timeout_s``)."""
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()
-    threads = max(1, total_threads // cp)
-    procs = [ctx.Process(target=_rank_main, args=(r, cp, port, threads, job, queue)) for r in range(cp)]
+    procs = [ctx.Process(target=target, args=(r, cp, port, *args, queue)) for r in range(cp)]
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}

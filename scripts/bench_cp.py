@@ -27,6 +27,10 @@ are MCCL workers started by ``msrun`` (cp=1: one plain process), each running th
 worker mode; the same rows get ``backend="mindspore"``. MindSpore has no saved-tensor hook, so
 its activation memory is not measured (``None``); time, RSS growth and bytes sent are.
 
+Every process keeps freed host memory in its heap
+(:func:`hyperpar_gdn.platform.host_memory.keep_freed_host_memory`), the single-device runs included,
+unless ``--glibc-malloc-defaults``; ``freed_host_memory_kept`` in the JSON records which.
+
 Usage: ``python scripts/bench_cp.py [--seq-len 8192 --local-seq-len 2048 --cp-sizes 1 2 4]
 [--backend torch mindspore]``
 """
@@ -50,6 +54,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 
 MODES = ("ulysses", "p2p", "all_gather")
 EFFICIENCY_TARGETS = {"ulysses": 0.9, "p2p": 0.85, "all_gather": 0.85}  # issue 11, cp=2, one core per rank
@@ -445,6 +451,8 @@ def _measure_mindspore(job: dict[str, Any], threads: int) -> dict[str, Any]:
 
 def _mindspore_worker(job_path: Path, out_dir: Path, threads: int) -> None:
     job = json.loads(job_path.read_text())
+    if job["keep_host_memory"]:
+        keep_freed_host_memory()
     result = _measure_mindspore(job, threads)
     (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
@@ -598,10 +606,16 @@ def main() -> None:
     parser.add_argument("--skip-sweeps", action="store_true", help="only the efficiency run")
     parser.add_argument("--worker-job", type=Path, help=argparse.SUPPRESS)  # MindSpore worker mode
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--glibc-malloc-defaults",
+        action="store_true",
+        help="leave glibc's malloc settings alone (default: keep_freed_host_memory() in every process)",
+    )
     args = parser.parse_args()
     if args.worker_job is not None:
         _mindspore_worker(args.worker_job, args.worker_out, args.total_threads)
         return
+    kept = False if args.glibc_malloc_defaults else keep_freed_host_memory()  # forked ranks inherit it
 
     shape = LayerShape(batch=args.batch)
     sweeps = [("fixed_total", args.seq_len, None)]
@@ -634,6 +648,7 @@ def main() -> None:
                     "shape": asdict(shape),
                     "repeats": args.repeats,
                     "warmup": args.warmup,
+                    "keep_host_memory": kept,  # for MindSpore's msrun workers
                 }
                 ranks = run(cp, args.total_threads, job, timeout_s=args.timeout)
                 slowest = max(ranks, key=lambda r: r["time_s"])
@@ -664,6 +679,7 @@ def main() -> None:
     payload = {
         "shape": asdict(shape),
         "total_threads": args.total_threads,
+        "freed_host_memory_kept": kept,
         "rows": rows,
         "efficiency": efficiency,
         "load_average_at_end": os.getloadavg(),

@@ -33,6 +33,10 @@ the same tokens, forward+backward, timed in alternation; the ratio packed / unpa
 <= 1.15) and the packed output's error against each document run alone are printed and saved
 under ``packed``. ``--packed-docs 0`` skips it.
 
+Every implementation runs with freed host memory kept in the heap
+(:func:`hyperpar_gdn.platform.host_memory.keep_freed_host_memory`; ``--glibc-malloc-defaults``
+leaves glibc's settings alone); ``machine.freed_host_memory_kept`` records which.
+
 Usage: ``python scripts/bench_ops.py [--T 4096 --H 4 --K 128 --repeats 5 --threads 2]``;
 ``OMP_WAIT_POLICY=PASSIVE python scripts/bench_ops.py --backend mindspore --threads 2`` (or
 ``--threads 1``). Writes ``results/bench_ops.json`` unless ``--out`` says otherwise. The load
@@ -59,6 +63,8 @@ from typing import Any
 
 import numpy as np
 
+from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
+
 TARGET_REL_ERR = 1e-5
 TARGET_PACKED_RATIO = 1.15
 TARGET_MINDSPORE_OVER_TORCH = 2.5
@@ -82,6 +88,7 @@ class BenchConfig:
     seed: int = 0
     packed_T: int = 8192
     packed_docs: int = 8
+    keep_host_memory: bool = True
 
 
 # --- FLOP count ------------------------------------------------------------------------------------
@@ -471,6 +478,7 @@ def mindspore_over_torch(samples: dict[str, list[float]]) -> dict[str, Any]:
 
 def run(cfg: BenchConfig, matmul_size: int) -> dict[str, Any]:
     load_before = os.getloadavg()
+    kept = keep_freed_host_memory() if cfg.keep_host_memory else False
     backend = BACKENDS[cfg.backend](cfg)
     impls = backend.implementations()
     x = backend.make_inputs()
@@ -515,6 +523,7 @@ def run(cfg: BenchConfig, matmul_size: int) -> dict[str, Any]:
             "python": sys.version.split()[0],
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
+            "freed_host_memory_kept": kept,
             "load_average": {"before": list(load_before), "after_timing": list(os.getloadavg())},
             **backend.info(),
         },
@@ -683,6 +692,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
     parser.add_argument("--backend", choices=sorted(BACKENDS), default="torch")
     parser.add_argument("--packed-T", type=int, default=8192, help="tokens of the packed case (torch)")
     parser.add_argument("--packed-docs", type=int, default=8, help="documents of the packed case; 0 skips it")
+    parser.add_argument(
+        "--glibc-malloc-defaults",
+        action="store_true",
+        help="leave glibc's malloc settings alone (default: keep_freed_host_memory(), for every implementation)",
+    )
     parser.add_argument("--out", type=Path, default=Path("results/bench_ops.json"))
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
@@ -702,6 +716,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
         backend=args.backend,
         packed_T=args.packed_T,
         packed_docs=args.packed_docs,
+        keep_host_memory=not args.glibc_malloc_defaults,
     )
     return cfg, args.out, args.matmul_size
 

@@ -278,15 +278,17 @@ def conv_silu_reference(xp: TensorOps, mixed: Tensor, conv_weight: Tensor, doc_s
 
 
 def split_heads(
-    mixed: Tensor, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
+    xp: TensorOps, mixed: Tensor, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """mixed ``[B, T, 2*Hk*Dk + H*Dv]`` -> q, k ``[B, T, Hk, Dk]``, v ``[B, T, H, Dv]``."""
     b, t, _ = mixed.shape
     kd = num_k_heads * head_k_dim
-    q = mixed[..., :kd].reshape(b, t, num_k_heads, head_k_dim)
-    k = mixed[..., kd : 2 * kd].reshape(b, t, num_k_heads, head_k_dim)
-    v = mixed[..., 2 * kd :].reshape(b, t, num_v_heads, head_v_dim)
-    return q, k, v
+    q, k, v = xp.split(mixed, [kd, kd, num_v_heads * head_v_dim], 2)
+    return (
+        q.reshape(b, t, num_k_heads, head_k_dim),
+        k.reshape(b, t, num_k_heads, head_k_dim),
+        v.reshape(b, t, num_v_heads, head_v_dim),
+    )
 
 
 def gates(
@@ -343,7 +345,7 @@ def gdn_layer_forward(
     every True (token 0 starts the first document whatever it says)."""
     x = mask_padding(xp, x, attention_mask)
     mixed, z, b, a = project(xp, w, x)
-    q, k, v = split_heads(conv_silu(xp, mixed, w.conv, doc_starts=doc_starts), **head_dims(dims))
+    q, k, v = split_heads(xp, conv_silu(xp, mixed, w.conv, doc_starts=doc_starts), **head_dims(dims))
     g, beta = gates(xp, b, a, w.a_log, w.dt_bias)
     if doc_starts is None:
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=True)

@@ -114,6 +114,12 @@ class TensorOps(ABC):
     def stack(self, xs: Sequence[Tensor], dim: int) -> Tensor: ...
 
     @abstractmethod
+    def split(self, x: Tensor, sizes: Sequence[int], dim: int) -> list[Tensor]:
+        """Consecutive pieces of ``x`` along ``dim`` with the given sizes (summing to its length).
+        Unlike slices, their gradients come back as one concatenation, with no zero-filled
+        full-size tensor per piece."""
+
+    @abstractmethod
     def pad_dim(self, x: Tensor, dim: int, before: int, after: int) -> Tensor:
         """Zero-pad ``x`` along ``dim``."""
 

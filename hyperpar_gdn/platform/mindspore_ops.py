@@ -282,6 +282,9 @@ class MindSporeOps(TensorOps):
     def stack(self, xs: Sequence[ms.Tensor], dim: int) -> ms.Tensor:
         return mint.stack(tuple(xs), dim) if self._ascend else ops.stack(tuple(xs), dim)
 
+    def split(self, x: ms.Tensor, sizes: Sequence[int], dim: int) -> list[ms.Tensor]:
+        return list(ops.split(x, list(sizes), dim % x.ndim))
+
     def pad_dim(self, x: ms.Tensor, dim: int, before: int, after: int) -> ms.Tensor:
         if before == 0 and after == 0:
             return x

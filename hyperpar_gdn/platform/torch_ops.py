@@ -98,6 +98,9 @@ class TorchOps(TensorOps):
     def stack(self, xs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
         return torch.stack(list(xs), dim=dim)
 
+    def split(self, x: torch.Tensor, sizes: Sequence[int], dim: int) -> list[torch.Tensor]:
+        return list(torch.split(x, list(sizes), dim=dim))
+
     def pad_dim(self, x: torch.Tensor, dim: int, before: int, after: int) -> torch.Tensor:
         if before == 0 and after == 0:
             return x

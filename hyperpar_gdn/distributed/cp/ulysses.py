@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from hyperpar_gdn.ops import chunk_gated_delta_rule, outputs_from, prepare_chunks
 from hyperpar_gdn.ops.layer import LayerDims, conv_silu, finish, gates, mask_padding, project, split_heads
 from hyperpar_gdn.platform import Tensor, TensorOps
@@ -96,14 +98,59 @@ def _per_value_head(xp: TensorOps, qk: Tensor, index: list[int]) -> Tensor:
     return xp.cat([qk[:, :, h : h + 1] for h in index], 2)
 
 
-def _split_rows(flat: Tensor, bsz: int, lengths: Sequence[int], width: int) -> list[Tensor]:
-    """A flat buffer of consecutive ``[B, lengths[i], width]`` blocks -> the blocks."""
-    blocks, offset = [], 0
-    for t in lengths:
-        n = bsz * t * width
-        blocks.append(flat[offset : offset + n].reshape(bsz, t, width))
-        offset += n
-    return blocks
+def _send_index(dims: LayerDims, shares: Sequence[HeadShare]) -> np.ndarray:
+    """Channels of [mixed | b | a] ``[B, T_r, conv_dim + 2H]`` that go to each rank, rank after
+    rank: its q, k and v conv channels, then its beta and decay logits."""
+    kd, dk, dv, h = dims.key_dim, dims.head_k_dim, dims.head_v_dim, dims.num_v_heads
+    conv_dim = 2 * kd + h * dv
+    index = []
+    for s in shares:
+        qk = np.arange(s.k_start * dk, (s.k_start + s.k_count) * dk)
+        heads = np.arange(s.v_start, s.v_start + s.v_count)
+        v = np.arange(2 * kd + s.v_start * dv, 2 * kd + (s.v_start + s.v_count) * dv)
+        index += [qk, kd + qk, v, conv_dim + heads, conv_dim + h + heads]
+    return np.concatenate(index)
+
+
+def _to_rank_major(xp: TensorOps, x: Tensor, widths: Sequence[int]) -> Tensor:
+    """x ``[B, T_r, sum(widths)]`` -> the flat buffer of its ``[B, T_r, widths[j]]`` blocks, j in
+    order (one copy when the widths are equal)."""
+    bsz, t = x.shape[0], x.shape[1]
+    if len(set(widths)) == 1:
+        return xp.permute(x.reshape(bsz, t, len(widths), widths[0]), (2, 0, 1, 3)).reshape(-1)
+    return xp.cat([y.reshape(-1) for y in xp.split(x, widths, 2)], 0)
+
+
+def _from_rank_major(xp: TensorOps, flat: Tensor, bsz: int, t: int, widths: Sequence[int]) -> Tensor:
+    """The flat buffer of ``[B, t, widths[j]]`` blocks, j in order -> ``[B, t, sum(widths)]``."""
+    if len(set(widths)) == 1:
+        return xp.permute(flat.reshape(len(widths), bsz, t, widths[0]), (1, 2, 0, 3)).reshape(bsz, t, -1)
+    sizes = [bsz * t * w for w in widths]
+    return xp.cat([y.reshape(bsz, t, w) for y, w in zip(xp.split(flat, sizes, 0), widths, strict=True)], 2)
+
+
+def _to_token_blocks(xp: TensorOps, x: Tensor, lengths: Sequence[int]) -> Tensor:
+    """x ``[B, T, W]`` -> the flat buffer of its consecutive ``[B, lengths[i], W]`` blocks (no copy
+    for B = 1)."""
+    bsz, _, width = x.shape
+    if bsz == 1:
+        return x.reshape(-1)
+    if len(set(lengths)) == 1:
+        return xp.permute(x.reshape(bsz, len(lengths), lengths[0], width), (1, 0, 2, 3)).reshape(-1)
+    return xp.cat([y.reshape(-1) for y in xp.split(x, lengths, 1)], 0)
+
+
+def _from_token_blocks(xp: TensorOps, flat: Tensor, bsz: int, lengths: Sequence[int], width: int) -> Tensor:
+    """The flat buffer of consecutive ``[B, lengths[i], width]`` blocks -> ``[B, T, width]``."""
+    if bsz == 1:
+        return flat.reshape(1, sum(lengths), width)
+    if len(set(lengths)) == 1:
+        x = xp.permute(flat.reshape(len(lengths), bsz, lengths[0], width), (1, 0, 2, 3))
+        return x.reshape(bsz, sum(lengths), width)
+    sizes = [bsz * t * width for t in lengths]
+    return xp.cat(
+        [y.reshape(bsz, t, width) for y, t in zip(xp.split(flat, sizes, 0), lengths, strict=True)], 1
+    )
 
 
 def ulysses_forward(
@@ -125,25 +172,22 @@ def ulysses_forward(
     mixed, z, b, a = project(xp, w, x)
     bsz = mixed.shape[0]
 
-    # part j: [B, T_r, width_j] of rank j's heads, flattened; back: [B, T_i, width_r] from rank i
-    parts = []
-    for s in shares:
-        heads = slice(s.v_start, s.v_start + s.v_count)
-        parts.append(xp.cat([_channels(xp, mixed, dims, s, 2), b[..., heads], a[..., heads]], 2).reshape(-1))
-    width = mine.width(dims)
+    # Rank j's channels [B, T_r, width_j], rank after rank, in one gather and (equal widths) one
+    # copy; split pieces and reshapes rather than slices, whose gradients would each be a
+    # zero-filled full-size tensor.
+    widths = [s.width(dims) for s in shares]
+    width = widths[r]
+    sent = _to_rank_major(xp, xp.take(xp.cat([mixed, b, a], 2), _send_index(dims, shares), 2), widths)
     received = cp.comm.all_to_all(
-        xp.cat(parts, 0),
-        [bsz * t_local * s.width(dims) for s in shares],
-        [bsz * t * width for t in lengths],
-        cp.group,
+        sent, [bsz * t_local * w for w in widths], [bsz * t * width for t in lengths], cp.group
     )
-    full = xp.cat(_split_rows(received, bsz, lengths, width), 1)  # [B, T, width]
+    full = _from_token_blocks(xp, received, bsz, lengths, width)  # [B, T, width]
     conv_width = mine.conv_width(dims)
     whole = None if docs is None else docs.whole
-    mixed_local = conv_silu(
-        xp, full[..., :conv_width], _channels(xp, w.conv, dims, mine, 0), doc_starts=whole
-    )
+    conv_in, b_mine, a_mine = xp.split(full, [conv_width, hv, hv], 2)
+    mixed_local = conv_silu(xp, conv_in, _channels(xp, w.conv, dims, mine, 0), doc_starts=whole)
     q, k, v = split_heads(
+        xp,
         mixed_local,
         num_k_heads=mine.k_count,
         num_v_heads=hv,
@@ -153,13 +197,7 @@ def ulysses_forward(
     index = mine.k_index(dims)
     q, k = _per_value_head(xp, q, index), _per_value_head(xp, k, index)
     heads = slice(mine.v_start, mine.v_start + hv)
-    g, beta = gates(
-        xp,
-        full[..., conv_width : conv_width + hv],
-        full[..., conv_width + hv :],
-        w.a_log[heads],
-        w.dt_bias[heads],
-    )
+    g, beta = gates(xp, b_mine, a_mine, w.a_log[heads], w.dt_bias[heads])
     if whole is None:
         o, _ = chunk_gated_delta_rule(
             q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True
@@ -171,13 +209,11 @@ def ulysses_forward(
         o, _ = outputs_from(prep, None)
 
     # [B, T, hv*Dv]: the tokens of rank i go back to rank i; rank j's heads arrive from rank j
-    o = o.reshape(bsz, sum(lengths), hv * dv)
-    starts = [sum(lengths[:i]) for i in range(n)]
     back = cp.comm.all_to_all(
-        xp.cat([o[:, s : s + t].reshape(-1) for s, t in zip(starts, lengths, strict=True)], 0),
+        _to_token_blocks(xp, o.reshape(bsz, sum(lengths), hv * dv), lengths),
         [bsz * t * hv * dv for t in lengths],
         [bsz * t_local * hv * dv] * n,
         cp.group,
     )
-    o = xp.cat(_split_rows(back, bsz, [t_local] * n, hv * dv), 2)  # [B, T_r, H*Dv], heads in order
+    o = _from_rank_major(xp, back, bsz, t_local, [hv * dv] * n)  # [B, T_r, H*Dv], heads in order
     return finish(xp, w, dims, o.reshape(bsz, t_local, dims.num_v_heads, dv), z)

@@ -58,6 +58,7 @@ from typing import Any
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 
 MODES = ("ulysses", "p2p", "all_gather")
+LOCAL = "local"  # the efficiency run's plain layer on each shard, ranks side by side
 EFFICIENCY_TARGETS = {"ulysses": 0.9, "p2p": 0.85, "all_gather": 0.85}  # issue 11, cp=2, one core per rank
 BACKENDS = ("torch", "mindspore")
 
@@ -261,11 +262,14 @@ def _measure_efficiency(rank: int, cp: int, job: dict[str, Any]) -> dict[str, An
         x_whole.detach()[:, rank * seq_len // cp : (rank + 1) * seq_len // cp].clone().requires_grad_(True)
     )
     single = make_layer() if rank == 0 else None
-    layers = {
-        mode: LinearAttentionContextParallel(mode=mode).apply(make_layer(), mesh) for mode in job["modes"]
-    }
-    # Every round times the single run and then every mode's CP step, so that load from other
-    # processes on a shared machine falls on all of them alike.
+    # LOCAL: the plain layer on this rank's shard, all ranks at once and no communication: what
+    # cp processes side by side cost on this machine, the floor under any mode's CP step.
+    layers = {LOCAL: make_layer()}
+    layers.update(
+        (mode, LinearAttentionContextParallel(mode=mode).apply(make_layer(), mesh)) for mode in job["modes"]
+    )
+    # Every round times the single run, the local step and every mode's CP step, so that load from
+    # other processes on a shared machine falls on all of them alike.
     single_times, single_cpu = [], []
     cp_times: dict[str, list[float]] = {mode: [] for mode in layers}
     cp_cpu: dict[str, list[float]] = {mode: [] for mode in layers}
@@ -298,10 +302,12 @@ def _measure_efficiency(rank: int, cp: int, job: dict[str, Any]) -> dict[str, An
 def run_efficiency(cp: int, job: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
     """Parallel efficiency at ``cp`` ranks of one thread each against one thread, per mode."""
     results = _fork_ranks(_efficiency_main, cp, (job,), timeout_s=timeout_s)
+    rounds = len(results[0][LOCAL]["single_s"])
+    local = [max(results[r][LOCAL]["cp_s"][i] for r in range(cp)) for i in range(rounds)]
     rows = {}
     for mode in job["modes"]:
         single = results[0][mode]["single_s"]
-        per_round = [max(results[r][mode]["cp_s"][i] for r in range(cp)) for i in range(len(single))]
+        per_round = [max(results[r][mode]["cp_s"][i] for r in range(cp)) for i in range(rounds)]
         speedup = statistics.median(single) / statistics.median(per_round)
         rows[mode] = {
             "cp": cp,
@@ -322,11 +328,17 @@ def run_efficiency(cp: int, job: dict[str, Any], *, timeout_s: float) -> dict[st
             )
             / cp,
             "target_efficiency": EFFICIENCY_TARGETS[mode],
+            # cp plain layers on their shards side by side, no communication (slowest rank): the
+            # efficiency this machine allows (single / (cp x local)), and the CP step over it
+            "local_side_by_side_s": statistics.median(local),
+            "machine_bound_efficiency": statistics.median(single) / statistics.median(local) / cp,
+            "cp_over_local": statistics.median([c / lo for c, lo in zip(per_round, local, strict=True)]),
             "single_samples_s": single,
             "cp_slowest_rank_samples_s": per_round,
             "cp_samples_s_per_rank": [results[r][mode]["cp_s"] for r in range(cp)],
             "single_cpu_samples_s": results[0][mode]["single_cpu_s"],
             "cp_cpu_samples_s_per_rank": [results[r][mode]["cp_cpu_s"] for r in range(cp)],
+            "local_side_by_side_samples_s": local,
         }
     return rows
 
@@ -334,18 +346,22 @@ def run_efficiency(cp: int, job: dict[str, Any], *, timeout_s: float) -> dict[st
 def print_efficiency(rows: dict[str, Any]) -> None:
     print(
         f"{'mode':<11}{'cp':>3}{'T':>7}{'1 thread s':>12}{'cp ranks s':>12}{'speed-up':>10}"
-        f"{'efficiency':>12}{'target':>8}{'best rounds':>13}{'CPU time':>10}"
+        f"{'efficiency':>12}{'target':>8}{'best rounds':>13}{'CPU time':>10}{'local s':>9}{'bound':>7}"
+        f"{'cp/local':>10}"
     )
     for mode, r in rows.items():
         print(
             f"{mode:<11}{r['cp']:>3}{r['seq_len']:>7}{r['single_s']:>12.3f}{r['cp_slowest_rank_s']:>12.3f}"
             f"{r['speedup']:>10.2f}{r['parallel_efficiency']:>12.3f}{r['target_efficiency']:>8.2f}"
             f"{r['parallel_efficiency_best_rounds']:>13.3f}{r['parallel_efficiency_cpu_time']:>10.3f}"
+            f"{r['local_side_by_side_s']:>9.3f}{r['machine_bound_efficiency']:>7.3f}{r['cp_over_local']:>10.3f}"
         )
     print(
         "efficiency = speed-up / cp; speed-up = median single time / median over rounds of the slowest "
         "rank's time (best rounds: fastest round of each; CPU time: process CPU time instead of wall "
-        f"time, an upper bound blind to load and to waits); load average now {os.getloadavg()[0]:.2f}"
+        "time, an upper bound blind to load and to waits); local: the plain layer on each shard, all "
+        "ranks at once, no communication (bound = single / (cp x local), what the machine allows; "
+        f"cp/local: the CP step over it, per round); load average now {os.getloadavg()[0]:.2f}"
     )
 
 

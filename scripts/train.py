@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from hyperpar_gdn.platform import platform_name
+from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 from hyperpar_gdn.train import USER_ERRORS, Trainer, TrainResult, parse_args
 
 
@@ -32,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     config = parse_args(argv)
+    if platform_name() == "cpu":  # activations live in host memory: reuse it rather than page-fault
+        keep_freed_host_memory()
     trainer_class: type[Trainer] = Trainer
     if platform_name() == "mindspore":
         from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer

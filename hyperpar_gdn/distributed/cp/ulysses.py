@@ -27,7 +27,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyperpar_gdn.ops import chunk_gated_delta_rule, outputs_from, prepare_chunks
-from hyperpar_gdn.ops.layer import LayerDims, conv_silu, finish, gates, mask_padding, project, split_heads
+from hyperpar_gdn.ops.layer import (
+    LayerDims,
+    conv_silu,
+    finish,
+    gates,
+    head_dims,
+    mask_padding,
+    project,
+    split_heads,
+)
 from hyperpar_gdn.platform import Tensor, TensorOps
 
 from .common import CPGroup, LayerCall, ShardDocs
@@ -112,6 +121,39 @@ def _send_index(dims: LayerDims, shares: Sequence[HeadShare]) -> np.ndarray:
     return np.concatenate(index)
 
 
+def _send_buffer(
+    xp: TensorOps, mixed: Tensor, b: Tensor, a: Tensor, dims: LayerDims, shares: Sequence[HeadShare]
+) -> Tensor:
+    """The first all-to-all's send buffer: for each rank j in turn, its channels ``[B, T_r,
+    width_j]`` (q, k and v conv channels, beta and decay logits of its heads), flattened.
+
+    When every rank has as many q/k heads, the heads are picked on the head axis (only where
+    ranks share a q/k head) and one concatenation of ``[n, B, T_r, *]`` views writes the buffer;
+    otherwise one gather of channels and a split. Views and split pieces rather than slices: the
+    gradient of a slice is a zero-filled full-size tensor."""
+    bsz, t = mixed.shape[0], mixed.shape[1]
+    n = len(shares)
+    counts = {s.k_count for s in shares}
+    if len(counts) > 1:
+        widths = [s.width(dims) for s in shares]
+        return _to_rank_major(xp, xp.take(xp.cat([mixed, b, a], 2), _send_index(dims, shares), 2), widths)
+    kc = counts.pop()
+    q, k, v = split_heads(xp, mixed, **head_dims(dims))
+    k_heads = np.concatenate([np.arange(s.k_start, s.k_start + kc) for s in shares])
+    if not np.array_equal(k_heads, np.arange(dims.num_k_heads)):  # ranks share q/k heads
+        q, k = xp.take(q, k_heads, 2), xp.take(k, k_heads, 2)
+    hv = dims.num_v_heads // n
+    pieces = [
+        q.reshape(bsz, t, n, kc * dims.head_k_dim),
+        k.reshape(bsz, t, n, kc * dims.head_k_dim),
+        v.reshape(bsz, t, n, hv * dims.head_v_dim),
+        b.reshape(bsz, t, n, hv),
+        a.reshape(bsz, t, n, hv),
+    ]
+    rank_major = [xp.swapaxes(xp.swapaxes(y, 1, 2), 0, 1) for y in pieces]  # [n, B, T_r, *] views
+    return xp.cat(rank_major, 3).reshape(-1)
+
+
 def _to_rank_major(xp: TensorOps, x: Tensor, widths: Sequence[int]) -> Tensor:
     """x ``[B, T_r, sum(widths)]`` -> the flat buffer of its ``[B, T_r, widths[j]]`` blocks, j in
     order (one copy when the widths are equal)."""
@@ -172,14 +214,13 @@ def ulysses_forward(
     mixed, z, b, a = project(xp, w, x)
     bsz = mixed.shape[0]
 
-    # Rank j's channels [B, T_r, width_j], rank after rank, in one gather and (equal widths) one
-    # copy; split pieces and reshapes rather than slices, whose gradients would each be a
-    # zero-filled full-size tensor.
     widths = [s.width(dims) for s in shares]
     width = widths[r]
-    sent = _to_rank_major(xp, xp.take(xp.cat([mixed, b, a], 2), _send_index(dims, shares), 2), widths)
     received = cp.comm.all_to_all(
-        sent, [bsz * t_local * w for w in widths], [bsz * t * width for t in lengths], cp.group
+        _send_buffer(xp, mixed, b, a, dims, shares),
+        [bsz * t_local * w for w in widths],
+        [bsz * t * width for t in lengths],
+        cp.group,
     )
     full = _from_token_blocks(xp, received, bsz, lengths, width)  # [B, T, width]
     conv_width = mine.conv_width(dims)

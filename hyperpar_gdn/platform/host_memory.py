@@ -4,11 +4,12 @@ glibc serves a big allocation with its own ``mmap`` and hands it back to the ker
 (above a threshold that grows only to 32 MiB), and trims free memory at the heap's top above
 another threshold. A CPU training step allocates and frees the same ``[N, B, H, C, D]``
 activations (8 MiB at T=4096, H=4, D=128 in fp32) dozens of times, so every new one page-faults
-its way back into memory. Measured on the 2-core machine of DESIGN.md section 4: the chunked
-kernel's forward+backward (B1 T4096 H4 K=V=128, 2 threads) took 139 ms with glibc's defaults and
-115 ms with the memory kept (transformers' reference, small tensors and loop-bound, did not
-change), and the one-thread single-device layer step at T=8192 varied between 1.39 and 1.93 s from
-run to run with the defaults.
+its way back into memory. Measured on a 2-core machine: in a process timing only the chunked
+kernel and transformers' reference in turns (B1 T4096 H4 K=V=128, forward+backward, 2 threads)
+the kernel took 139 ms with glibc's defaults and 115 ms with the memory kept (the reference,
+small tensors and loop-bound, did not change), and the one-thread layer step at T=8192 varied
+between 1.39 and 1.93 s from run to run with the defaults. Where other work keeps the heap warm
+it changes nothing (``scripts/bench_ops.py``, four implementations in turns: 120.9 vs 120.5 ms).
 
 The cost: the process keeps its peak heap instead of returning it to the system. Peak memory is
 unchanged. Call :func:`keep_freed_host_memory` once, early, in a process whose tensors live in

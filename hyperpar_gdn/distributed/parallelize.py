@@ -11,9 +11,9 @@ A transformers text model also gets a forward pre-hook that makes its inputs rig
 (DESIGN.md section 6):
 
 - ``position_ids`` default to the shard's global positions ``r*T/cp + t`` (so RoPE is right);
-- a 2-D ``attention_mask`` (this rank's shard of the padding mask) is gathered once per forward
-  for the softmax-attention layers, which need the keys of every rank; the GDN layers get the
-  local shard, as transformers would give them;
+- the shard lengths are exchanged and a 2-D ``attention_mask`` (this rank's shard of the padding
+  mask) is gathered once per forward, into one :class:`GlobalSequence` that every mixer gets (the
+  softmax-attention layers need the keys of every rank, the GDN layers their own piece);
 - ``use_cache`` defaults to False; a cache is refused.
 """
 
@@ -208,10 +208,12 @@ def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
         if cu is not None:
             doc_ids = doc_ids_tensor(xp, cu, seq_len=sum(lengths), like=positions)
             arguments["cu_seq_lens_q"] = xp.constant(cu, like=positions)  # for the GDN layers
+        # Every mixer gets the same GlobalSequence: the lengths are exchanged once per forward,
+        # not once per layer (on a GPU or NPU each exchange is a host synchronisation); the GDN
+        # layers take their piece of the padding mask from it.
         per_type: dict[str, Any] = dict.fromkeys(layer_types)
-        per_type["full_attention"] = GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids)
-        if mask is not None and not bool((mask != 0).all()):
-            per_type["linear_attention"] = mask
+        sequence = GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids)
+        per_type["full_attention"] = per_type["linear_attention"] = sequence
         arguments["attention_mask"] = per_type
         return (), arguments
 

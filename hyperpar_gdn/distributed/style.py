@@ -17,6 +17,7 @@ from .cp.state_passing import state_passing_forward
 from .cp.ulysses import ulysses_forward, ulysses_head_error
 from .dtensor import DTensor
 from .mesh import as_cp_mesh
+from .sequence import GlobalSequence
 
 MODES = ("ulysses", "p2p", "all_gather")
 _HANDLE = "_hyperpar_cp"
@@ -116,6 +117,9 @@ class LinearAttentionContextParallel(ParallelStyle):
 
     def _forward(self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs) -> Any:
         attention_mask, cu_seqlens = call_args.attention_mask, call_args.cu_seqlens
+        known = None  # the shard lengths, when the model's forward already exchanged them
+        if isinstance(attention_mask, GlobalSequence):
+            known, attention_mask = _from_global_sequence(attention_mask, cp.rank)
         placements = None
         if isinstance(x, DTensor):
             placements, mesh, x = x.placements, x.device_mesh, x.to_local()
@@ -144,7 +148,10 @@ class LinearAttentionContextParallel(ParallelStyle):
             )
         else:
             error = error or _packing_error(x, call_args)
-            lengths = shard_lengths(cp, 0 if error else x.shape[1], error)  # raises on every rank
+            if known is None:
+                lengths = shard_lengths(cp, 0 if error else x.shape[1], error)  # raises on every rank
+            else:
+                lengths = _check_known(known, cp.rank, x, error)
             _check_lengths(self.mode, dims, lengths)
             docs = None
             if cu_seqlens is not None:
@@ -209,6 +216,31 @@ def _signature_binder(forward: Callable) -> Callable[..., CallArgs]:
         return call
 
     return bind
+
+
+def _from_global_sequence(seq: GlobalSequence, rank: int) -> tuple[list[int], Tensor | None]:
+    """The shard lengths and this rank's piece of the padding mask from the
+    :class:`GlobalSequence` a whole model computed once per forward (it gives the GDN layers the
+    same object as the softmax-attention layers)."""
+    lengths = list(seq.lengths)
+    if seq.key_mask is None:
+        return lengths, None
+    start = seq.offset(rank)
+    return lengths, seq.key_mask[:, start : start + lengths[rank]]
+
+
+def _check_known(lengths: list[int], rank: int, x: Tensor, error: str | None) -> list[int]:
+    """Lengths exchanged by the model's forward for all of its layers: no exchange here. The model
+    checked its inputs on every rank before that exchange, so what is checked here holds on every
+    rank unless the model itself is wrong."""
+    if error is None and x.shape[1] != lengths[rank]:
+        error = (
+            f"the hidden states hold {x.shape[1]} tokens but the model's forward exchanged "
+            f"T_r={lengths[rank]} for CP rank {rank}"
+        )
+    if error is not None:
+        raise ValueError(error)
+    return lengths
 
 
 def _packing_error(x: Tensor, call: CallArgs) -> str | None:

@@ -195,3 +195,46 @@ def test_refuses_what_it_does_not_handle() -> None:
         assert "use_cache=True" in messages[0]
         assert "attention_mask as this rank's shard [B, T/cp] = (1, 8); got shape (1, 1, 8, 8)" in messages[1]
         assert "does not handle seq_idx=" in messages[2]
+
+
+def _exchange_count_worker(rank: int, world: int, mode: str, padded: bool) -> tuple[int, float]:
+    """Length exchanges (``all_gather_int`` calls on the real gloo group) in one forward+backward
+    of the model, and its logits' error against one process."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    collectives = mesh.platform.collectives
+    base = tiny_model(moe=False)
+    ids, mask = _batch(padded)
+    ref_logits, _, _ = _reference(copy.deepcopy(base), ids, mask)
+    model = apply_context_parallel(base, mesh, mode=mode)
+    shard = shard_for_context_parallel(mesh, ids, attention_mask=mask)
+    calls = []
+    exchange = collectives.all_gather_int
+
+    def counted(value: int, group: object) -> list[int]:
+        calls.append(value)
+        return exchange(value, group)
+
+    collectives.all_gather_int = counted
+    try:
+        logits = model(**shard.model_inputs()).logits
+        logits.sum().backward()
+    finally:
+        collectives.all_gather_int = exchange
+    t = SEQ_LEN // world
+    keep = (torch.ones(2, SEQ_LEN, dtype=torch.bool) if mask is None else mask.bool())[
+        :, rank * t : (rank + 1) * t
+    ]
+    err = (logits.detach() - ref_logits[:, rank * t : (rank + 1) * t])[
+        keep
+    ].abs().max() / ref_logits.abs().max()
+    return len(calls), err.item()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+@pytest.mark.parametrize("mode", ["ulysses", "p2p"])
+def test_shard_lengths_exchanged_once_per_forward(mode: str, padded: bool) -> None:
+    """The model's forward exchanges the shard lengths once for all of its layers (three GDN
+    layers and one softmax layer here): each exchange is a host synchronisation on a GPU or NPU."""
+    for count, err in run_ranks(_exchange_count_worker, 2, mode, padded, timeout_s=120):
+        assert count == 1, f"{count} length exchanges in one forward+backward"
+        assert err <= TOL

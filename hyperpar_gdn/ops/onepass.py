@@ -10,8 +10,8 @@ outputs' map) is taken from them in two batched products.
 
 :func:`shard_outputs` runs that pass, hands the summary to a :class:`StateExchange` (the
 communication, :mod:`hyperpar_gdn.distributed.cp.state_passing`), which returns S_in, and then
-forms the true states entering each chunk, S_i = S0_i + M_i S_in, and the true corrected values
-the same way: the outputs are the plain chunk outputs from them. Backward:
+runs the plain chunk loop entered by S_in for the true chunk states and outputs (the same as
+S_i = S0_i + M_i S_in from the widened pass, computed in fewer steps). Backward:
 
 - dS_in = sum over chunks of Q_eff^T do goes to the exchange first, which passes it on to the
   ranks before this one and returns dS_out, the gradient of the state leaving the shard (from the
@@ -20,9 +20,9 @@ the same way: the outputs are the plain chunk outputs from them. Backward:
   loop of width V from the true states, with do and dS_out. The widened pass's columns are not
   differentiated: o and S_out as functions of the shard's inputs and S_in are exactly the plain
   recurrence entered by S_in, so its backward gives the same gradients as backpropagating through
-  [S | M] and Q_eff, at half the width (measured: the shard's forward+backward at T=4096, H=4,
-  K=V=128 on one thread took 296 ms through the widened backward and 176 ms without an entering
-  state).
+  [S | M] and Q_eff, at half the width. Measured (forward+backward of the rule on a T=4096, H=4,
+  K=V=128 shard, one thread, in turns): 310 ms through the widened backward, 244 ms this way,
+  184 ms for the plain shard with no entering state.
 
 A shard that no other state enters (the first one) runs the plain width-V pass (``widened=False``):
 its final state is S_ext, it has no Q_eff and its exchange returns a zero S_in.
@@ -41,8 +41,8 @@ from typing import Protocol
 from hyperpar_gdn.platform import Tensor, TensorOps
 
 from .chunk import ChunkPrep
-from .common import from_chunks, to_chunks
-from .recurrence import backward_states, forward_states
+from .common import to_chunks
+from .recurrence import forward_states, outputs_backward, outputs_forward
 
 
 class StateExchange(Protocol):
@@ -59,50 +59,43 @@ class StateExchange(Protocol):
         ...
 
 
-def _t(xp: TensorOps, x: Tensor) -> Tensor:
-    return xp.swapaxes(x, -1, -2)
-
-
-def _entering(xp: TensorOps, u: Tensor, dk: int, widened: bool) -> tuple[Tensor, Tensor]:
-    """The values ``[N, B, H, C, W]`` and the one entry ``[1, B, H, K, W]`` of the recurrence:
-    ([u | 0], [0 | I]) with W = V + K when widened, else (u, 0) with W = V."""
+def _widened_entry(xp: TensorOps, u: Tensor, dk: int) -> tuple[Tensor, Tensor]:
+    """The values [u | 0] ``[N, B, H, C, V+K]`` and the one entry [0 | I] ``[1, B, H, K, V+K]`` of
+    the widened recurrence."""
     n, b, h, c, dv = u.shape
-    if not widened:
-        return u, xp.zeros((1, b, h, dk, dv), like=u)
     u_wide = xp.cat([u, xp.zeros((n, b, h, c, dk), like=u)], -1)
     eye = xp.eye(dk, like=u).reshape(1, 1, 1, dk, dk) + xp.zeros((1, b, h, dk, dk), like=u)
     return u_wide, xp.cat([xp.zeros((1, b, h, dk, dv), like=u), eye], -1)
 
 
 def _forward(xp: TensorOps, exchange: StateExchange, seq_len: int, qg, p, u, w, kd, gl, *, widened: bool):
-    dv, dk = u.shape[-1], w.shape[-1]
-    values, entry = _entering(xp, u, dk, widened)
-    # The widened state's M columns are products of decays, which sink into subnormal floats.
-    states, vn, exits = forward_states(xp, values, w, kd, gl, entry, flush=widened)
-    x = exits[0]
+    _, b, h, _, dv = u.shape
+    dk = w.shape[-1]
+    q_eff, entering = None, xp.zeros((1, b, h, dk, dv), like=u)
+    if widened:
+        # The widened state's M columns are products of decays, which sink into subnormal floats.
+        values, entry = _widened_entry(xp, u, dk)
+        states, vn, exits = forward_states(xp, values, w, kd, gl, entry, flush=True)
+        q_eff = xp.matmul(qg, states[..., dv:]) + xp.matmul(p, vn[..., dv:])  # [N, B, H, C, K]
+        del states, vn  # the widened pass is done with: only Q_eff and the summary are kept
+        s_in = exchange.forward(exits[0][..., :dv], exits[0][..., dv:])
+        entering = s_in.reshape((1,) + tuple(s_in.shape))
+    # The plain output pass, entered by S_in: the true chunk states and corrected values (measured
+    # a little faster than S0_i + M_i S_in and vn0_i + vnM_i S_in as batched products).
+    (o, exits), saved = outputs_forward(xp, qg, p, u, w, kd, gl, entering, seq_len=seq_len)
     if not widened:
-        exchange.forward(x, None)
-        q_eff = None
-    else:
-        m_states, m_vn = states[..., dv:], vn[..., dv:]  # [N, B, H, K, K], [N, B, H, C, K]
-        q_eff = xp.matmul(qg, m_states) + xp.matmul(p, m_vn)  # [N, B, H, C, K]
-        s_in = exchange.forward(x[..., :dv], x[..., dv:])
-        states = states[..., :dv] + xp.matmul(m_states, s_in)  # the true S_i
-        vn = vn[..., :dv] + xp.matmul(m_vn, s_in)
-    o = xp.matmul(qg, states) + xp.matmul(p, vn)
-    return (from_chunks(xp, o, seq_len),), (qg, p, w, kd, gl, states, vn, q_eff)
+        exchange.forward(exits[0], None)
+    return (o,), (*saved, q_eff)
 
 
 def _backward(xp: TensorOps, exchange: StateExchange, saved, do: Tensor):
-    qg, p, w, kd, gl, states, vn, q_eff = saved
-    do = to_chunks(xp, do, qg.shape[3])  # [N, B, H, C, V]
-    ds_in = None if q_eff is None else xp.sum(xp.matmul(_t(xp, q_eff), do), 0)
+    *plain, q_eff = saved
+    ds_in = None
+    if q_eff is not None:
+        ds_in = xp.sum(xp.matmul(xp.swapaxes(q_eff, -1, -2), to_chunks(xp, do, q_eff.shape[3])), 0)
     ds_out = exchange.backward(ds_in)
-    d_exit = ds_out.reshape((1,) + tuple(ds_out.shape))
-    du, dw, dkd, dgl, _ = backward_states(xp, states, vn, w, kd, gl, d_exit, (qg, p, do))
-    dqg = xp.matmul(do, _t(xp, states))
-    dp = xp.matmul(do, _t(xp, vn))
-    return dqg, dp, du, dw, dkd, dgl
+    grads = outputs_backward(xp, tuple(plain), do, ds_out.reshape((1,) + tuple(ds_out.shape)))
+    return grads[:6]  # those of qg, p, u, w, kd, gl (the entering state's is the exchange's)
 
 
 def shard_outputs(prep: ChunkPrep, exchange: StateExchange, *, widened: bool = True) -> Tensor:

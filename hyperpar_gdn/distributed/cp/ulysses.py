@@ -135,8 +135,8 @@ def _send_buffer(
     n = len(shares)
     counts = {s.k_count for s in shares}
     if len(counts) > 1:
-        widths = [s.width(dims) for s in shares]
-        return _to_rank_major(xp, xp.take(xp.cat([mixed, b, a], 2), _send_index(dims, shares), 2), widths)
+        picked = xp.take(xp.cat([mixed, b, a], 2), _send_index(dims, shares), 2)  # [B, T_r, sum w_j]
+        return xp.cat([y.reshape(-1) for y in xp.split(picked, [s.width(dims) for s in shares], 2)], 0)
     kc = counts.pop()
     q, k, v = split_heads(xp, mixed, **head_dims(dims))
     k_heads = np.concatenate([np.arange(s.k_start, s.k_start + kc) for s in shares])
@@ -154,21 +154,9 @@ def _send_buffer(
     return xp.cat(rank_major, 3).reshape(-1)
 
 
-def _to_rank_major(xp: TensorOps, x: Tensor, widths: Sequence[int]) -> Tensor:
-    """x ``[B, T_r, sum(widths)]`` -> the flat buffer of its ``[B, T_r, widths[j]]`` blocks, j in
-    order (one copy when the widths are equal)."""
-    bsz, t = x.shape[0], x.shape[1]
-    if len(set(widths)) == 1:
-        return xp.permute(x.reshape(bsz, t, len(widths), widths[0]), (2, 0, 1, 3)).reshape(-1)
-    return xp.cat([y.reshape(-1) for y in xp.split(x, widths, 2)], 0)
-
-
-def _from_rank_major(xp: TensorOps, flat: Tensor, bsz: int, t: int, widths: Sequence[int]) -> Tensor:
-    """The flat buffer of ``[B, t, widths[j]]`` blocks, j in order -> ``[B, t, sum(widths)]``."""
-    if len(set(widths)) == 1:
-        return xp.permute(flat.reshape(len(widths), bsz, t, widths[0]), (1, 2, 0, 3)).reshape(bsz, t, -1)
-    sizes = [bsz * t * w for w in widths]
-    return xp.cat([y.reshape(bsz, t, w) for y, w in zip(xp.split(flat, sizes, 0), widths, strict=True)], 2)
+def _from_rank_major(xp: TensorOps, flat: Tensor, bsz: int, t: int, n: int) -> Tensor:
+    """The flat buffer of n equal ``[B, t, W]`` blocks, rank after rank -> ``[B, t, n*W]``."""
+    return xp.permute(flat.reshape(n, bsz, t, -1), (1, 2, 0, 3)).reshape(bsz, t, -1)
 
 
 def _to_token_blocks(xp: TensorOps, x: Tensor, lengths: Sequence[int]) -> Tensor:
@@ -256,5 +244,5 @@ def ulysses_forward(
         [bsz * t_local * hv * dv] * n,
         cp.group,
     )
-    o = _from_rank_major(xp, back, bsz, t_local, [hv * dv] * n)  # [B, T_r, H*Dv], heads in order
+    o = _from_rank_major(xp, back, bsz, t_local, n)  # [B, T_r, H*Dv], heads in order
     return finish(xp, w, dims, o.reshape(bsz, t_local, dims.num_v_heads, dv), z)

@@ -70,6 +70,13 @@ class HeadShare:
         k_start, k_last = (j * hv) // groups, ((j + 1) * hv - 1) // groups
         return cls(v_start=j * hv, v_count=hv, k_start=k_start, k_count=k_last - k_start + 1)
 
+    def conv_channels(self, dims: LayerDims) -> np.ndarray:
+        """Indices of this rank's q, k and v channels among the conv's C = 2 Hk Dk + H Dv."""
+        kd, dk, dv = dims.key_dim, dims.head_k_dim, dims.head_v_dim
+        qk = np.arange(self.k_start * dk, (self.k_start + self.k_count) * dk)
+        v = np.arange(2 * kd + self.v_start * dv, 2 * kd + (self.v_start + self.v_count) * dv)
+        return np.concatenate([qk, kd + qk, v])
+
     def conv_width(self, dims: LayerDims) -> int:
         return 2 * self.k_count * dims.head_k_dim + self.v_count * dims.head_v_dim
 
@@ -81,19 +88,6 @@ class HeadShare:
         """For each local value head, the local q/k head it uses."""
         groups = dims.num_v_heads // dims.num_k_heads
         return [(self.v_start + i) // groups - self.k_start for i in range(self.v_count)]
-
-
-def _channels(xp: TensorOps, x: Tensor, dims: LayerDims, share: HeadShare, dim: int) -> Tensor:
-    """The q, k and v conv channels of ``share`` along ``dim`` of x (C channels there)."""
-    kd, dk, dv = dims.key_dim, dims.head_k_dim, dims.head_v_dim
-    qk = (share.k_start * dk, share.k_count * dk)
-    starts_widths = (qk, (kd + qk[0], qk[1]), (2 * kd + share.v_start * dv, share.v_count * dv))
-    index = [slice(None)] * len(x.shape)
-    parts = []
-    for start, width in starts_widths:
-        index[dim] = slice(start, start + width)
-        parts.append(x[tuple(index)])
-    return xp.cat(parts, dim)
 
 
 def _per_value_head(xp: TensorOps, qk: Tensor, index: list[int]) -> Tensor:
@@ -110,14 +104,12 @@ def _per_value_head(xp: TensorOps, qk: Tensor, index: list[int]) -> Tensor:
 def _send_index(dims: LayerDims, shares: Sequence[HeadShare]) -> np.ndarray:
     """Channels of [mixed | b | a] ``[B, T_r, conv_dim + 2H]`` that go to each rank, rank after
     rank: its q, k and v conv channels, then its beta and decay logits."""
-    kd, dk, dv, h = dims.key_dim, dims.head_k_dim, dims.head_v_dim, dims.num_v_heads
-    conv_dim = 2 * kd + h * dv
+    h = dims.num_v_heads
+    conv_dim = 2 * dims.key_dim + h * dims.head_v_dim
     index = []
     for s in shares:
-        qk = np.arange(s.k_start * dk, (s.k_start + s.k_count) * dk)
         heads = np.arange(s.v_start, s.v_start + s.v_count)
-        v = np.arange(2 * kd + s.v_start * dv, 2 * kd + (s.v_start + s.v_count) * dv)
-        index += [qk, kd + qk, v, conv_dim + heads, conv_dim + h + heads]
+        index += [s.conv_channels(dims), conv_dim + heads, conv_dim + h + heads]
     return np.concatenate(index)
 
 
@@ -214,7 +206,7 @@ def ulysses_forward(
     conv_width = mine.conv_width(dims)
     whole = None if docs is None else docs.whole
     conv_in, b_mine, a_mine = xp.split(full, [conv_width, hv, hv], 2)
-    mixed_local = conv_silu(xp, conv_in, _channels(xp, w.conv, dims, mine, 0), doc_starts=whole)
+    mixed_local = conv_silu(xp, conv_in, xp.take(w.conv, mine.conv_channels(dims), 0), doc_starts=whole)
     q, k, v = split_heads(
         xp,
         mixed_local,

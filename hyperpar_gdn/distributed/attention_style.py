@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyperpar_gdn.ops.attention import causal_attention, doc_ids_tensor, finish_attention, project_attention
+from hyperpar_gdn.ops.prefill_states import active_prefill_states
 from hyperpar_gdn.platform import Tensor, ops_for
 
 from .mesh import DeviceMesh, as_cp_mesh
@@ -79,15 +80,24 @@ class TransformersAttention:
 def attention_forward(
     adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
 ) -> Tensor:
-    """x ``[B, T_r, hidden]`` (this rank's piece of the sequence ``seq``) -> ``[B, T_r, hidden]``."""
+    """x ``[B, T_r, hidden]`` (this rank's piece of the sequence ``seq``) -> ``[B, T_r, hidden]``.
+
+    While an inference prefill records the decoding states
+    (:func:`~hyperpar_gdn.ops.prefill_states.record_prefill_states`), every rank gathers the keys
+    and values of the whole sequence (the same one all-gather) and keeps them."""
     rank = mesh.get_local_rank()
     offset, visible = seq.offset(rank), seq.offset(rank + 1)  # keys [0, visible) can be seen
     xp = mesh.platform.ops
+    states = active_prefill_states()
     q_BHTD, k_BHTD, v_BHTD, gate = adapter.project(x_BTC, position_offset=offset, cos_sin=cos_sin)
     if mesh.size() > 1:
         hkv = k_BHTD.shape[1]
-        kv_BHTD = gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2, upto=rank + 1)
+        upto = rank + 1 if states is None else mesh.size()
+        kv_BHTD = gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2, upto=upto)
         k_BHTD, v_BHTD = kv_BHTD[:, :hkv], kv_BHTD[:, hkv:]
+    if states is not None:
+        states.keep_kv(adapter.module, k_BHTD, v_BHTD)
+        k_BHTD, v_BHTD = k_BHTD[:, :, :visible], v_BHTD[:, :, :visible]
     o_BTX = causal_attention(
         xp,
         q_BHTD,

@@ -203,7 +203,7 @@ def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
         )
         whole = gather_pieces(mesh, local, lengths, 2) if mesh.size() > 1 else local  # [2, B, T]
         key_mask = whole[1] if bool((whole[1] == 0).any()) else None  # the same choice on every rank
-        cu = _packed_cu_seqlens(arguments, xp.to_numpy(whole[0]))
+        cu = _packed_cu_seqlens(arguments, xp.to_numpy(whole[0]), xp.to_numpy(whole[1]) != 0)
         doc_ids = None
         if cu is not None:
             doc_ids = doc_ids_tensor(xp, cu, seq_len=sum(lengths), like=positions)
@@ -220,13 +220,15 @@ def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
     return hook
 
 
-def _packed_cu_seqlens(arguments: dict[str, Any], positions: Any) -> np.ndarray | None:
+def _packed_cu_seqlens(arguments: dict[str, Any], positions: Any, real: Any) -> np.ndarray | None:
     """The global cu_seqlens of packed documents, or None: from transformers' ``cu_seq_lens_q``
     (global, the same on every rank) or from position_ids that restart (a new document wherever
-    a position is not its predecessor + 1, as transformers detects packing). Both must agree;
+    a position is not its predecessor + 1, as transformers detects packing; padding, ``real``
+    False, is not a restart: left-padded prompts have positions 0 there). Both must agree;
     ``cu_seq_lens_k`` and ``max_length_q/k``, if given, must match."""
     b, t = positions.shape
-    restarts = np.flatnonzero((np.diff(positions, axis=1) != 1).any(axis=0)) + 1
+    steps = (np.diff(positions, axis=1) != 1) & real[:, 1:] & real[:, :-1]
+    restarts = np.flatnonzero(steps.any(axis=0)) + 1
     given = arguments.pop("cu_seq_lens_q", None)
     from_positions = None
     if len(restarts):

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gdn_layer_forward
+from hyperpar_gdn.ops.prefill_states import active_prefill_states
 from hyperpar_gdn.ops.varlen import packed_doc_starts
 from hyperpar_gdn.platform import Tensor
 
 from .cp.common import CPGroup, LayerCall, ShardDocs, shard_lengths
+from .cp.conv_state import shard_conv_tail, whole_conv_state
 from .cp.state_passing import state_passing_forward
 from .cp.ulysses import ulysses_forward, ulysses_head_error
 from .dtensor import DTensor
@@ -128,6 +130,13 @@ class LinearAttentionContextParallel(ParallelStyle):
         dims = LayerDims.of(module)
         error = _shard_error(dims, x, attention_mask)
         call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
+        states = active_prefill_states()  # None unless an inference prefill records them
+        if (
+            states is not None
+            and error is None
+            and (cu_seqlens is not None or call_args.position_ids is not None)
+        ):
+            error = "recording prefill states (a decoder's cache) is not supported with packed documents"
         if cp.size == 1:
             if error is not None:
                 raise ValueError(error)
@@ -145,7 +154,11 @@ class LinearAttentionContextParallel(ParallelStyle):
                 attention_mask,
                 chunk_size=self.chunk_size,
                 doc_starts=doc_starts,
+                output_final_state=states is not None,
             )
+            if states is not None:
+                y, (conv, s) = y
+                states.keep_gdn(module, conv, s)
         else:
             error = error or _packing_error(x, call_args)
             if known is None:
@@ -156,10 +169,15 @@ class LinearAttentionContextParallel(ParallelStyle):
             docs = None
             if cu_seqlens is not None:
                 docs = ShardDocs.of(cu_seqlens, lengths, cp.rank, dims.conv_kernel_size)
+            final = {"final_state": True} if states is not None else {}
             if self.mode == "ulysses":
-                y = ulysses_forward(cp, call, x, attention_mask, lengths, docs)
+                y = ulysses_forward(cp, call, x, attention_mask, lengths, docs, **final)
             else:
-                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs)
+                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, **final)
+            if states is not None:
+                y, s = y
+                tail = shard_conv_tail(cp, call.weights, x, attention_mask)
+                states.keep_gdn(module, whole_conv_state(cp, tail, lengths), s)
         return y if placements is None else DTensor.from_local(y, mesh, placements)
 
 

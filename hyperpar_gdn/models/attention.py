@@ -27,6 +27,7 @@ from hyperpar_gdn.ops.attention import (
     rope_cos_sin,
     self_attention,
 )
+from hyperpar_gdn.ops.prefill_states import active_prefill_states
 from hyperpar_gdn.platform import ops_for
 
 from .norm import RMSNorm
@@ -130,4 +131,7 @@ class CausalSelfAttention(nn.Module):
                 f"got {tuple(hidden_states.shape)}"
             )
         q, k, v, gate = self.project(hidden_states)
+        states = active_prefill_states()  # an inference prefill keeps K and V
+        if states is not None:
+            states.keep_kv(self, k, v)
         return self.finish(self_attention(_TORCH, q, k, v, cu_seqlens=cu_seqlens), gate)

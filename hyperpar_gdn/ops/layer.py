@@ -26,6 +26,7 @@ import numpy as np
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
 from .chunk import chunk_gated_delta_rule, outputs_from, prepare_chunks
+from .prefill_states import active_prefill_states, conv_state_of
 from .varlen import check_doc_starts, conv_tap_masks, packed_doc_starts
 
 REQUIRED_ATTRIBUTES = (
@@ -168,14 +169,23 @@ def layer_forward(
     doc_starts = packed_doc_starts(
         batch_size=shape[0], seq_len=shape[1], cu_seqlens=cu_seqlens, position_ids=position_ids
     )
-    return gdn_layer_forward(
-        ops_for(hidden_states),
+    xp = ops_for(hidden_states)
+    states = active_prefill_states()
+    if states is None:
+        return gdn_layer_forward(
+            xp, LayerWeights.of(module), dims, hidden_states, attention_mask, doc_starts=doc_starts
+        )
+    y, (conv, s) = gdn_layer_forward(
+        xp,
         LayerWeights.of(module),
         dims,
         hidden_states,
         attention_mask,
         doc_starts=doc_starts,
+        output_final_state=True,
     )
+    states.keep_gdn(module, conv, s)
+    return y
 
 
 def mask_padding(xp: TensorOps, x: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -338,20 +348,39 @@ def gdn_layer_forward(
     *,
     chunk_size: int = 64,
     doc_starts: Any = None,
-) -> Tensor:
+    output_final_state: bool = False,
+) -> Any:
     """The whole layer on one device: x ``[B, T, hidden]`` -> ``[B, T, hidden]``.
 
     ``doc_starts`` (bool ``[T]``, B = 1): packed documents; the conv and the state restart at
-    every True (token 0 starts the first document whatever it says)."""
+    every True (token 0 starts the first document whatever it says).
+
+    ``output_final_state``: return ``(y, (conv_state [B, C, W], S [B, H, K, V]))``, the decoding
+    state after the last token (see :mod:`hyperpar_gdn.ops.prefill_states`); not with packed
+    documents."""
+    if output_final_state and doc_starts is not None:
+        raise NotImplementedError("output_final_state with packed documents (doc_starts) is not supported")
     x = mask_padding(xp, x, attention_mask)
     mixed, z, b, a = project(xp, w, x)
     q, k, v = split_heads(xp, conv_silu(xp, mixed, w.conv, doc_starts=doc_starts), **head_dims(dims))
     g, beta = gates(xp, b, a, w.a_log, w.dt_bias)
     if doc_starts is None:
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=True)
+        o, s = chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            chunk_size=chunk_size,
+            use_qk_l2norm_in_kernel=True,
+            output_final_state=output_final_state,
+        )
     else:
         prep = prepare_chunks(
             q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=True, doc_starts=doc_starts
         )
         o, _ = outputs_from(prep, None)
-    return finish(xp, w, dims, o, z)
+    y = finish(xp, w, dims, o, z)
+    if output_final_state:
+        return y, (conv_state_of(xp, mixed, dims.conv_kernel_size), s)
+    return y

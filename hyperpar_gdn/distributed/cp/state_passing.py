@@ -40,10 +40,12 @@ def _t(xp, x: Tensor) -> Tensor:
 
 @dataclass
 class P2PExchange:
-    """S_in from rank r-1, M S_in + S_ext on to rank r+1; backward dS_in + M^T dS_out back to r-1."""
+    """S_in from rank r-1, M S_in + S_ext on to rank r+1; backward dS_in + M^T dS_out back to r-1.
+    ``s_out``: the state leaving this shard, after the forward."""
 
     cp: CPGroup
     saved: tuple[Tensor, ...] = field(default=(), repr=False)
+    s_out: Tensor | None = field(default=None, repr=False)
 
     def forward(self, s_ext: Tensor, m: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
@@ -54,8 +56,15 @@ class P2PExchange:
             s_out = xp.matmul(m, s_in) + s_ext
         if cp.rank < cp.size - 1:
             cp.comm.send(s_out, cp.rank + 1, cp.group)
-        self.saved = (s_in, m)
+        self.saved, self.s_out = (s_in, m), s_out
         return s_in
+
+    def final_state(self) -> Tensor:
+        """The state leaving the last shard (the whole sequence's), on every rank: the last rank's
+        ``s_out``, summed with zeros from the others."""
+        cp, xp = self.cp, self.cp.xp
+        mine = self.s_out if cp.rank == cp.size - 1 else xp.zeros(self.s_out.shape, like=self.s_out)
+        return cp.comm.all_reduce_sum(mine, cp.group)
 
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
@@ -91,6 +100,17 @@ class AllGatherExchange:
         self.saved = (gathered, *states)
         return states[-1]
 
+    def final_state(self) -> Tensor:
+        """The state leaving the last shard (the whole sequence's), on every rank without
+        communication: the fold of the gathered summaries carried on to the end."""
+        xp = self.cp.xp
+        gathered, *states = self.saved
+        dv = states[0].shape[-1]
+        s = states[-1]
+        for j in range(len(states) - 1, self.cp.size):
+            s = xp.matmul(gathered[j][..., dv:], s) + gathered[j][..., :dv]
+        return s
+
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
         gathered, *states = self.saved
@@ -116,12 +136,17 @@ def state_passing_forward(
     x: Tensor,
     attention_mask: Tensor | None,
     docs: ShardDocs | None = None,
-) -> Tensor:
+    *,
+    final_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """x ``[B, T/cp, hidden]`` (this rank's shard) -> ``[B, T/cp, hidden]``.
 
     Packed documents (``docs``): the shard's summary is exact across them (M = 0 once a
     document starts in the shard), so the exchange is unchanged; the conv and the local chunks
-    restart at every start."""
+    restart at every start.
+
+    ``final_state``: also return the state after the whole sequence's last token ``[B, H, K, V]``
+    (compute dtype) on every rank, from the summaries (an inference prefill; no gradient)."""
     xp, w, dims = cp.xp, call.weights, call.dims
     x = mask_padding(xp, x, attention_mask)
     mixed, z, b, a = project(xp, w, x)
@@ -137,5 +162,7 @@ def state_passing_forward(
         use_qk_l2norm_in_kernel=True,
         doc_starts=None if docs is None else docs.local,
     )
-    o = xp.cast(shard_outputs(prep, EXCHANGES[mode](cp), widened=cp.rank > 0), prep.out_dtype)
-    return finish(xp, w, dims, o, z)
+    exchange = EXCHANGES[mode](cp)
+    o = xp.cast(shard_outputs(prep, exchange, widened=cp.rank > 0), prep.out_dtype)
+    y = finish(xp, w, dims, o, z)
+    return (y, exchange.final_state()) if final_state else y

@@ -182,10 +182,18 @@ def ulysses_forward(
     attention_mask: Tensor | None,
     lengths: Sequence[int],
     docs: ShardDocs | None = None,
-) -> Tensor:
+    *,
+    final_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """x ``[B, T_r, hidden]`` (this rank's shard; ``lengths[j]`` = T_j on every rank) ->
     ``[B, T_r, hidden]``. Packed documents (``docs``): the conv and the rule run on the whole
-    sequence, so they restart at the global document starts."""
+    sequence, so they restart at the global document starts.
+
+    ``final_state``: also return the state after the sequence's last token ``[B, H, K, V]``
+    (compute dtype) on every rank: each rank's heads ran the whole sequence; one all-gather puts
+    them together (an inference prefill, without packed documents; no gradient)."""
+    if final_state and docs is not None:
+        raise NotImplementedError("final_state with packed documents is not supported")
     xp, w, dims, n, r = cp.xp, call.weights, call.dims, cp.size, cp.rank
     shares = [HeadShare.of(dims, n, j) for j in range(n)]
     mine, t_local = shares[r], lengths[r]
@@ -220,8 +228,15 @@ def ulysses_forward(
     heads = slice(mine.v_start, mine.v_start + hv)
     g, beta = gates(xp, b_mine, a_mine, w.a_log[heads], w.dt_bias[heads])
     if whole is None:
-        o, _ = chunk_gated_delta_rule(
-            q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True
+        o, s_mine = chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            chunk_size=call.chunk_size,
+            use_qk_l2norm_in_kernel=True,
+            output_final_state=final_state,
         )
     else:
         prep = prepare_chunks(
@@ -237,4 +252,9 @@ def ulysses_forward(
         cp.group,
     )
     o = _from_rank_major(xp, back, bsz, t_local, n)  # [B, T_r, H*Dv], heads in order
-    return finish(xp, w, dims, o.reshape(bsz, t_local, dims.num_v_heads, dv), z)
+    y = finish(xp, w, dims, o.reshape(bsz, t_local, dims.num_v_heads, dv), z)
+    if not final_state:
+        return y
+    gathered = cp.comm.all_gather(s_mine, cp.group)  # [cp, B, hv, Dk, Dv], rank j's heads
+    s_all = xp.permute(gathered, (1, 0, 2, 3, 4)).reshape(bsz, dims.num_v_heads, dims.head_k_dim, dv)
+    return y, s_all

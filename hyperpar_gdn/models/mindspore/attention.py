@@ -22,6 +22,7 @@ from hyperpar_gdn.ops.attention import (
     rope_cos_sin,
     self_attention,
 )
+from hyperpar_gdn.ops.prefill_states import active_prefill_states
 from hyperpar_gdn.platform import ops_for
 
 from .norm import RMSNorm
@@ -112,4 +113,7 @@ class CausalSelfAttention(nn.Cell):
         if len(shape) != 3 or shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [B, T, hidden_size={self.hidden_size}]; got {shape}")
         q, k, v, gate = self.project(hidden_states)
+        states = active_prefill_states()  # an inference prefill keeps K and V
+        if states is not None:
+            states.keep_kv(self, k, v)
         return self.finish(self_attention(ops_for(q), q, k, v, cu_seqlens=cu_seqlens), gate)

@@ -15,6 +15,9 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``bad_input``: the (type, message) of each bad call on every rank, compared with torch's;
 - ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
   ``hyperpar_gdn.distributed.verify.compare_with_reference``;
+- ``prefill`` (tests/distributed/test_prefill_mindspore.py): the MindSpore Qwen3.5 model (dense
+  and MoE) reads a prompt under every mode; the greedy continuation from its returned state and
+  the states equal the single-device prefill's;
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
   within the communication timeout with a ``CollectiveError``.
 
@@ -45,7 +48,7 @@ from hyperpar_gdn.distributed.verify import compare_with_reference, relative_err
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
-SECTIONS = ("collectives", "cp", "packed", "bad_input", "mesh2d", "stall")
+SECTIONS = ("collectives", "cp", "packed", "bad_input", "mesh2d", "prefill", "stall")
 HIDDEN = 32
 PARAMS = (
     "in_proj_qkv.weight",
@@ -518,12 +521,80 @@ def section_collectives(platform: Platform, world: int) -> dict[str, Any]:
     return out
 
 
+PREFILL_T = 23  # 12 + 11 tokens at cp 2
+PREFILL_NEW_TOKENS = 16
+
+
+def prefill_model(moe: bool) -> Any:
+    """A tiny MindSpore Qwen3.5 model, the same weights on every rank (numpy's seeded init)."""
+    from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM, Qwen35Config
+
+    sizes = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+    config = Qwen35Config(
+        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=4,
+        layer_types=("linear_attention", "linear_attention", "full_attention", "linear_attention"),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.3,  # peaked logits: no near ties in greedy decoding
+        **({**sizes, "shared_expert_intermediate_size": 24} if moe else {"intermediate_size": 48}),
+    )
+    np.random.seed(0)
+    return Qwen3_5ForCausalLM(config)
+
+
+def section_prefill(platform: Platform, world: int) -> dict[str, Any]:
+    """Per model and mode: the continuation (tokens) and the relative state errors against the
+    single-device prefill of the same model."""
+    import mindspore as ms
+
+    from hyperpar_gdn import apply_context_parallel, prefill_context_parallel, undo_context_parallel
+    from hyperpar_gdn.models.decoding import greedy_continue, prefill
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    ids = ms.Tensor(np.random.default_rng(3).integers(1, 97, (2, PREFILL_T)).astype(np.int64))
+    results: dict[str, Any] = {}
+    for moe in (False, True):
+        model = prefill_model(moe)
+        logits, state = prefill(model, ids)
+        expected = greedy_continue(model, logits, state, max_new_tokens=PREFILL_NEW_TOKENS)
+        for mode in MODES:
+            apply_context_parallel(model, mesh, mode=mode)
+            cp_logits, cp_state = prefill_context_parallel(model, mesh, ids)
+            undo_context_parallel(model)
+            got = greedy_continue(model, cp_logits, cp_state, max_new_tokens=PREFILL_NEW_TOKENS)
+            errors = {"logits": relative_error(platform.to_numpy(cp_logits), platform.to_numpy(logits))}
+            for i, (pair, ref_pair) in enumerate(zip(cp_state.layers, state.layers, strict=True)):
+                for j, (a, b) in enumerate(zip(pair, ref_pair, strict=True)):
+                    errors[f"layer{i}.{j}"] = relative_error(platform.to_numpy(a), platform.to_numpy(b))
+            results[f"{'moe' if moe else 'dense'}/{mode}"] = {
+                "tokens": platform.to_numpy(got).tolist(),
+                "expected": platform.to_numpy(expected).tolist(),
+                "length": cp_state.length,
+                "errors": errors,
+            }
+    return results
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "collectives": section_collectives,
     "cp": section_cp,
     "packed": section_packed,
     "bad_input": section_bad_input,
     "mesh2d": section_mesh2d,
+    "prefill": section_prefill,
     "stall": section_stall,
 }
 

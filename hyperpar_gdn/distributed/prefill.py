@@ -159,7 +159,7 @@ def _transformers_hidden(
     xp = ops_for(input_ids)
     b, t = input_ids.shape
     if mask_np is None:
-        positions = np.broadcast_to(np.arange(t), (b, t))
+        positions = np.tile(np.arange(t), (b, 1))
     else:
         positions = np.where(mask_np, np.cumsum(mask_np, 1) - 1, 0)
     inputs = {

@@ -1,0 +1,217 @@
+"""Read a prompt under context parallelism, then continue it on one device.
+
+    python scripts/make_tiny_qwen35.py tiny-qwen35
+    torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt
+    torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt \\
+        --mode ulysses --sample --temperature 0.8 --top-k 20 --max-new-tokens 64
+    HP_PLATFORM=mindspore msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --join=True \\
+        --log_dir=msrun_log scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt
+
+Every rank loads the model (transformers' on torch, the MindSpore Qwen3.5 under
+``HP_PLATFORM=mindspore``) and the tokenized prompt; ``hyperpar_gdn.prefill_context_parallel``
+reads it under CP (``--mode``) and returns the last token's logits and the decoding state (for
+transformers, its ``DynamicCache``); rank 0 then decodes greedily (or samples, ``--sample``) and
+prints the continuation. Reported: the prefill time (median of ``--repeats``) and prompt tokens/s,
+and the decoding tokens/s. ``--compare-one-device``: each round also times the same prefill on
+rank 0 alone, without CP (transformers' own forward with a cache, or ours on one device), while the
+other ranks wait, so both see the same machine load; ``--min-prompt-tokens`` repeats the prompt's
+tokens up to a length (for long-prompt timing). Numbers go to ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True, help="transformers model directory")
+    parser.add_argument("--prompt-file", type=Path, required=True)
+    parser.add_argument("--mode", default="p2p", choices=("ulysses", "p2p", "all_gather"))
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or npu (HP_PLATFORM names the framework)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--min-prompt-tokens", type=int, default=0, help="repeat the prompt up to this length"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="prefill runs timed (median reported)")
+    parser.add_argument("--compare-one-device", action="store_true")
+    parser.add_argument("--out", type=Path, default=None, help="JSON of the numbers (rank 0)")
+    args = parser.parse_args(argv)
+    for name in ("max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.temperature <= 0 or args.top_k < 0 or args.min_prompt_tokens < 0:
+        parser.error(
+            f"--temperature={args.temperature} must be > 0, --top-k={args.top_k} and "
+            f"--min-prompt-tokens={args.min_prompt_tokens} >= 0"
+        )
+    return args
+
+
+def prompt_ids(args: argparse.Namespace) -> np.ndarray:
+    from hyperpar_gdn.train.transformers_model import load_tokenizer
+
+    ids = load_tokenizer(args.model)(args.prompt_file.read_text())["input_ids"]
+    if not ids:
+        raise ValueError(f"--prompt-file {args.prompt_file} holds no tokens")
+    repeats = -(-args.min_prompt_tokens // len(ids)) if args.min_prompt_tokens > len(ids) else 1
+    return np.asarray((ids * repeats)[: max(len(ids), args.min_prompt_tokens)], np.int64).reshape(1, -1)
+
+
+class Engine:
+    """The model of one framework: load, prefill on one device, and one decoding step."""
+
+    def __init__(self, platform: Any, path: Path) -> None:
+        self.platform = platform
+        self.mindspore = platform.name == "mindspore"
+        if self.mindspore:
+            from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM
+
+            self.model = Qwen3_5ForCausalLM.from_pretrained(path)
+        else:
+            from hyperpar_gdn.train.transformers_model import load_model_dir
+
+            self.model = load_model_dir(path)[0].eval()
+        self.cache: Any = None
+
+    def tensor(self, ids: np.ndarray) -> Any:
+        return self.platform.from_numpy(ids, dtype="int64")
+
+    def one_device_prefill(self, ids: Any) -> Any:
+        if self.mindspore:
+            from hyperpar_gdn.models.decoding import prefill
+
+            return prefill(self.model, ids)
+        import torch
+
+        with torch.no_grad():
+            out = self.model(input_ids=ids, use_cache=True)
+        return out.logits[:, -1], out.cache
+
+    def step(self, token: np.ndarray) -> np.ndarray:
+        """Logits ``[B, V]`` (numpy) after one more token per row ``[B, 1]``."""
+        ids = self.tensor(token)
+        if self.mindspore:
+            from hyperpar_gdn.models.decoding import decode_step
+
+            logits, self.cache = decode_step(self.model, self.cache, ids)
+            return self.platform.to_numpy(logits)
+        import torch
+
+        with torch.no_grad():
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
+        self.cache = out.cache
+        return out.logits[:, -1].float().numpy()
+
+
+def pick(logits: np.ndarray, args: argparse.Namespace, rng: np.random.Generator) -> np.ndarray:
+    """The next token per row ``[B, 1]``: argmax, or a sample of softmax(logits / temperature)
+    over the top-k."""
+    if not args.sample:
+        return logits.argmax(-1).reshape(-1, 1)
+    z = logits.astype(np.float64) / args.temperature
+    if args.top_k:
+        kth = np.sort(z, -1)[:, -min(args.top_k, z.shape[-1])][:, None]
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.array([[rng.choice(p.shape[-1], p=row)] for row in p])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from hyperpar_gdn import (
+        apply_context_parallel,
+        get_platform,
+        init_device_mesh,
+        prefill_context_parallel,
+        undo_context_parallel,
+    )
+
+    platform = get_platform()
+    platform.init_distributed()
+    mesh = init_device_mesh(args.device, (platform.world_size(),), mesh_dim_names=("cp",))
+    rank, group, comm = platform.rank(), mesh.get_group(), platform.collectives
+    engine = Engine(platform, args.model)
+    ids_np = prompt_ids(args)
+    ids = engine.tensor(ids_np)
+    cp_times, one_times = [], []
+    for _ in range(args.repeats):
+        apply_context_parallel(engine.model, mesh, mode=args.mode)
+        comm.barrier(group)
+        start = time.perf_counter()
+        logits, state = prefill_context_parallel(engine.model, mesh, ids)
+        comm.barrier(group)
+        cp_times.append(time.perf_counter() - start)
+        undo_context_parallel(engine.model)
+        if args.compare_one_device:
+            if rank == 0:
+                start = time.perf_counter()
+                engine.one_device_prefill(ids)
+                one_times.append(time.perf_counter() - start)
+            comm.barrier(group)
+    if rank == 0:
+        engine.cache = state
+        rng = np.random.default_rng(args.seed)
+        tokens, last = [], platform.to_numpy(logits)
+        start = time.perf_counter()
+        for i in range(args.max_new_tokens):
+            token = pick(last, args, rng)
+            tokens.append(int(token[0, 0]))
+            if i + 1 < args.max_new_tokens:
+                last = engine.step(token)
+        decode_s = time.perf_counter() - start
+        from hyperpar_gdn.train.transformers_model import load_tokenizer
+
+        text = load_tokenizer(args.model).decode(tokens)
+        t, cp = ids_np.shape[1], platform.world_size()
+        prefill_s = statistics.median(cp_times)
+        result = {
+            "framework": platform.name,
+            "mode": args.mode,
+            "cp": cp,
+            "prompt_tokens": t,
+            "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
+            "prefill_s": cp_times,
+            "prefill_tokens_per_s": t / prefill_s,
+            "one_device_prefill_s": one_times or None,
+            "decode_tokens_per_s": (args.max_new_tokens - 1) / decode_s if args.max_new_tokens > 1 else None,
+            "new_tokens": tokens,
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3]
+            if Path("/proc/loadavg").exists()
+            else None,
+        }
+        print(
+            f"--- continuation ({'sampled' if args.sample else 'greedy'}, {len(tokens)} tokens) ---\n{text}"
+        )
+        print(
+            f"prefill of {t} tokens at cp={cp} ({args.mode}): {prefill_s:.3f} s median, {t / prefill_s:.1f} tokens/s"
+        )
+        if one_times:
+            one = statistics.median(one_times)
+            print(f"one device, same rounds: {one:.3f} s median; speedup {one / prefill_s:.2f}x")
+        if result["decode_tokens_per_s"]:
+            print(f"decoding on one device: {result['decode_tokens_per_s']:.1f} tokens/s")
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    comm.barrier(group)
+    platform.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

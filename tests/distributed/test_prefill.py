@@ -13,6 +13,7 @@ first layer's conv state, a projection of the embeddings, exactly (EXACT_TOL).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -128,40 +129,51 @@ def cache_states(cache, model) -> dict[str, torch.Tensor]:
     return states
 
 
-def _worker(rank: int, world: int, moe: bool, cases: list[tuple[int, bool, list[int] | None]]) -> list[str]:
-    """Every mode on every case; returns the failures seen by this rank."""
+def references(moe: bool, cases: list[tuple[int, bool, list[int] | None]]) -> dict[str, Any]:
+    """One process, before the ranks fork: the models, transformers' greedy continuation (fp32)
+    and its prefill's states and last logits (fp64) per case."""
+    base32, base64 = tiny_model(moe=moe, dtype=torch.float32), tiny_model(moe=moe, dtype=torch.float64)
+    refs = {"base32": base32, "base64": base64, "cases": []}
+    for t, padded, _ in cases:
+        ids, mask = prompt(t, padded=padded)
+        with torch.no_grad():
+            expected = base32.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        logits, cache = reference_cache(base64, ids, mask)
+        refs["cases"].append((expected[:, t:], logits, cache_states(cache, base64)))
+    return refs
+
+
+def _worker(
+    rank: int, world: int, refs: dict[str, Any], cases: list[tuple[int, bool, list[int] | None]]
+) -> list[str]:
+    """Every mode on every case; returns the failures seen by this rank. Rank 0 also continues
+    each prefill with transformers' generate (the states are the same on every rank)."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     failures = []
-    for t, padded, lengths in cases:
+    for (t, padded, lengths), (expected, ref_logits, ref_states) in zip(cases, refs["cases"], strict=True):
         ids, mask = prompt(t, padded=padded)
         name = f"T{t}-{'padded' if padded else 'full'}-{lengths or prompt_lengths(t, world)}"
-        # fp32: greedy continuation token for token
-        base32 = tiny_model(moe=moe, dtype=torch.float32)
-        expected = base32.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)[
-            :, t:
-        ]
-        # fp64: the cache's states
-        base64 = tiny_model(moe=moe, dtype=torch.float64)
-        ref_logits, ref_cache = reference_cache(base64, ids, mask)
-        ref_states = cache_states(ref_cache, base64)
         first_mode_states = None
         for mode in MODES:
             if mode != "ulysses" and lengths is not None and min(lengths) < 3:
-                continue  # p2p and all_gather need W-1 tokens per shard (tested elsewhere)
-            model = apply_context_parallel(copy.deepcopy(base32), mesh, mode=mode)
+                continue  # p2p and all_gather need W-1 tokens per shard
+            # fp32: greedy continuation token for token (the prefill on every rank, generate on rank 0)
+            model = apply_context_parallel(copy.deepcopy(refs["base32"]), mesh, mode=mode)
             logits, cache = prefill_context_parallel(model, mesh, ids, attention_mask=mask, lengths=lengths)
             undo_context_parallel(model)
-            got = continue_with_generate(model, ids, mask, logits, cache)
-            if not torch.equal(got, expected):
-                failures.append(
-                    f"{name} {mode}: continuation {got.tolist()} != generate's {expected.tolist()}"
-                )
-            model = apply_context_parallel(copy.deepcopy(base64), mesh, mode=mode)
+            if rank == 0:
+                got = continue_with_generate(model, ids, mask, logits, cache)
+                if not torch.equal(got, expected):
+                    failures.append(
+                        f"{name} {mode}: continuation {got.tolist()} != generate's {expected.tolist()}"
+                    )
+            # fp64: the cache's states on every rank
+            model = apply_context_parallel(copy.deepcopy(refs["base64"]), mesh, mode=mode)
             logits, cache = prefill_context_parallel(model, mesh, ids, attention_mask=mask, lengths=lengths)
             err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
             if err > STATE_TOL:
                 failures.append(f"{name} {mode}: last-token logits relative error {err:.1e}")
-            states = cache_states(cache, base64)
+            states = cache_states(cache, refs["base64"])
             for key, ref in ref_states.items():
                 tol = EXACT_TOL if key == "conv0" else STATE_TOL
                 got_state = states[key].to(ref.dtype)
@@ -186,7 +198,7 @@ def _worker(rank: int, world: int, moe: bool, cases: list[tuple[int, bool, list[
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_prefill_cp2_continues_like_generate(moe: bool) -> None:
     cases = [(37, False, None), (30, True, None)]  # 19 + 18 tokens; left padding
-    for failures in run_ranks(_worker, 2, moe, cases, timeout_s=300):
+    for failures in run_ranks(_worker, 2, references(moe, cases), cases, timeout_s=300):
         assert not failures, "\n".join(failures)
 
 
@@ -195,5 +207,5 @@ def test_prefill_cp4_continues_like_generate(moe: bool) -> None:
     # 10+9+9+9; the conv state (W=4) spanning the last two ranks (12+12+10+3); a last shard
     # shorter than the conv halo (ulysses: 12+12+11+2) with left padding.
     cases = [(37, False, None), (37, False, [12, 12, 10, 3]), (37, True, [12, 12, 11, 2])]
-    for failures in run_ranks(_worker, 4, moe, cases, timeout_s=400):
+    for failures in run_ranks(_worker, 4, references(moe, cases), cases, timeout_s=400):
         assert not failures, "\n".join(failures)

@@ -209,3 +209,76 @@ def test_prefill_cp4_continues_like_generate(moe: bool) -> None:
     cases = [(37, False, None), (37, False, [12, 12, 10, 3]), (37, True, [12, 12, 11, 2])]
     for failures in run_ranks(_worker, 4, references(moe, cases), cases, timeout_s=400):
         assert not failures, "\n".join(failures)
+
+
+def _hybrid_worker(rank: int, world: int, base: torch.nn.Module) -> list[str]:
+    """HybridLM: every mode's prefill state continues greedily like the one-device prefill, and
+    the states equal its states (fp64)."""
+    from hyperpar_gdn.models.decoding import greedy_continue, prefill
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    ids = torch.randint(0, 61, (2, 29), generator=torch.Generator().manual_seed(5))
+    ref_logits, ref_state = prefill(base, ids)
+    expected = greedy_continue(base, ref_logits, ref_state, max_new_tokens=NEW_TOKENS)
+    failures = []
+    for mode in MODES:
+        model = apply_context_parallel(copy.deepcopy(base), mesh, mode=mode)
+        logits, state = prefill_context_parallel(model, mesh, ids)
+        undo_context_parallel(model)
+        got = greedy_continue(model, logits, state, max_new_tokens=NEW_TOKENS)
+        if not torch.equal(got, expected):
+            failures.append(f"{mode}: {got.tolist()} != {expected.tolist()}")
+        if state.length != 29:
+            failures.append(f"{mode}: state.length={state.length}")
+        pairs = [(logits, ref_logits)] + [
+            (a, b)
+            for pair, ref in zip(state.layers, ref_state.layers, strict=True)
+            for a, b in zip(pair, ref, strict=True)
+        ]
+        for i, (a, b) in enumerate(pairs):
+            err = ((a - b).abs().max() / b.abs().max()).item()
+            if err > MODES_TOL:
+                failures.append(f"{mode}: tensor {i} relative error {err:.1e}")
+    return failures
+
+
+def test_hybrid_lm_prefill_continues_like_one_device() -> None:
+    from hyperpar_gdn.models import HybridLM, HybridLMConfig
+
+    torch.manual_seed(0)
+    base = HybridLM(HybridLMConfig(num_layers=4, vocab_size=61, initializer_range=0.3)).double().eval()
+    for failures in run_ranks(_hybrid_worker, 2, base, timeout_s=120):
+        assert not failures, "\n".join(failures)
+
+
+def _refusals_worker(rank: int, world: int, base: torch.nn.Module) -> list[str]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    ids = torch.randint(1, VOCAB, (2, 12))
+    right_padded = torch.ones(2, 12, dtype=torch.int64)
+    right_padded[1, -2:] = 0
+    model = copy.deepcopy(base)
+    messages = []
+    calls = [
+        lambda: prefill_context_parallel(model, mesh, ids),  # not under CP yet
+        lambda: prefill_context_parallel(
+            apply_context_parallel(model, mesh, mode="p2p"), mesh, ids, lengths=[5, 5]
+        ),
+        lambda: prefill_context_parallel(model, mesh, ids, attention_mask=right_padded),
+        lambda: prefill_context_parallel(model, mesh, ids[0]),
+    ]
+    for call in calls:
+        try:
+            call()
+            messages.append("no error")
+        except (ValueError, NotImplementedError) as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_refuses_bad_input() -> None:
+    base = tiny_model(moe=False, dtype=torch.float32)
+    for messages in run_ranks(_refusals_worker, 2, base, timeout_s=120):
+        assert "is not under context parallelism: call apply_context_parallel" in messages[0]
+        assert "lengths=[5, 5] must give each of cp=2 ranks at least one token and sum to T=12" in messages[1]
+        assert "rows [1] end in padding" in messages[2]
+        assert "the prompt must be input_ids [B, T] with T >= 1; got shape (12,)" in messages[3]

@@ -12,9 +12,10 @@ Every rank loads the model (transformers' on torch, the MindSpore Qwen3.5 under
 reads it under CP (``--mode``) and returns the last token's logits and the decoding state (for
 transformers, its ``DynamicCache``); rank 0 then decodes greedily (or samples, ``--sample``) and
 prints the continuation. Reported: the prefill time (median of ``--repeats``) and prompt tokens/s,
-and the decoding tokens/s. ``--compare-one-device``: each round also times the same prefill on
-rank 0 alone, without CP (transformers' own forward with a cache, or ours on one device), while the
-other ranks wait, so both see the same machine load; ``--min-prompt-tokens`` repeats the prompt's
+and the decoding tokens/s. ``--compare-one-device``: each round also times, on rank 0 alone while
+the other ranks wait (so all see the same machine load), the same prefill at cp=1 (this package's
+kernels on a one-rank mesh) and the framework's own one-device prefill (transformers' forward with
+a cache; on MindSpore, ours without any style); ``--min-prompt-tokens`` repeats the prompt's
 tokens up to a length (for long-prompt timing). Numbers go to ``--out`` (JSON).
 """
 
@@ -148,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(platform, args.model)
     ids_np = prompt_ids(args)
     ids = engine.tensor(ids_np)
-    cp_times, one_times = [], []
+    # a one-rank CP mesh per rank (collective to build), for the cp=1 timing on rank 0
+    solo = init_device_mesh(args.device, (platform.world_size(), 1), mesh_dim_names=("dp", "cp"))["cp"]
+    cp_times, one_times, solo_times = [], [], []
     for _ in range(args.repeats):
         apply_context_parallel(engine.model, mesh, mode=args.mode)
         comm.barrier(group)
@@ -162,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 engine.one_device_prefill(ids)
                 one_times.append(time.perf_counter() - start)
+                apply_context_parallel(engine.model, solo, mode=args.mode)
+                start = time.perf_counter()
+                prefill_context_parallel(engine.model, solo, ids)
+                solo_times.append(time.perf_counter() - start)
+                undo_context_parallel(engine.model)
             comm.barrier(group)
     if rank == 0:
         engine.cache = state
@@ -188,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_s": cp_times,
             "prefill_tokens_per_s": t / prefill_s,
             "one_device_prefill_s": one_times or None,
+            "cp1_prefill_s": solo_times or None,
             "decode_tokens_per_s": (args.max_new_tokens - 1) / decode_s if args.max_new_tokens > 1 else None,
             "new_tokens": tokens,
             "loadavg": Path("/proc/loadavg").read_text().split()[:3]
@@ -201,8 +210,12 @@ def main(argv: list[str] | None = None) -> int:
             f"prefill of {t} tokens at cp={cp} ({args.mode}): {prefill_s:.3f} s median, {t / prefill_s:.1f} tokens/s"
         )
         if one_times:
-            one = statistics.median(one_times)
-            print(f"one device, same rounds: {one:.3f} s median; speedup {one / prefill_s:.2f}x")
+            one, solo_s = statistics.median(one_times), statistics.median(solo_times)
+            print(
+                f"same rounds, rank 0 alone: cp=1 {solo_s:.3f} s (speedup of cp={cp}: {solo_s / prefill_s:.2f}x), "
+                f"{'transformers' if not engine.mindspore else 'one device'} {one:.3f} s "
+                f"(speedup {one / prefill_s:.2f}x)"
+            )
         if result["decode_tokens_per_s"]:
             print(f"decoding on one device: {result['decode_tokens_per_s']:.1f} tokens/s")
         if args.out is not None:

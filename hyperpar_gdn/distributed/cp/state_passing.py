@@ -41,9 +41,10 @@ def _t(xp, x: Tensor) -> Tensor:
 @dataclass
 class P2PExchange:
     """S_in from rank r-1, M S_in + S_ext on to rank r+1; backward dS_in + M^T dS_out back to r-1.
-    ``s_out``: the state leaving this shard, after the forward."""
+    ``keep_out``: keep the state leaving this shard (``s_out``) for :meth:`final_state`."""
 
     cp: CPGroup
+    keep_out: bool = False
     saved: tuple[Tensor, ...] = field(default=(), repr=False)
     s_out: Tensor | None = field(default=None, repr=False)
 
@@ -56,7 +57,9 @@ class P2PExchange:
             s_out = xp.matmul(m, s_in) + s_ext
         if cp.rank < cp.size - 1:
             cp.comm.send(s_out, cp.rank + 1, cp.group)
-        self.saved, self.s_out = (s_in, m), s_out
+        self.saved = (s_in, m)
+        if self.keep_out:
+            self.s_out = s_out
         return s_in
 
     def final_state(self) -> Tensor:
@@ -162,7 +165,7 @@ def state_passing_forward(
         use_qk_l2norm_in_kernel=True,
         doc_starts=None if docs is None else docs.local,
     )
-    exchange = EXCHANGES[mode](cp)
+    exchange = P2PExchange(cp, keep_out=final_state) if mode == "p2p" else EXCHANGES[mode](cp)
     o = xp.cast(shard_outputs(prep, exchange, widened=cp.rank > 0), prep.out_dtype)
     y = finish(xp, w, dims, o, z)
     return (y, exchange.final_state()) if final_state else y

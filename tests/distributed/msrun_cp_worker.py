@@ -16,8 +16,8 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
   ``hyperpar_gdn.distributed.verify.compare_with_reference``;
 - ``prefill`` (tests/distributed/test_prefill_mindspore.py): the MindSpore Qwen3.5 model (dense
-  and MoE) reads a prompt under every mode; the greedy continuation from its returned state and
-  the states equal the single-device prefill's;
+  and MoE) reads a prompt under every mode; the states equal the single-device prefill's and the
+  greedy continuation from them equals its continuation (every mode for dense, p2p for MoE);
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
   within the communication timeout with a ``CollectiveError``.
 
@@ -574,13 +574,16 @@ def section_prefill(platform: Platform, world: int) -> dict[str, Any]:
             apply_context_parallel(model, mesh, mode=mode)
             cp_logits, cp_state = prefill_context_parallel(model, mesh, ids)
             undo_context_parallel(model)
-            got = greedy_continue(model, cp_logits, cp_state, max_new_tokens=PREFILL_NEW_TOKENS)
+            # MoE: one mode continues (MindSpore's decoding steps are slow); every mode's states
+            got = None
+            if not moe or mode == "p2p":
+                got = greedy_continue(model, cp_logits, cp_state, max_new_tokens=PREFILL_NEW_TOKENS)
             errors = {"logits": relative_error(platform.to_numpy(cp_logits), platform.to_numpy(logits))}
             for i, (pair, ref_pair) in enumerate(zip(cp_state.layers, state.layers, strict=True)):
                 for j, (a, b) in enumerate(zip(pair, ref_pair, strict=True)):
                     errors[f"layer{i}.{j}"] = relative_error(platform.to_numpy(a), platform.to_numpy(b))
             results[f"{'moe' if moe else 'dense'}/{mode}"] = {
-                "tokens": platform.to_numpy(got).tolist(),
+                "tokens": None if got is None else platform.to_numpy(got).tolist(),
                 "expected": platform.to_numpy(expected).tolist(),
                 "length": cp_state.length,
                 "errors": errors,

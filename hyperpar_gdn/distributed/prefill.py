@@ -5,7 +5,7 @@ decoder on one device (DESIGN.md section 12).
     logits, cache = prefill_context_parallel(model, mesh, prompt_ids, attention_mask=mask)
     undo_context_parallel(model)
     out = model.generate(torch.cat([prompt_ids, logits.argmax(-1, keepdim=True)], 1),
-                         attention_mask=..., past_key_values=cache, max_new_tokens=15)
+                         attention_mask=..., cache=cache, max_new_tokens=15)
 
 Every rank passes the whole prompt; rank r reads the r-th contiguous piece (the pieces differ by
 at most one token, the longer ones first). While the prompt runs, every mixer hands its state of
@@ -85,7 +85,7 @@ def prefill_context_parallel(
     Returns, on every rank, ``(logits, cache)``: the logits of the last prompt token ``[B, V]``
     (fp32 at least) and, for transformers' models, their ``DynamicCache`` filled as their own
     prefill fills it (after ``undo_context_parallel(model)`` one device continues with
-    ``model(input_ids=next_ids, past_key_values=cache, ...)`` or ``model.generate``); for ours a
+    ``model(input_ids=next_ids, cache=cache, ...)`` or ``model.generate``); for ours a
     :class:`~hyperpar_gdn.models.decoding.DecodingState` (continue with
     :func:`~hyperpar_gdn.models.decoding.greedy_continue` or ``decode_step``).
     """

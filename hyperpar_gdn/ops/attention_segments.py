@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from hyperpar_gdn.platform import AttentionKernel, Tensor, TensorOps
 
 from .attention_plan import Segments
@@ -38,15 +40,17 @@ def _functions(xp: TensorOps, kernel: AttentionKernel, plan: Segments, scale: fl
     def in_run(run: tuple[int, int], lo: int, hi: int) -> bool:
         return run[0] <= lo and hi <= run[1]
 
+    # The query runs tile the queries in order; each rectangle lies in one query and one key run.
+    by_q_run = {run: [seg for seg in plan.segments if in_run(run, seg.q0, seg.q1)] for run in plan.q_runs}
+    k_run_of = {seg: next(r for r in plan.k_runs if in_run(r, seg.k0, seg.k1)) for seg in plan.segments}
+
     def forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[Tensor], tuple[Tensor, ...]]:
         b, h, tq, d = q.shape
-        pieces, lse_pieces, start = [], [], 0
+        pieces, lse_pieces = [], []
         for run in plan.q_runs:
             n = run[1] - run[0]
             o_run = lse_run = None
-            for seg in plan.segments:
-                if not in_run(run, seg.q0, seg.q1):
-                    continue
+            for seg in by_q_run[run]:
                 o_s, lse_s = kernel.forward(
                     q[:, :, seg.q0 : seg.q1],
                     k[:, :, seg.k0 : seg.k1],
@@ -56,23 +60,17 @@ def _functions(xp: TensorOps, kernel: AttentionKernel, plan: Segments, scale: fl
                 )
                 before, after = seg.q0 - run[0], run[1] - seg.q1
                 o_s = xp.pad_dim(xp.cast(o_s, xp.dtype(lse_s)), 2, before, after)
-                hidden = xp.pad_dim(xp.zeros(lse_s.shape, like=lse_s), 2, before, after)
+                lse_s = xp.pad_dim(lse_s, 2, before, after)
                 if before or after:  # rows outside the rectangle: lse = -inf
-                    ones = xp.pad_dim(
-                        xp.zeros(lse_s.shape, like=lse_s) + xp.scalar(1.0, lse_s), 2, before, after
-                    )
-                    hidden = xp.log(ones)
-                lse_s = xp.pad_dim(lse_s, 2, before, after) + hidden
+                    outside = np.full(n, -np.inf)
+                    outside[before : n - after] = 0.0
+                    lse_s = lse_s + xp.constant(outside, like=lse_s)
                 o_run, lse_run = (o_s, lse_s) if o_run is None else _merge(xp, o_run, lse_run, o_s, lse_s)
-            if start < run[0]:  # queries before this run that no rectangle covers
-                pieces.append(xp.zeros((b, h, run[0] - start, d), like=q))
-                lse_pieces.append(_empty_lse(xp, (b, h, run[0] - start), like=q))
-            if o_run is None:
+            if o_run is None:  # these queries see no key
                 o_run = xp.zeros((b, h, n, d), like=q)
                 lse_run = _empty_lse(xp, (b, h, n), like=q)
             pieces.append(xp.cast(o_run, xp.dtype(q)))
             lse_pieces.append(lse_run)
-            start = run[1]
         o = xp.cat(pieces, 2) if len(pieces) > 1 else pieces[0]
         lse = xp.cat(lse_pieces, 2) if len(lse_pieces) > 1 else lse_pieces[0]
         return (o,), (q, k, v, o, lse)
@@ -80,16 +78,12 @@ def _functions(xp: TensorOps, kernel: AttentionKernel, plan: Segments, scale: fl
     def backward(saved: tuple[Tensor, ...], do: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v, o, lse = saved
         do = xp.cast(do, xp.dtype(o))
-        dq_parts, start = [], 0
+        dq_parts = []
         dk_runs: dict[tuple[int, int], Tensor] = {}
         dv_runs: dict[tuple[int, int], Tensor] = {}
         for run in plan.q_runs:
-            if start < run[0]:
-                dq_parts.append(xp.zeros(q[:, :, start : run[0]].shape, like=q))
             dq_run = None
-            for seg in plan.segments:
-                if not in_run(run, seg.q0, seg.q1):
-                    continue
+            for seg in by_q_run[run]:
                 rows, cols = slice(seg.q0, seg.q1), slice(seg.k0, seg.k1)
                 dq_s, dk_s, dv_s = kernel.backward(
                     do[:, :, rows],
@@ -103,13 +97,12 @@ def _functions(xp: TensorOps, kernel: AttentionKernel, plan: Segments, scale: fl
                 )
                 dq_s = xp.pad_dim(dq_s, 2, seg.q0 - run[0], run[1] - seg.q1)
                 dq_run = dq_s if dq_run is None else dq_run + dq_s
-                k_run = next(r for r in plan.k_runs if in_run(r, seg.k0, seg.k1))
+                k_run = k_run_of[seg]
                 pad = (seg.k0 - k_run[0], k_run[1] - seg.k1)
                 dk_s, dv_s = xp.pad_dim(dk_s, 2, *pad), xp.pad_dim(dv_s, 2, *pad)
                 dk_runs[k_run] = dk_s if k_run not in dk_runs else dk_runs[k_run] + dk_s
                 dv_runs[k_run] = dv_s if k_run not in dv_runs else dv_runs[k_run] + dv_s
             dq_parts.append(xp.zeros(q[:, :, run[0] : run[1]].shape, like=q) if dq_run is None else dq_run)
-            start = run[1]
         return (
             xp.cat(dq_parts, 2) if len(dq_parts) > 1 else dq_parts[0],
             _by_runs(xp, dk_runs, k),

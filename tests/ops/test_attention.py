@@ -221,3 +221,22 @@ def test_bad_inputs_name_the_values() -> None:
         )
     with pytest.raises(ValueError, match=r"queries at positions \[10, 29\) need keys up to position 28"):
         causal_attention(XP, q, k, v, q_offset=10)
+
+
+@pytest.mark.parametrize("path", ["blockwise", "auto", "reference"])
+def test_saved_activations_hold_no_query_key_matrix(path: str) -> None:
+    """What the backward keeps is q, k, v, o and the log-sum-exp: O(T), never [Tq, Tk] (the dense
+    reference does keep one, which shows the check can fail)."""
+    t, h = 256, 2
+    q = torch.randn(1, h, t, 8, requires_grad=True)
+    k, v = (torch.randn(1, 1, t, 8, requires_grad=True) for _ in range(2))
+    sizes: list[int] = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        sizes.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        attention(XP, q, k, v, queries=Tokens.span(0, t), keys=Tokens.span(0, t), path=path, block_size=32)
+    quadratic = max(sizes) >= t * t
+    assert quadratic == (path == "reference"), (path, max(sizes))

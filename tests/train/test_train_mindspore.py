@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from distributed_harness import run_ranks
 
 pytest.importorskip("mindspore")
@@ -249,3 +250,22 @@ def test_wrong_platform_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         NotImplementedError, match=r"MindSporeTrainer needs HP_PLATFORM=mindspore \(got cpu\)"
     ):
         MindSporeTrainer(TrainConfig())
+
+
+def test_a_restart_resumes_from_the_newest_complete_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same command run again with --save resumes (what a rerun after msrun gave up does),
+    past a truncated newest checkpoint, and ends with the first run's losses and weights."""
+    monkeypatch.setenv("HP_PLATFORM", "mindspore")
+    config = TrainConfig(seq_len=32, batch_size=2, seed=5, steps=4, save=str(tmp_path), save_every=2)
+    straight = _ms_train(config)
+    assert straight.start_step == 0 and [r.step for r in straight.records] == [1, 2, 3, 4]
+    _, weights, _ = load_checkpoint(tmp_path / "step-4")
+    model = tmp_path / "step-4" / "model.pt"
+    model.write_bytes(model.read_bytes()[:500])  # the newest checkpoint is damaged
+    resumed = _ms_train(config)
+    assert resumed.start_step == 2 and resumed.losses == straight.losses[2:]
+    _, again, _ = load_checkpoint(tmp_path / "step-4")
+    assert again["model"].keys() == weights["model"].keys()
+    assert all(torch.equal(again["model"][k], weights["model"][k]) for k in again["model"])

@@ -19,9 +19,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from distributed_harness import run_ranks
+
+from hyperpar_gdn.train import TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
@@ -76,14 +80,18 @@ def _run(command: list[str], log: Path, *, kill_rank: int | None = None, kill_af
         try:
             if kill_rank is not None:
                 while not (save / f"step-{kill_after_step}").is_dir():
-                    assert process.poll() is None, f"torchrun ended before step-{kill_after_step}:\n{log.read_text()}"
+                    assert process.poll() is None, (
+                        f"torchrun ended before step-{kill_after_step}:\n{log.read_text()}"
+                    )
                     assert time.monotonic() < deadline, f"no step-{kill_after_step}:\n{log.read_text()}"
                     time.sleep(0.02)
                 pid = _worker_pid(process.pid, kill_rank)
                 assert pid is not None, f"no worker of rank {kill_rank} under torchrun {process.pid}"
                 os.kill(pid, signal.SIGKILL)
                 killed_with = sorted(int(p.name.split("-")[1]) for p in save.glob("step-*"))
-                assert killed_with[-1] < STEPS, f"the run had finished when the worker was killed: {killed_with}"
+                assert killed_with[-1] < STEPS, (
+                    f"the run had finished when the worker was killed: {killed_with}"
+                )
             process.wait(timeout=max(deadline - time.monotonic(), 1))
         finally:
             if process.poll() is None:
@@ -165,7 +173,10 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
     assert _resumed_step(text) == STEPS - SAVE_EVERY
     _assert_same(_final_state(tmp_path), _final_state(straight[0]))
     # --keep-last 2: the two newest remain
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"step-{STEPS - SAVE_EVERY}", f"step-{STEPS}"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        f"step-{STEPS - SAVE_EVERY}",
+        f"step-{STEPS}",
+    ]
 
 
 def test_killed_rank_0_under_fsdp_resumes_exactly(tmp_path: Path) -> None:
@@ -184,3 +195,32 @@ def test_killed_rank_0_under_fsdp_resumes_exactly(tmp_path: Path) -> None:
     )
     assert SAVE_EVERY <= _resumed_step(text) < STEPS
     _assert_same(_final_state(killed_run), _final_state(straight_run))
+
+
+def _auto(rank: int, world: int, options: dict[str, Any]) -> list[int] | str:
+    try:
+        trainer = Trainer(TrainConfig(**options))
+    except ValueError as err:
+        return str(err)
+    try:
+        return [r.step for r in trainer.train().records]
+    finally:
+        trainer.close()
+
+
+def test_a_second_start_continues_and_conflicting_options_are_refused(tmp_path: Path) -> None:
+    """In-process, 1 rank: --save resumes where the last run stopped; options that change the
+    batches are refused naming them; --no-auto-resume starts over."""
+    options = {"seq_len": 32, "batch_size": 2, "cp_size": 1, "save": str(tmp_path), "save_every": 2}
+    assert run_ranks(_auto, 1, {**options, "steps": 4}, timeout_s=60)[0] == [1, 2, 3, 4]
+    assert run_ranks(_auto, 1, {**options, "steps": 6}, timeout_s=60)[0] == [5, 6]
+    refused = run_ranks(_auto, 1, {**options, "steps": 8, "seq_len": 64}, timeout_s=60)[0]
+    assert refused == (
+        f"checkpoint {tmp_path / 'step-6'} was written by a run with different data or shapes: "
+        "--seq-len 32 (now 64)"
+    )
+    done = run_ranks(_auto, 1, {**options, "steps": 6}, timeout_s=60)[0]
+    assert done.startswith(
+        f"the newest checkpoint under --save, {tmp_path / 'step-6'} is at step 6; --steps 6"
+    )
+    assert run_ranks(_auto, 1, {**options, "steps": 2, "auto_resume": False}, timeout_s=60)[0] == [1, 2]

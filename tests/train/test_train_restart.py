@@ -166,9 +166,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
     subprocess.run(["cp", "-r", str(straight[0] / "ckpt"), str(tmp_path / "ckpt")], check=True, timeout=60)
     model = tmp_path / "ckpt" / f"step-{STEPS}" / "model.pt"
     model.write_bytes(model.read_bytes()[:1000])
-    command = _command(tmp_path, 2, ["--cp-size", "2", "--keep-last", "2"], static=False)
-    command[command.index("--nproc-per-node") + 1] = "4"
-    text = _run(command, tmp_path / "log.txt")
+    text = _run(
+        _command(tmp_path, 4, ["--cp-size", "2", "--keep-last", "2"], static=False), tmp_path / "log.txt"
+    )
     assert f"skipping checkpoint {model.parent}: checkpoint file {model} is corrupt" in text
     assert _resumed_step(text) == STEPS - SAVE_EVERY
     _assert_same(_final_state(tmp_path), _final_state(straight[0]))

@@ -342,6 +342,12 @@ class Trainer:
                     logger.warning("removed %s: a save that did not finish", leftover)
                 if self.config.auto_resume:
                     found = latest_checkpoint(root, warn=logger.warning)
+                    if found is None and (damaged := list_checkpoints(root)):
+                        raise CheckpointError(
+                            f"every checkpoint under --save {root} ({', '.join(d.name for _, d in damaged)}) "
+                            "failed its checks (see the warnings above); repair or move them, or pass "
+                            "--no-auto-resume to start over"
+                        )
                 code = 1 if found is None else 2 + found[1]
             except Exception as err:
                 found, code, failure = None, 0, err
@@ -352,7 +358,7 @@ class Trainer:
             raise CheckpointError(f"rank 0 failed to look for checkpoints under --save {root}")
         if code == 1:
             existing = list_checkpoints(root) if self.rank == 0 else []
-            if existing:  # only under --no-auto-resume: a complete one would have been taken
+            if existing:  # only under --no-auto-resume
                 logger.warning(
                     "--no-auto-resume: training from step 1; --save %s already holds %s from an earlier "
                     "run: this run replaces those it saves again, and a run that resumes from %s takes "

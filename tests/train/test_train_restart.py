@@ -25,7 +25,7 @@ import pytest
 import torch
 from distributed_harness import run_ranks
 
-from hyperpar_gdn.train import TrainConfig, Trainer
+from hyperpar_gdn.train import CheckpointError, TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
@@ -141,6 +141,7 @@ def test_first_start_with_an_empty_directory_trains_from_step_1(straight: tuple[
     assert json.loads((run / "metrics.json").read_text())["steps"] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)  # two torchrun jobs
 def test_killed_worker_resumes_and_ends_as_the_uninterrupted_run(
     straight: tuple[Path, str], tmp_path: Path
 ) -> None:
@@ -179,6 +180,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
     ]
 
 
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)  # two torchrun jobs
 def test_killed_rank_0_under_fsdp_resumes_exactly(tmp_path: Path) -> None:
     """--fsdp on 2 ranks (cp 2), torchrun's static rendezvous, rank 0 killed."""
     options = ["--fsdp"]
@@ -200,7 +202,7 @@ def test_killed_rank_0_under_fsdp_resumes_exactly(tmp_path: Path) -> None:
 def _auto(rank: int, world: int, options: dict[str, Any]) -> list[int] | str:
     try:
         trainer = Trainer(TrainConfig(**options))
-    except ValueError as err:
+    except (ValueError, CheckpointError) as err:
         return str(err)
     try:
         return [r.step for r in trainer.train().records]
@@ -224,3 +226,7 @@ def test_a_second_start_continues_and_conflicting_options_are_refused(tmp_path: 
         f"the newest checkpoint under --save, {tmp_path / 'step-6'} is at step 6; --steps 6"
     )
     assert run_ranks(_auto, 1, {**options, "steps": 2, "auto_resume": False}, timeout_s=60)[0] == [1, 2]
+    for step in (2, 4, 6):
+        (tmp_path / f"step-{step}" / "train.pt").write_bytes(b"damaged")
+    refused = run_ranks(_auto, 1, {**options, "steps": 8}, timeout_s=60)[0]
+    assert refused.startswith(f"every checkpoint under --save {tmp_path} (step-2, step-4, step-6) failed")

@@ -7,7 +7,12 @@ Qwen3.5 run exports a directory that transformers loads."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import tempfile
+import threading
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,7 @@ from hyperpar_gdn.train.corpus import BUILTIN_CORPUS  # noqa: E402
 from hyperpar_gdn.train.transformers_model import write_tiny_qwen35  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "msrun_train_worker.py"
+MSRUN_SCRIPT = Path(__file__).resolve().parent / "msrun_train_script.py"
 MODES = ("ulysses", "p2p", "all_gather")
 STEPS = 10
 OPTIONS = {"seq_len": 64, "batch_size": 4, "steps": STEPS, "seed": 3}
@@ -269,3 +275,45 @@ def test_a_restart_resumes_from_the_newest_complete_checkpoint(
     _, again, _ = load_checkpoint(tmp_path / "step-4")
     assert again["model"].keys() == weights["model"].keys()
     assert all(torch.equal(again["model"][k], weights["model"][k]) for k in again["model"])
+
+
+def _kill_rank_when(path: Path, marker: str, rank: int, deadline_s: float, killed: list[int]) -> None:
+    """SIGKILL the msrun worker of ``rank`` (its command line holds ``marker``) once ``path`` exists."""
+    end = time.monotonic() + deadline_s
+    while not path.is_dir():
+        if time.monotonic() > end:
+            return
+        time.sleep(0.05)
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(marker.encode() in a for a in cmdline) and b"msrun_train_script.py" in b" ".join(cmdline):
+            if f"RANK_ID={rank}".encode() in environ:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+                return
+
+
+def test_msrun_gives_up_on_a_dead_worker_and_a_rerun_resumes(tmp_path: Path) -> None:
+    """msrun does not restart: a worker killed with SIGKILL ends the job with an error; the same
+    command run again resumes from the newest complete checkpoint and finishes."""
+    save = tmp_path / "ckpt"
+    args = ["--seq-len", "32", "--batch-size", "2", "--steps", "6", "--save-every", "2"]
+    args += ["--save", str(save), "--metrics-json", str(tmp_path / "metrics.json"), "--timeout-s", "60"]
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_rank_when, args=(save / "step-2", str(save), 1, 300, killed))
+    killer.start()
+    first = run_msrun(MSRUN_SCRIPT, 2, args, timeout_s=300, log_lines=400)
+    killer.join()
+    assert killed, f"no worker was killed:\n{first.describe()}"
+    assert first.returncode not in (0, None) and not first.timed_out, first.describe()
+    assert not (tmp_path / "metrics.json").exists()  # the job did not finish, and no restart
+    second = run_msrun(MSRUN_SCRIPT, 2, args, timeout_s=300, log_lines=400)
+    assert second.ok, second.describe()
+    found = re.findall(r"resuming from \S*step-(\d+) ", second.logs["worker_0.log"])
+    assert len(found) == 1 and int(found[0]) in (2, 4), second.describe()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["start_step"] == int(found[0]) and metrics["steps"][-1] == 6

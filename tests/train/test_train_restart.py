@@ -230,3 +230,37 @@ def test_a_second_start_continues_and_conflicting_options_are_refused(tmp_path: 
         (tmp_path / f"step-{step}" / "train.pt").write_bytes(b"damaged")
     refused = run_ranks(_auto, 1, {**options, "steps": 8}, timeout_s=60)[0]
     assert refused.startswith(f"every checkpoint under --save {tmp_path} (step-2, step-4, step-6) failed")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_rank_0_killed_while_saving_falls_back_to_the_checkpoint_before(tmp_path: Path) -> None:
+    """Rank 0 (the writer) killed with SIGKILL while step-8 is being written (a model large enough
+    that the write takes a while): no step-8 appears, the restart resumes from step-4 and removes
+    the unfinished save."""
+    save = tmp_path / "ckpt"
+    command = _command(tmp_path, 2, ["--model-size", "small"], static=False)
+    command[command.index("--steps") + 1] = "12"
+    deadline = time.monotonic() + TIMEOUT_S
+    with open(tmp_path / "log.txt", "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
+        try:
+            while not (temps := list(save.glob(".step-8.tmp-*"))):
+                assert process.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "log.txt"
+                ).read_text()
+                time.sleep(0.005)
+            pid = _worker_pid(process.pid, 0)
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            caught = temps[0].exists() and not (save / "step-8").exists()
+            process.wait(timeout=max(deadline - time.monotonic(), 1))
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    text = (tmp_path / "log.txt").read_text()
+    assert process.returncode == 0, text
+    assert caught, "rank 0 finished the save before it was killed; the test saw no save in progress"
+    assert _resumed_step(text) == 4
+    assert f"removed {temps[0]}: a save that did not finish" in text
+    assert sorted(p.name for p in save.iterdir()) == ["step-12", "step-4", "step-8"]

@@ -59,8 +59,10 @@ def _elastic_attempt_store(timeout: timedelta) -> dist.Store | None:
     store whose keys live under this attempt's own prefix; ``None`` otherwise (``env://`` as is).
 
     The prefix holds ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``, which every
-    worker of an attempt shares on one node (one agent). The store client waits at most
-    ``timeout`` for the store and for every key.
+    worker of an attempt shares on one node (one agent). Agents on several nodes of a c10d
+    rendezvous can count restarts differently; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each
+    attempt a new store there (and this returns None). The store client waits at most ``timeout``
+    for the store and for every key.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None

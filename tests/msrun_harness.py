@@ -221,7 +221,7 @@ def cp_worker_job(world_size: int) -> MsrunOutcome:
         raise ValueError(
             f"world_size={world_size}: the shared job runs on {sorted(CP_WORKER_SECTIONS)} workers"
         )
-    timeout_s = 480 if "prefill" in CP_WORKER_SECTIONS[world_size] else 240
+    timeout_s = 600 if "prefill" in CP_WORKER_SECTIONS[world_size] else 240
     return run_msrun(
         CP_WORKER, world_size, ["--sections", *CP_WORKER_SECTIONS[world_size]], timeout_s=timeout_s
     )

@@ -32,7 +32,13 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write
 from .config import TrainConfig
 from .data import Batch, BatchSampler, RankBatch, load_stream, rank_batch
 from .log import logger, setup_logging
-from .sharding import apply_activation_checkpointing, apply_fsdp, full_state_dicts, load_full_state_dicts
+from .sharding import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    full_model_state_dict,
+    full_state_dicts,
+    load_full_state_dicts,
+)
 from .transformers_model import export_model_dir, load_model_dir
 
 SUPPORTED_PLATFORMS = ("cpu", "cuda", "npu")
@@ -191,7 +197,7 @@ class Trainer:
             self._maybe_save()
         result.wall_s = time.perf_counter() - start
         if config.export is not None:
-            self._on_rank_0(lambda: export_model_dir(self.model, self.tokenizer, config.export), "export")
+            self._export(config.export)
         result.peak_memory_bytes = self._max_over_ranks(self._peak_memory()[0])
         self._finish_parity(result)
         self._summarize(result)
@@ -296,6 +302,15 @@ class Trainer:
             logger.info("saved %s", path)
 
         self._on_rank_0(save, f"save the step-{self.step} checkpoint under {config.save}")
+
+    def _export(self, out: str) -> None:
+        """Write the trained model as a transformers directory: every rank gathers its shards
+        (collective under FSDP), rank 0 writes the directory atomically."""
+        state = full_model_state_dict(self.model)
+        self._on_rank_0(
+            lambda: export_model_dir(self.model, self.tokenizer, out, state_dict=state),
+            f"export the model to {out}",
+        )
 
     def _on_rank_0(self, work: Any, what: str) -> None:
         """Run ``work()`` on rank 0; every rank raises if it failed (or they would wait forever)."""

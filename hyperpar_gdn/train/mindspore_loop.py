@@ -40,7 +40,7 @@ from hyperpar_gdn.platform import ops_for
 from .config import TrainConfig
 from .data import Batch, RankBatch, rank_batch
 from .loop import Trainer
-from .transformers_model import load_tokenizer
+from .transformers_model import export_model_dir, load_tokenizer
 
 __all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm"]
 
@@ -295,6 +295,12 @@ class MindSporeTrainer(Trainer):
             if replica is not None:
                 load_torch_state_dict(replica.model, parts["model"])
                 replica.optimizer.load_state_dict(parts["optimizer"])
+
+    def _export(self, out: str) -> None:
+        """Parameters are whole on every rank (no FSDP here): rank 0 writes the directory."""
+        self._on_rank_0(
+            lambda: export_model_dir(self.model, self.tokenizer, out), f"export the model to {out}"
+        )
 
     def _max_over_ranks(self, value: int) -> int:
         slots = np.zeros(self.world_size, np.float64)

@@ -22,6 +22,7 @@ _EXPORTS = {
     "SoftmaxAttentionContextParallel": "hyperpar_gdn.distributed.attention_style",
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
+    "sync_context_parallel_grads": "hyperpar_gdn.distributed.grads",
     "ContextParallelBatch": "hyperpar_gdn.distributed.batch",
     "context_parallel_loss": "hyperpar_gdn.distributed.batch",
     "shard_for_context_parallel": "hyperpar_gdn.distributed.batch",

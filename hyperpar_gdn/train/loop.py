@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
 from hyperpar_gdn.models.lm import HybridLM
@@ -269,19 +270,7 @@ class Trainer:
         """Sum the gradient shares over the CP group, then average over the DP groups."""
         if (self.cp == 1 and self.dp == 1) or self.config.fsdp:  # FSDP reduce-scatters them itself
             return
-        params = list(self.model.parameters())
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
-        if self.cp > 1:
-            self.comm.all_reduce_sum(flat, self.mesh.get_group("cp"))
-        if self.dp > 1:
-            self.comm.all_reduce_sum(flat, self.mesh.get_group("dp"))
-            flat /= self.dp
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        sync_context_parallel_grads(self.model, self.mesh, dp_axis="dp")
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _maybe_save(self) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from mindspore import ops
 
+from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.parallelize import text_model_of
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
@@ -252,17 +253,7 @@ class MindSporeTrainer(Trainer):
         """Sum the gradient shares over the CP group, then average over the DP groups."""
         if self.cp == 1 and self.dp == 1:
             return grads
-        flat = ops.cat([g.reshape(-1) for g in grads])
-        if self.cp > 1:
-            flat = self.comm.all_reduce_sum(flat, self.mesh.get_group("cp"))
-        if self.dp > 1:
-            flat = self.comm.all_reduce_sum(flat, self.mesh.get_group("dp")) / self.dp
-        out, offset = [], 0
-        for g in grads:
-            n = math.prod(g.shape)
-            out.append(flat[offset : offset + n].reshape(g.shape))
-            offset += n
-        return out
+        return sync_context_parallel_grads(grads, self.mesh, dp_axis="dp")
 
     def _reference_step(self, batch: Batch) -> float:
         """The same step without any parallelism, on the whole global batch (rank 0 only)."""

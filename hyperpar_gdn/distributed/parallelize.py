@@ -8,7 +8,7 @@ token, so once the mixers take a sequence shard the whole model does: ``model(in
 returns this rank's logits ``[B, T/cp, V]``.
 
 A transformers text model also gets a forward pre-hook that makes its inputs right for a shard
-(DESIGN.md section 6):
+(docs/training.md, transformers models):
 
 - ``position_ids`` default to the shard's global positions ``r*T/cp + t`` (so RoPE is right);
 - the shard lengths are exchanged and a 2-D ``attention_mask`` (this rank's shard of the padding
@@ -49,8 +49,13 @@ def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int 
 
     GDN mixers (``linear_attn``) get :class:`LinearAttentionContextParallel` in ``mode``;
     softmax mixers (``self_attn``) get :class:`SoftmaxAttentionContextParallel` (all-gathered K
-    and V, whatever ``mode``). Checks every layer before changing any. Rank r of the mesh must
-    hold tokens ``[r*T/cp, (r+1)*T/cp)`` (see :func:`~hyperpar_gdn.shard_for_context_parallel`).
+    and V, whatever ``mode``). Checks every layer before changing any. Rank r of the mesh holds
+    the r-th contiguous piece of every sequence: tokens ``[r*T/cp, (r+1)*T/cp)`` as
+    :func:`~hyperpar_gdn.shard_for_context_parallel` cuts them, or pieces of different lengths
+    (each forward exchanges the lengths). Each rank passes only its own piece: the whole sequence
+    on every rank computes wrong results (a transformers model warns when every rank got the same
+    tokens). On a transformers causal LM, ``labels=`` are this rank's shifted labels
+    (``shard.labels``) and ``.loss`` is this rank's term of the global mean loss.
 
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.

@@ -97,6 +97,16 @@ class LinearAttentionContextParallel(ParallelStyle):
         self.chunk_size = chunk_size
 
     def apply(self, module: Any, mesh: Any) -> Any:
+        """Make ``module``'s forward take and return this rank's shard; returns ``module``.
+
+        Args:
+            module: a GDN layer (ours, transformers' ``Qwen3_5GatedDeltaNet`` or the MindSpore
+                layer), changed in place; its parameters are untouched.
+            mesh: the 1-D CP mesh (ours, e.g. ``mesh["cp"]``, or a 1-D torch ``DeviceMesh``).
+
+        Raises ``ValueError`` before any change when ``ulysses`` cannot split the layer's heads
+        over the mesh, or when context parallelism is already applied.
+        """
         cp_mesh = as_cp_mesh(mesh)
         dims = LayerDims.of(module)
         cp = cp_mesh.size()

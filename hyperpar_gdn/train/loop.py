@@ -167,13 +167,14 @@ class Trainer:
         result = TrainResult(start_step=self.step)
         tokens_per_step = config.batch_size * config.seq_len
         logger.info(
-            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s), model %s: %s parameters, "
+            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s%s), model %s: %s parameters, "
             "%d tokens per step, steps %d..%d",
             self.platform.name,
             self.world_size,
             self.dp,
             self.cp,
             config.cp_mode,
+            "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name)),
             config.model_name,
             f"{self.model.num_parameters():,}",
             tokens_per_step,
@@ -333,7 +334,7 @@ class Trainer:
             for k in _SAME_CURVE
             if saved.get(k) != mine[k]
         ]
-        if curve:
+        if curve and self.rank == 0:
             logger.warning("resuming with changed options, the loss curve will differ: %s", "; ".join(curve))
         if step >= self.config.steps:
             raise ValueError(

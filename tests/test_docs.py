@@ -47,3 +47,14 @@ def test_the_docs_have_runnable_blocks() -> None:
 @pytest.mark.parametrize("name, ranks, code", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_block_runs(name: str, ranks: int, code: str) -> None:
     assert run_ranks(_run, ranks, name, code, timeout_s=120) == [True] * ranks
+
+
+def test_help_lists_the_public_api() -> None:
+    import pydoc
+
+    import hyperpar_gdn
+
+    text = pydoc.render_doc(hyperpar_gdn, renderer=pydoc.plaintext)
+    for name in hyperpar_gdn.__all__:
+        assert f"``{name}``" in hyperpar_gdn.__doc__, f"{name} is not described in the module docstring"
+        assert name in text and getattr(hyperpar_gdn, name) is not None

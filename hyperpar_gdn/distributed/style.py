@@ -67,8 +67,9 @@ class LinearAttentionContextParallel(ParallelStyle):
     sequence, ``[B, T_r, hidden]`` (rank r of the mesh holds the r-th contiguous piece of the
     sequence, usually T/cp tokens; the pieces may differ in length), and gives exactly the
     single-device result. Parameters are untouched (state dict and optimizer
-    as before); their gradients are this rank's share (sum them over the CP ranks, as data
-    parallelism does). ``undo(module)`` restores the original forward.
+    as before); their gradients are this rank's share: sum them over the CP ranks with
+    :func:`~hyperpar_gdn.sync_context_parallel_grads` (FSDP2 does it in its reduce-scatter).
+    ``undo(module)`` restores the original forward.
 
     Works on ``hyperpar_gdn.models.GatedDeltaNet``, on transformers' ``Qwen3_5GatedDeltaNet``
     (without a cache) and on the MindSpore layer.

@@ -203,9 +203,12 @@ class Trainer:
         result.peak_memory_bytes = self._max_over_ranks(self._peak_memory()[0])
         self._finish_parity(result)
         self._summarize(result)
-        if config.metrics_json is not None and self.rank == 0:
-            write_atomic(
-                Path(config.metrics_json), (json.dumps(self._metrics(result), indent=2) + "\n").encode()
+        if config.metrics_json is not None:  # every rank learns if rank 0 could not write it
+            self._on_rank_0(
+                lambda: write_atomic(
+                    Path(config.metrics_json), (json.dumps(self._metrics(result), indent=2) + "\n").encode()
+                ),
+                f"write --metrics-json {config.metrics_json}",
             )
         return result
 

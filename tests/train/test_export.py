@@ -1,6 +1,7 @@
 """``--export`` writes the trained model as a transformers directory (real gloo ranks): under
 ``--fsdp`` every rank takes part in gathering the weights, the directory loads in transformers
-with the trained weights, and a failed export leaves no directory behind."""
+with the trained weights, and a failed export leaves no directory behind. A rank-0 failure at
+the end of a run (export, metrics) stops every rank instead of leaving them waiting."""
 
 from __future__ import annotations
 
@@ -89,3 +90,14 @@ def test_failed_export_leaves_no_directory(model_dir: Path, tmp_path: Path) -> N
     outcome = launch_ranks(_train, 2, _options(model_dir, out), True, timeout_s=180)
     assert len(outcome.errors) == 2 and [p.name for p in tmp_path.iterdir()] == ["out"]
     assert [p.name for p in out.iterdir()] == ["keep"]
+
+
+def test_failed_metrics_write_stops_every_rank(tmp_path: Path) -> None:
+    options = {"steps": 1, "seq_len": 32, "batch_size": 2, "metrics_json": str(tmp_path / "no" / "m.json")}
+    (tmp_path / "no").write_text("a file, not a directory")
+    outcome = launch_ranks(_train, 2, options, timeout_s=120)
+    assert not outcome.dead and not outcome.timed_out and not outcome.results, outcome
+    assert (
+        "CheckpointError" in outcome.errors[1]
+        and "rank 0 failed to write --metrics-json" in outcome.errors[1]
+    )

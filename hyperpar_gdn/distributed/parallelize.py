@@ -15,6 +15,12 @@ A transformers text model also gets a forward pre-hook that makes its inputs rig
   mask) is gathered once per forward, into one :class:`GlobalSequence` that every mixer gets (the
   softmax-attention layers need the keys of every rank, the GDN layers their own piece);
 - ``use_cache`` defaults to False; a cache is refused.
+
+On a causal LM (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) a pre-hook builds that layout
+once for the whole forward and hands it to the text model's hook; its ``labels`` are this rank's
+shifted labels (``shard.labels``), passed to transformers' loss as ``shift_labels`` with
+``num_items_in_batch`` = the labelled tokens of the whole CP group (counted in the same
+all-gather), so each rank's ``.loss`` is its term of the global mean.
 """
 
 from __future__ import annotations

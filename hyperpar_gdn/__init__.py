@@ -23,6 +23,8 @@ Public API (loaded on first use, so ``import hyperpar_gdn.ops`` stays light):
   shard with labels shifted on the whole sequence; ``context_parallel_loss``: this rank's term of
   the global mean loss; ``sync_context_parallel_grads``: the gradient shares summed over the CP
   group (averaged over a DP axis).
+- ``prefill_context_parallel``: read a prompt under CP; the last token's logits and the decoding
+  state (transformers' ``DynamicCache``) for one device to continue from (docs/inference.md).
 - ``DTensor``, ``Shard``, ``Replicate``: a small DTensor; ``get_platform``: the framework layer
   (``HP_PLATFORM`` = cpu, cuda, npu or mindspore).
 

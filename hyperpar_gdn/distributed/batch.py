@@ -2,6 +2,10 @@
 
     shard = shard_for_context_parallel(mesh, input_ids, attention_mask=mask)   # whole batch in
     logits = model(**shard.model_inputs()).logits                               # [B, T/cp, V]
+
+``layout="head_tail"`` cuts 2*cp pieces and gives rank r pieces r and 2cp-1-r
+(:mod:`hyperpar_gdn.distributed.layout`); the model must have been parallelized with the same
+``layout`` (``apply_context_parallel(..., layout=...)``), and refuses a batch cut for another.
     loss = context_parallel_loss(logits, shard.labels, mesh)
     loss.backward()     # then sum the gradients over the CP ranks (as data parallelism does)
 
@@ -24,6 +28,7 @@ import numpy as np
 from hyperpar_gdn.ops.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.platform import Tensor, ops_for
 
+from .layout import TokenLayout, check_layout, layout_error
 from .mesh import as_cp_mesh
 
 IGNORE_INDEX = -100
@@ -33,11 +38,12 @@ __all__ = ["ContextParallelBatch", "context_parallel_loss", "shard_for_context_p
 
 @dataclass(frozen=True)
 class ContextParallelBatch:
-    """This rank's part of a batch: tokens ``[r*T/cp, (r+1)*T/cp)`` of every row.
+    """This rank's part of a batch: its tokens of every row (``layout``).
 
     Attributes:
         input_ids: ``[B, T/cp]``.
-        position_ids: ``[B, T/cp]``, the global positions ``r*T/cp + t``.
+        position_ids: ``[B, T/cp]``, the global positions of the shard's tokens (contiguous:
+            ``r*T/cp + t``).
         labels: ``[B, T/cp]``, the next token of the whole sequence (``-100`` after the last
             token, where the next token is padding or opens another packed document).
         attention_mask: ``[B, T/cp]`` shard of the padding mask, or None.
@@ -51,11 +57,13 @@ class ContextParallelBatch:
     labels: Tensor
     attention_mask: Tensor | None
     cu_seqlens: Tensor | None = None
+    layout: str = "contiguous"
 
-    def model_inputs(self) -> dict[str, Tensor]:
+    def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of a transformers model's forward (labels stay out: the model's own
-        loss would average over the local tokens only; use :func:`context_parallel_loss`)."""
-        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        loss would average over the local tokens only; use :func:`context_parallel_loss`).
+        ``cp_layout`` names the layout; the parallelized model checks it against its own."""
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "cp_layout": self.layout}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask
         return inputs
@@ -69,12 +77,14 @@ def shard_for_context_parallel(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
+    layout: str = "contiguous",
 ) -> ContextParallelBatch:
     """Cut a whole batch into this rank's context-parallel shard (no communication).
 
     Args:
-        mesh: the 1-D CP mesh (e.g. ``mesh["cp"]``); rank r gets tokens ``[r*T/cp, (r+1)*T/cp)``.
-        input_ids: ``[B, T]`` int, the same on every rank of the mesh; T divisible by cp.
+        mesh: the 1-D CP mesh (e.g. ``mesh["cp"]``).
+        input_ids: ``[B, T]`` int, the same on every rank of the mesh; T divisible by cp
+            (by 2*cp for head_tail).
         labels: ``[B, T]`` int aligned with ``input_ids`` (token t's own id, ``-100`` to ignore),
             as transformers takes them; None: ``input_ids`` (language modelling).
         attention_mask: ``[B, T]`` (1 = token, 0 = padding) or None. Padding is never a label.
@@ -82,19 +92,24 @@ def shard_for_context_parallel(
             document, as ``DataCollatorWithFlattening`` emits) or plain positions; None: ``0..T-1``.
         cu_seqlens: packed documents (B = 1), int ``[N+1]`` (fla's); with position_ids, both must
             describe the same documents.
+        layout: ``"contiguous"`` (rank r gets tokens ``[r*T/cp, (r+1)*T/cp)``) or ``"head_tail"``
+            (rank r gets pieces r and 2cp-1-r of 2*cp, concatenated). Documents and padding may
+            cross pieces.
 
     Returns a :class:`ContextParallelBatch` whose labels are already shifted (predict token t+1
     at position t); no label crosses into another document.
     """
     cp_mesh = as_cp_mesh(mesh)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    check_layout(layout)
     xp = ops_for(input_ids)
     shape = tuple(input_ids.shape)
     if len(shape) != 2:
         raise ValueError(f"input_ids must be the whole batch [B, T]; got shape {shape}")
     b, t = shape
-    if t % cp:
-        raise ValueError(f"the sequence length T={t} must be divisible by the CP size {cp}")
+    error = layout_error(layout, t, cp)
+    if error is not None:
+        raise ValueError(error)
     for name, tensor in (
         ("labels", labels),
         ("attention_mask", attention_mask),
@@ -119,14 +134,18 @@ def shard_for_context_parallel(
             position_ids = xp.constant((np.arange(t) - first).reshape(1, t), like=input_ids)
     if position_ids is None:
         position_ids = xp.arange(t, like=input_ids).reshape(1, t) + input_ids * 0
-    t_local = t // cp
-    window = slice(rank * t_local, (rank + 1) * t_local)
+    tokens = TokenLayout.of(layout, [t // cp] * cp)
+
+    def mine(x: Tensor) -> Tensor:
+        return tokens.local(xp, x, rank, 1)
+
     return ContextParallelBatch(
-        input_ids=input_ids[:, window],
-        position_ids=position_ids[:, window],
-        labels=shifted[:, window],
-        attention_mask=None if attention_mask is None else attention_mask[:, window],
+        input_ids=mine(input_ids),
+        position_ids=mine(position_ids),
+        labels=mine(shifted),
+        attention_mask=None if attention_mask is None else mine(attention_mask),
         cu_seqlens=cu,
+        layout=layout,
     )
 
 

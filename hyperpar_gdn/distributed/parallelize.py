@@ -10,7 +10,9 @@ returns this rank's logits ``[B, T/cp, V]``.
 A transformers text model also gets a forward pre-hook that makes its inputs right for a shard
 (DESIGN.md section 6):
 
-- ``position_ids`` default to the shard's global positions ``r*T/cp + t`` (so RoPE is right);
+- ``position_ids`` default to the global positions of the shard's tokens (so RoPE is right);
+- ``cp_layout`` (what :meth:`ContextParallelBatch.model_inputs` passes) must name the model's
+  layout: a batch cut for another layout stops every rank;
 - the shard lengths are exchanged and a 2-D ``attention_mask`` (this rank's shard of the padding
   mask) is gathered once per forward, into one :class:`GlobalSequence` that every mixer gets (the
   softmax-attention layers need the keys of every rank, the GDN layers their own piece);
@@ -30,9 +32,10 @@ from hyperpar_gdn.ops.varlen import check_cu_seqlens
 
 from .attention_style import SoftmaxAttentionContextParallel
 from .cp.ulysses import ulysses_head_error
+from .layout import TokenLayout, check_layout
 from .mesh import DeviceMesh, as_cp_mesh
 from .sequence import GlobalSequence, exchange_lengths, gather_pieces
-from .style import MODES, LinearAttentionContextParallel, refuse_unhandled
+from .style import MODES, LinearAttentionContextParallel, ParallelStyle, refuse_unhandled
 
 __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
 
@@ -41,22 +44,29 @@ TRANSFORMERS_MULTIMODAL_MODELS = ("Qwen3_5Model", "Qwen3_5MoeModel")
 _HOOKS = "_hyperpar_cp_hooks"
 
 
-def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int = 64) -> Any:
+def apply_context_parallel(
+    model: Any, mesh: Any, *, mode: str, chunk_size: int = 64, layout: str = "contiguous"
+) -> Any:
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
     GDN mixers (``linear_attn``) get :class:`LinearAttentionContextParallel` in ``mode``;
     softmax mixers (``self_attn``) get :class:`SoftmaxAttentionContextParallel` (all-gathered K
     and V, whatever ``mode``). Checks every layer before changing any. Rank r of the mesh must
-    hold tokens ``[r*T/cp, (r+1)*T/cp)`` (see :func:`~hyperpar_gdn.shard_for_context_parallel`).
+    hold its tokens in ``layout`` (see :func:`~hyperpar_gdn.shard_for_context_parallel`).
 
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"`` for the GDN layers.
         chunk_size: chunk of the gated delta rule.
+        layout: ``"contiguous"`` (rank r holds tokens ``[r*T/cp, (r+1)*T/cp)``) or ``"head_tail"``
+            (pieces r and 2cp-1-r of 2*cp: equal softmax-attention work on every rank). The model
+            takes ``cp_layout=`` (a keyword of its forward, which
+            ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut for another.
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
+    check_layout(layout)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}")
     cp_mesh = as_cp_mesh(mesh)
@@ -76,13 +86,19 @@ def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int 
         if getattr(text_model, _HOOKS, None) is not None:
             raise ValueError(f"{type(model).__name__} already has context parallelism applied; undo it first")
         hooks = [
-            text_model.register_forward_pre_hook(_text_model_hook(text_model, cp_mesh), with_kwargs=True)
+            text_model.register_forward_pre_hook(
+                _text_model_hook(text_model, cp_mesh, layout), with_kwargs=True
+            )
         ]
         if outer is not None:
-            hooks.append(outer.register_forward_pre_hook(_multimodal_hook(outer, cp_mesh), with_kwargs=True))
+            hooks.append(
+                outer.register_forward_pre_hook(_multimodal_hook(outer, cp_mesh, layout), with_kwargs=True)
+            )
         setattr(text_model, _HOOKS, hooks)
-    linear_style = LinearAttentionContextParallel(mode, chunk_size=chunk_size)
-    softmax_style = SoftmaxAttentionContextParallel()
+    else:  # HybridLM: its forward takes cp_layout= and checks it
+        ParallelStyle._install(model, lambda original: _checking_layout(original, layout))
+    linear_style = LinearAttentionContextParallel(mode, chunk_size=chunk_size, layout=layout)
+    softmax_style = SoftmaxAttentionContextParallel(layout=layout)
     for kind, module in mixers:
         (linear_style if kind == "linear_attn" else softmax_style).apply(module, cp_mesh)
     return model
@@ -99,7 +115,32 @@ def undo_context_parallel(model: Any) -> Any:
         handle.remove()
     if hasattr(text_model, _HOOKS):
         delattr(text_model, _HOOKS)
+    else:
+        ParallelStyle.undo(model)
     return model
+
+
+def _layout_mismatch(given: Any, layout: str) -> str | None:
+    """Why a batch that says it was cut in layout ``given`` cannot feed a model in ``layout``."""
+    if given is None or given == layout:
+        return None
+    return (
+        f"the batch was cut for cp_layout={given!r} but the model was parallelized with layout={layout!r}: "
+        f"cut it with shard_for_context_parallel(..., layout={layout!r}) or apply context parallelism "
+        f"with layout={given!r}"
+    )
+
+
+def _checking_layout(original: Any, layout: str) -> Any:
+    """HybridLM's forward with a ``cp_layout`` keyword, refused when it is not the model's."""
+
+    def forward(*args: Any, cp_layout: str | None = None, **kwargs: Any) -> Any:
+        error = _layout_mismatch(cp_layout, layout)
+        if error is not None:
+            raise ValueError(error)
+        return original(*args, **kwargs)
+
+    return forward
 
 
 def text_model_of(model: Any) -> Any:
@@ -176,32 +217,37 @@ def _local_input(module: Any, arguments: dict[str, Any]) -> tuple[Any, str | Non
     return x, None
 
 
-def _layout(module: Any, mesh: DeviceMesh, arguments: dict[str, Any]) -> tuple[tuple[int, ...], Any]:
-    """Exchange the piece lengths (every rank stops on any rank's bad input) and fill in the
-    global position_ids when none are given. Returns (lengths, position_ids [B, T_r])."""
+def _layout(module: Any, mesh: DeviceMesh, arguments: dict[str, Any], layout: str) -> tuple[TokenLayout, Any]:
+    """Exchange the piece lengths (every rank stops on any rank's bad input, a batch cut for
+    another layout included) and fill in the global position_ids when none are given.
+    Returns (the token layout, position_ids [B, T_r])."""
     x, error = _local_input(module, arguments)
+    error = error or _layout_mismatch(arguments.pop("cp_layout", None), layout)
     lengths = exchange_lengths(mesh, None if error else x.shape[1], error)
+    tokens = TokenLayout.of(layout, lengths)  # the same lengths, so the same error, on every rank
     positions = arguments.get("position_ids")
     if positions is None:
         b, t = x.shape[0], x.shape[1]
-        positions = mesh.platform.ops.arange(t, like=x) + sum(lengths[: mesh.get_local_rank()])
+        positions = mesh.platform.ops.constant(tokens.positions(mesh.get_local_rank()), like=x)
         positions = positions.reshape(1, t).expand(b, t)
         arguments["position_ids"] = positions
-    return lengths, positions
+    return tokens, positions
 
 
-def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
+def _text_model_hook(text_model: Any, mesh: DeviceMesh, layout: str) -> Any:
     layer_types = set(text_model.config.layer_types)
 
     def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         arguments = _bind(module, args, kwargs)
-        lengths, positions = _layout(module, mesh, arguments)
+        tokens, positions = _layout(module, mesh, arguments, layout)
+        lengths = tokens.lengths
         mask = arguments.get("attention_mask")
         xp = mesh.platform.ops
         local = xp.stack(
             [positions, positions * 0 + 1 if mask is None else xp.cast(mask != 0, positions.dtype)], 0
         )
-        whole = gather_pieces(mesh, local, lengths, 2) if mesh.size() > 1 else local  # [2, B, T]
+        whole = gather_pieces(mesh, local, lengths, 2) if mesh.size() > 1 else local  # [2, B, T] rank order
+        whole = tokens.to_global(xp, whole, 2)
         key_mask = whole[1] if bool((whole[1] == 0).any()) else None  # the same choice on every rank
         cu = _packed_cu_seqlens(arguments, xp.to_numpy(whole[0]))
         doc_ids = None
@@ -212,7 +258,7 @@ def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
         # not once per layer (on a GPU or NPU each exchange is a host synchronisation); the GDN
         # layers take their piece of the padding mask from it.
         per_type: dict[str, Any] = dict.fromkeys(layer_types)
-        sequence = GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids)
+        sequence = GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids, layout=layout)
         per_type["full_attention"] = per_type["linear_attention"] = sequence
         arguments["attention_mask"] = per_type
         return (), arguments
@@ -255,14 +301,14 @@ def _packed_cu_seqlens(arguments: dict[str, Any], positions: Any) -> np.ndarray 
     return cu
 
 
-def _multimodal_hook(outer: Any, mesh: DeviceMesh) -> Any:
+def _multimodal_hook(outer: Any, mesh: DeviceMesh, layout: str) -> Any:
     """On a multimodal Qwen3.5 model: text only; global positions instead of its local 3-D ones."""
 
     def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         arguments = _bind(module, args, kwargs)
         media = {k: arguments.get(k) for k in ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")}
         refuse_unhandled(type(module).__name__ + " (images and videos)", media)
-        _layout(module, mesh, arguments)
+        _layout(module, mesh, arguments, layout)
         return (), arguments
 
     return hook

@@ -10,12 +10,13 @@ from typing import Any
 
 from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gdn_layer_forward
 from hyperpar_gdn.ops.varlen import packed_doc_starts
-from hyperpar_gdn.platform import Tensor
+from hyperpar_gdn.platform import Tensor, ops_for
 
-from .cp.common import CPGroup, LayerCall, ShardDocs, shard_lengths
+from .cp.common import CPGroup, LayerCall, ShardDocs, fragment_docs, shard_lengths
 from .cp.state_passing import state_passing_forward
 from .cp.ulysses import ulysses_forward, ulysses_head_error
 from .dtensor import DTensor
+from .layout import TokenLayout, check_layout
 from .mesh import as_cp_mesh
 from .sequence import GlobalSequence
 
@@ -78,6 +79,9 @@ class LinearAttentionContextParallel(ParallelStyle):
             ``"p2p"`` (state passing along a chain) or ``"all_gather"`` (one all-gather of
             fp32 state summaries). See docs/modes.md.
         chunk_size: tokens per chunk of the gated delta rule.
+        layout: which tokens a rank holds (:mod:`hyperpar_gdn.distributed.layout`):
+            ``"contiguous"`` (the r-th piece) or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp,
+            concatenated: the layout that balances causal softmax attention).
 
     Example::
 
@@ -86,7 +90,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         y_local = layer(x_local)        # x_local: [B, T/4, hidden]
     """
 
-    def __init__(self, mode: str = "ulysses", *, chunk_size: int = 64) -> None:
+    def __init__(self, mode: str = "ulysses", *, chunk_size: int = 64, layout: str = "contiguous") -> None:
         if mode not in MODES:
             raise ValueError(
                 f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}"
@@ -95,6 +99,7 @@ class LinearAttentionContextParallel(ParallelStyle):
             raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
         self.mode = mode
         self.chunk_size = chunk_size
+        self.layout = check_layout(layout)
 
     def apply(self, module: Any, mesh: Any) -> Any:
         cp_mesh = as_cp_mesh(mesh)
@@ -119,6 +124,11 @@ class LinearAttentionContextParallel(ParallelStyle):
         attention_mask, cu_seqlens = call_args.attention_mask, call_args.cu_seqlens
         known = None  # the shard lengths, when the model's forward already exchanged them
         if isinstance(attention_mask, GlobalSequence):
+            if attention_mask.layout != self.layout:
+                raise ValueError(
+                    f"the model's forward passed a sequence in layout={attention_mask.layout!r} to a GDN "
+                    f"layer parallelized with layout={self.layout!r}"
+                )
             known, attention_mask = _from_global_sequence(attention_mask, cp.rank)
         placements = None
         if isinstance(x, DTensor):
@@ -152,14 +162,23 @@ class LinearAttentionContextParallel(ParallelStyle):
                 lengths = shard_lengths(cp, 0 if error else x.shape[1], error)  # raises on every rank
             else:
                 lengths = _check_known(known, cp.rank, x, error)
-            _check_lengths(self.mode, dims, lengths)
+            tokens = TokenLayout.of(
+                self.layout, lengths
+            )  # the same lengths, so the same error, on every rank
+            _check_lengths(self.mode, dims, tokens)
+            layout = None if tokens.is_contiguous else tokens
             docs = None
             if cu_seqlens is not None:
-                docs = ShardDocs.of(cu_seqlens, lengths, cp.rank, dims.conv_kernel_size)
+                width = dims.conv_kernel_size
+                docs = (
+                    ShardDocs.of(cu_seqlens, lengths, cp.rank, width)
+                    if layout is None or self.mode == "ulysses"
+                    else fragment_docs(cu_seqlens, tokens, cp.rank, width)
+                )
             if self.mode == "ulysses":
-                y = ulysses_forward(cp, call, x, attention_mask, lengths, docs)
+                y = ulysses_forward(cp, call, x, attention_mask, lengths, docs, layout)
             else:
-                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs)
+                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout)
         return y if placements is None else DTensor.from_local(y, mesh, placements)
 
 
@@ -225,8 +244,7 @@ def _from_global_sequence(seq: GlobalSequence, rank: int) -> tuple[list[int], Te
     lengths = list(seq.lengths)
     if seq.key_mask is None:
         return lengths, None
-    start = seq.offset(rank)
-    return lengths, seq.key_mask[:, start : start + lengths[rank]]
+    return lengths, seq.token_layout().local(ops_for(seq.key_mask), seq.key_mask, rank, 1)
 
 
 def _check_known(lengths: list[int], rank: int, x: Tensor, error: str | None) -> list[int]:
@@ -266,11 +284,13 @@ def _shard_error(dims: LayerDims, x: Tensor, attention_mask: Tensor | None) -> s
     return None
 
 
-def _check_lengths(mode: str, dims: LayerDims, lengths: list[int]) -> None:
-    """Rules on every rank's token count; the same ValueError on every rank (all know the counts)."""
+def _check_lengths(mode: str, dims: LayerDims, tokens: TokenLayout) -> None:
+    """Rules on every rank's token count (every fragment's, for a layout of several per rank);
+    the same ValueError on every rank (all know the counts)."""
     halo = dims.conv_kernel_size - 1
     need = 1 if mode == "ulysses" else max(halo, 1)
-    for rank, t in enumerate(lengths):
+    for rank in range(tokens.size):
+        t = min(f.length for f in tokens.mine(rank))
         if t >= need:
             continue
         if mode == "ulysses":
@@ -278,7 +298,13 @@ def _check_lengths(mode: str, dims: LayerDims, lengths: list[int]) -> None:
                 f"mode='ulysses': the shard of CP rank {rank} is empty; every shard needs a token"
             )
         raise ValueError(
-            f"mode={mode!r}: the shard of CP rank {rank} has T/cp={t} tokens, fewer than the conv halo "
+            f"mode={mode!r}: the shard of CP rank {rank} has "
+            + (
+                f"T/cp={t} tokens"
+                if tokens.is_contiguous
+                else f"pieces of {t} tokens (layout={tokens.kind!r})"
+            )
+            + f", fewer than the conv halo "
             f"W-1={halo} (conv_kernel_size={dims.conv_kernel_size}); every shard needs at least {need}: "
             "use fewer ranks or a longer sequence"
         )

@@ -233,6 +233,8 @@ def section_cp(platform: Platform, world: int) -> dict[str, Any]:
 
 # Packed documents (B = 1, float64): global boundaries; shards of 48 (cp 2) or 24 (cp 4) tokens.
 PACKED_T = 96
+# head_tail pieces start at multiples of 24 (cp 2) and 12 (cp 4): 10..60 and 60..93 cross several
+HEAD_TAIL_CU = (0, 1, 10, 60, 93, 96)
 PACKED_CASES = {
     "tiny-and-long": (0, 1, 3, 10, 60, 96),  # 1 and 2 tokens (< conv halo); 10..60 crosses 24 and 48
     "at-shard-start": (0, 48, 72, 96),
@@ -276,6 +278,51 @@ def section_packed(platform: Platform, world: int) -> dict[str, Any]:
                 for k, g in grads.items()
             }
             results[f"{name}/{mode}"] = _errors(
+                (platform.to_numpy(out), platform.to_numpy(dx), totals), reference, local
+            )
+    results.update(_head_tail(platform, mesh, layer_t, x, cot))
+    return results
+
+
+def _head_tail(platform: Platform, mesh: Any, layer_t: Any, x: np.ndarray, cot: np.ndarray) -> dict[str, Any]:
+    """The head_tail layout (rank r holds pieces r and 2cp-1-r of 2*cp), every mode, against the
+    torch layer: packed documents across pieces (each document alone) and padding (chunk 8, so
+    that every fragment spans several chunks)."""
+    from hyperpar_gdn.distributed.layout import TokenLayout
+    from hyperpar_gdn.models.mindspore import GatedDeltaNet
+
+    world = mesh.size()
+    local = TokenLayout.of("head_tail", [PACKED_T // world] * world).positions(mesh.get_local_rank())
+    cu = HEAD_TAIL_CU
+    pieces = [
+        torch_reference(layer_t, x[:, a:b], cot[:, a:b], None, "float64") for a, b in zip(cu[:-1], cu[1:], strict=True)
+    ]
+    packed = (
+        np.concatenate([p[0] for p in pieces], 1),
+        np.concatenate([p[1] for p in pieces], 1),
+        {k: sum(p[2][k] for p in pieces) for k in PARAMS},
+    )
+    mask = np.ones((1, PACKED_T))
+    mask[0, :5] = 0
+    mask[0, -30:] = 0
+    padded = torch_reference(layer_t, x, cot, mask, "float64")
+    results = {}
+    for mode in MODES:
+        for name, reference, packing in (("packed", packed, np.asarray(cu)), ("padded", padded, None)):
+            style = LinearAttentionContextParallel(mode=mode, chunk_size=8, layout="head_tail")
+            layer = style.apply(GatedDeltaNet.from_torch(layer_t), mesh)
+            mask_t = None if packing is not None else platform.from_numpy(mask[:, local], dtype="float64")
+            out, (dx,), grads = platform.value_and_grads(
+                lambda inp, layer=layer, cu_t=packing, m=mask_t: layer(inp, attention_mask=m, cu_seqlens=cu_t),
+                [platform.from_numpy(x[:, local], dtype="float64")],
+                platform.from_numpy(cot[:, local], dtype="float64"),
+                layer,
+            )
+            totals = {
+                k: platform.to_numpy(platform.collectives.all_reduce_sum(g, mesh.get_group()))
+                for k, g in grads.items()
+            }
+            results[f"head_tail/{name}/{mode}"] = _errors(
                 (platform.to_numpy(out), platform.to_numpy(dx), totals), reference, local
             )
     return results

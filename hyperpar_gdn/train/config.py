@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.style import MODES
 from hyperpar_gdn.models.lm import HybridLMConfig
 
@@ -65,6 +66,9 @@ class TrainConfig:
 
     Attributes:
         cp_mode: context-parallel mode of the GDN layers (softmax layers all-gather K and V).
+        cp_layout: which tokens a CP rank holds: "contiguous" or "head_tail" (pieces r and
+            2cp-1-r of 2*cp: equal softmax-attention work on every rank). None: head_tail when
+            the model has softmax-attention layers, else contiguous (:meth:`token_layout`).
         cp_size: ranks per CP group; the world is split into world/cp_size data-parallel
             replicas. None: every rank in one CP group.
         steps: optimizer steps to reach (a resumed run continues up to this step).
@@ -95,6 +99,7 @@ class TrainConfig:
     """
 
     cp_mode: str = "ulysses"
+    cp_layout: str | None = None
     cp_size: int | None = None
     steps: int = 60
     seq_len: int = 128
@@ -123,6 +128,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.cp_mode not in MODES:
             raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(MODES)}")
+        if self.cp_layout is not None and self.cp_layout not in LAYOUTS:
+            raise ValueError(
+                f"--cp-layout {self.cp_layout!r} is not a token layout; choose one of {', '.join(LAYOUTS)}"
+            )
         if self.model_size is not None and self.model_size not in MODEL_SIZES:
             raise ValueError(
                 f"--model-size {self.model_size!r} is unknown; choose one of {', '.join(MODEL_SIZES)}"
@@ -171,6 +180,19 @@ class TrainConfig:
         m = self.model
         return m.linear_num_key_heads, m.linear_num_value_heads, m.linear_conv_kernel_dim
 
+    def token_layout(self) -> str:
+        """``--cp-layout``, or its default: head_tail when the model has softmax-attention layers
+        (their causal work is then the same on every rank), else contiguous."""
+        if self.cp_layout is not None:
+            return self.cp_layout
+        if self.model_dir is not None:
+            from .transformers_model import has_softmax_attention
+
+            softmax = has_softmax_attention(self.model_dir)
+        else:
+            softmax = "full_attention" in self.model.layer_types
+        return "head_tail" if softmax else "contiguous"
+
     def layout(self, world_size: int) -> tuple[int, int]:
         """(dp, cp) for ``world_size`` ranks; checks the options that depend on it."""
         cp = world_size if self.cp_size is None else self.cp_size
@@ -186,12 +208,19 @@ class TrainConfig:
                 f"({world_size} ranks / --cp-size {cp})"
             )
         num_k_heads, num_v_heads, conv_width = self.gdn_dims()
-        local = self.seq_len // cp
+        pieces = 2 * cp if cp > 1 and self.token_layout() == "head_tail" else cp
+        if self.seq_len % pieces:
+            raise ValueError(
+                f"--cp-layout head_tail cuts --seq-len {self.seq_len} into 2 x cp = {pieces} equal pieces; "
+                "use a --seq-len divisible by it, or --cp-layout contiguous"
+            )
+        local = self.seq_len // pieces
         halo = conv_width - 1
         if cp > 1 and self.cp_mode != "ulysses" and local < halo:
             raise ValueError(
-                f"--cp-mode {self.cp_mode}: --seq-len {self.seq_len} / cp {cp} = {local} tokens per rank, "
-                f"fewer than the conv halo {halo}; use a longer --seq-len or a smaller --cp-size"
+                f"--cp-mode {self.cp_mode}: --seq-len {self.seq_len} / {pieces} = {local} tokens per piece "
+                f"(cp {cp}, --cp-layout {self.token_layout()}), fewer than the conv halo {halo}; use a longer "
+                "--seq-len or a smaller --cp-size"
             )
         if cp > 1 and self.cp_mode == "ulysses" and num_v_heads % cp:
             raise ValueError(
@@ -228,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--cp-mode", choices=MODES, default=defaults.cp_mode, help="CP mode of the GDN layers")
+    add(
+        "--cp-layout",
+        choices=LAYOUTS,
+        default=None,
+        help="tokens per CP rank: contiguous, or head_tail (pieces r and 2cp-1-r of 2cp); "
+        "None = head_tail when the model has softmax-attention layers",
+    )
     add(
         "--cp-size",
         type=int,

@@ -118,7 +118,8 @@ class Trainer:
         if (
             self.cp > 1 or self.tokenizer is not None
         ):  # transformers' own layers would drop cu_seqlens on a CPU
-            apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode)
+            cp_layout = config.token_layout()
+            apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode, layout=cp_layout)
         self._apply_sharding()
         self.sampler = BatchSampler(
             load_stream(config.data, self.tokenizer),
@@ -160,13 +161,14 @@ class Trainer:
         result = TrainResult(start_step=self.step)
         tokens_per_step = config.batch_size * config.seq_len
         logger.info(
-            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s), model %s: %s parameters, "
+            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s, --cp-layout %s), model %s: %s parameters, "
             "%d tokens per step, steps %d..%d",
             self.platform.name,
             self.world_size,
             self.dp,
             self.cp,
             config.cp_mode,
+            config.token_layout(),
             config.model_name,
             f"{self.model.num_parameters():,}",
             tokens_per_step,
@@ -220,6 +222,7 @@ class Trainer:
             cp_rank=0 if whole else self.cp_rank,
             cp_size=1 if whole else self.cp,
             doc_boundaries=self.config.doc_boundaries,
+            layout=self.config.token_layout(),
         )
         cu = None if part.cu_seqlens is None else part.cu_seqlens.to(self.device)
         return RankBatch(part.inputs.to(self.device), part.labels.to(self.device), cu)

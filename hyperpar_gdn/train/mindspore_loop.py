@@ -237,6 +237,7 @@ class MindSporeTrainer(Trainer):
             cp_rank=self.cp_rank,
             cp_size=self.cp,
             doc_boundaries=self.config.doc_boundaries,
+            layout=self.config.token_layout(),
         )
         dtype = self._stat_dtype()
         count = ms.Tensor([float((part.labels != -100).sum())], dtype)

@@ -295,7 +295,8 @@ def _head_tail(platform: Platform, mesh: Any, layer_t: Any, x: np.ndarray, cot: 
     local = TokenLayout.of("head_tail", [PACKED_T // world] * world).positions(mesh.get_local_rank())
     cu = HEAD_TAIL_CU
     pieces = [
-        torch_reference(layer_t, x[:, a:b], cot[:, a:b], None, "float64") for a, b in zip(cu[:-1], cu[1:], strict=True)
+        torch_reference(layer_t, x[:, a:b], cot[:, a:b], None, "float64")
+        for a, b in zip(cu[:-1], cu[1:], strict=True)
     ]
     packed = (
         np.concatenate([p[0] for p in pieces], 1),
@@ -313,7 +314,9 @@ def _head_tail(platform: Platform, mesh: Any, layer_t: Any, x: np.ndarray, cot: 
             layer = style.apply(GatedDeltaNet.from_torch(layer_t), mesh)
             mask_t = None if packing is not None else platform.from_numpy(mask[:, local], dtype="float64")
             out, (dx,), grads = platform.value_and_grads(
-                lambda inp, layer=layer, cu_t=packing, m=mask_t: layer(inp, attention_mask=m, cu_seqlens=cu_t),
+                lambda inp, layer=layer, cu_t=packing, m=mask_t: layer(
+                    inp, attention_mask=m, cu_seqlens=cu_t
+                ),
                 [platform.from_numpy(x[:, local], dtype="float64")],
                 platform.from_numpy(cot[:, local], dtype="float64"),
                 layer,

@@ -21,7 +21,13 @@ from hyperpar_gdn.distributed.layout import TokenLayout
 
 MODES = ("ulysses", "p2p", "all_gather")
 T = 96  # pieces of 24 (cp 2) and 12 (cp 4)
-CU = (0, 2, 30, 70, 96)  # 2..30 crosses 12 and 24, 30..70 crosses 36, 48 and 60 (and the head/tail turn at cp 2)
+CU = (
+    0,
+    2,
+    30,
+    70,
+    96,
+)  # 2..30 crosses 12 and 24, 30..70 crosses 36, 48 and 60 (and the head/tail turn at cp 2)
 TOL = {"hybrid": 1e-6, "transformers": 1e-5}
 
 
@@ -122,12 +128,15 @@ def _wrong_layout_worker(rank: int, world: int) -> list[str]:
 
 def test_a_batch_cut_for_another_layout_is_refused_on_every_rank() -> None:
     for messages in run_ranks(_wrong_layout_worker, 2, timeout_s=120):
-        assert "cut for cp_layout='contiguous' but the model was parallelized with layout='head_tail'" in (
-            messages[0]
+        assert (
+            "cut for cp_layout='contiguous' but the model was parallelized with layout='head_tail'"
+            in (messages[0])
         )
-        assert "cut for cp_layout='head_tail' but the model was parallelized with layout='contiguous'" in (
-            messages[1]
+        assert (
+            "cut for cp_layout='head_tail' but the model was parallelized with layout='contiguous'"
+            in (messages[1])
         )
-        assert "cut for cp_layout='contiguous' but the model was parallelized with layout='head_tail'" in (
-            messages[2]
+        assert (
+            "cut for cp_layout='contiguous' but the model was parallelized with layout='head_tail'"
+            in (messages[2])
         )

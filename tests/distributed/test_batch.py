@@ -60,3 +60,36 @@ def test_packed_documents() -> None:
 def test_bad_input(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         shard_for_context_parallel(SOLO, IDS, **kwargs)
+
+
+def test_head_tail_shards_are_two_pieces_with_global_positions_and_labels() -> None:
+    """cp=2, T=12: rank 0 holds pieces 0 and 3, rank 1 pieces 1 and 2 (3 tokens each); labels
+    are shifted on the whole sequence; packed documents and padding cross the pieces."""
+
+    def worker(rank: int, world: int) -> dict[str, list]:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        ids = torch.arange(10, 22)[None]
+        mask = torch.tensor([[1] * 10 + [0, 0]])
+        shard = shard_for_context_parallel(
+            mesh, ids, attention_mask=mask, cu_seqlens=torch.tensor([0, 5, 12]), layout="head_tail"
+        )
+        try:
+            shard_for_context_parallel(mesh, ids[:, :10], layout="head_tail")
+            error = "no error"
+        except ValueError as err:
+            error = str(err)
+        fields = ("input_ids", "position_ids", "labels", "attention_mask", "cu_seqlens")
+        return {k: getattr(shard, k).tolist() for k in fields} | {"layout": shard.layout, "error": error}
+
+    first, second = run_ranks(worker, 2, timeout_s=60)
+    assert first["input_ids"] == [[10, 11, 12, 19, 20, 21]] and second["input_ids"] == [
+        [13, 14, 15, 16, 17, 18]
+    ]
+    # packed: positions restart at the document start 5 (in rank 1's first piece)
+    assert first["position_ids"] == [[0, 1, 2, 4, 5, 6]] and second["position_ids"] == [[3, 4, 0, 1, 2, 3]]
+    assert first["labels"] == [[11, 12, 13, -100, -100, -100]]  # 20 and 21 are padding, never labels
+    assert second["labels"] == [[14, -100, 16, 17, 18, 19]]  # 14's next token opens a document
+    assert first["attention_mask"] == [[1, 1, 1, 1, 0, 0]]
+    assert first["cu_seqlens"] == second["cu_seqlens"] == [0, 5, 12]
+    assert first["layout"] == "head_tail"
+    assert "T=10 is not divisible by 4 (2*cp, cp=2)" in first["error"] == second["error"]

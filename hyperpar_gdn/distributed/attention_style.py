@@ -115,37 +115,30 @@ def _fragments_attention(
     adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
 ) -> Tensor:
     """:func:`attention_forward` for a shard of several fragments (head_tail): all keys are
-    gathered and put in global order; each fragment's queries attend over the keys before its end."""
+    gathered and put in global order; the rank's queries, at their global positions, attend over
+    them in one call (each fragment sees the keys before its end; the rest is skipped)."""
     xp = mesh.platform.ops
     tokens = seq.token_layout()
-    mine = tokens.mine(mesh.get_local_rank())
-    lengths = [f.length for f in mine]
+    rank = mesh.get_local_rank()
+    mine = tokens.mine(rank)
     if cos_sin is not None:  # transformers: RoPE from the cos/sin of the shard's global positions
         q_BHTD, k_BHTD, v_BHTD, gate = adapter.project(x_BTC, position_offset=0, cos_sin=cos_sin)
     else:  # ours: RoPE from each fragment's first position
-        parts = [
-            adapter.project(x, position_offset=f.start)
-            for x, f in zip(xp.split(x_BTC, lengths, 1), mine, strict=True)
-        ]
+        pieces = xp.split(x_BTC, [f.length for f in mine], 1)
+        parts = [adapter.project(x, position_offset=f.start) for x, f in zip(pieces, mine, strict=True)]
         q_BHTD, k_BHTD, v_BHTD = (xp.cat([p[i] for p in parts], 2) for i in range(3))
         gate = xp.cat([p[3] for p in parts], 1)
     hkv = k_BHTD.shape[1]
     kv_BHTD = tokens.to_global(xp, gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2), 2)
-    outs = []
-    for q_f, f in zip(xp.split(q_BHTD, lengths, 2), mine, strict=True):
-        kv_f = kv_BHTD[:, :, : f.stop]
-        outs.append(
-            causal_attention(
-                xp,
-                q_f,
-                kv_f[:, :hkv],
-                kv_f[:, hkv:],
-                q_offset=f.start,
-                key_mask=None if seq.key_mask is None else seq.key_mask[:, : f.stop],
-                doc_ids=None if seq.doc_ids is None else seq.doc_ids[:, : f.stop],
-            )
-        )
-    return adapter.finish(xp.cat(outs, 1), gate)
+    positions = tokens.positions(rank)
+    docs = None if seq.doc_ids is None else np.asarray(xp.to_numpy(seq.doc_ids)).reshape(-1)
+    queries = Tokens(positions, None if docs is None else docs[positions])
+    keys = Tokens.span(0, tokens.seq_len, docs)
+    o_BHTD = attention(
+        xp, q_BHTD, kv_BHTD[:, :hkv], kv_BHTD[:, hkv:], queries=queries, keys=keys, key_mask=seq.key_mask
+    )
+    b, h, t, d = o_BHTD.shape
+    return adapter.finish(xp.swapaxes(o_BHTD, 1, 2).reshape(b, t, h * d), gate)
 
 
 class SoftmaxAttentionContextParallel(ParallelStyle):

@@ -2,12 +2,16 @@
 
     shard = shard_for_context_parallel(mesh, input_ids, attention_mask=mask)   # whole batch in
     logits = model(**shard.model_inputs()).logits                               # [B, T/cp, V]
+    loss = context_parallel_loss(logits, shard.labels, mesh)
+    loss.backward()
+    sync_context_parallel_grads(model, mesh)   # sum the gradient shares over the CP ranks
 
 ``layout="head_tail"`` cuts 2*cp pieces and gives rank r pieces r and 2cp-1-r
 (:mod:`hyperpar_gdn.distributed.layout`); the model must have been parallelized with the same
 ``layout`` (``apply_context_parallel(..., layout=...)``), and refuses a batch cut for another.
-    loss = context_parallel_loss(logits, shard.labels, mesh)
-    loss.backward()     # then sum the gradients over the CP ranks (as data parallelism does)
+
+A transformers Qwen3.5 model under ``apply_context_parallel`` gives the same loss as
+``model(**shard.model_inputs(), labels=shard.labels).loss``.
 
 Labels are shifted on the whole sequence before sharding (transformers' ``shift_labels``
 convention): the label of the last token of rank r's shard is the first token of rank r+1's, and
@@ -60,9 +64,10 @@ class ContextParallelBatch:
     layout: str = "contiguous"
 
     def model_inputs(self) -> dict[str, Any]:
-        """Keyword arguments of a transformers model's forward (labels stay out: the model's own
-        loss would average over the local tokens only; use :func:`context_parallel_loss`).
-        ``cp_layout`` names the layout; the parallelized model checks it against its own."""
+        """Keyword arguments of a transformers model's forward. Labels stay out: add
+        ``labels=self.labels`` for the model's own loss (under ``apply_context_parallel`` this rank's
+        term of the global mean), or use :func:`context_parallel_loss` on the logits. ``cp_layout``
+        names the layout; the parallelized model checks it against its own."""
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "cp_layout": self.layout}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask

@@ -18,6 +18,8 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``bad_input``: the (type, message) of each bad call on every rank, compared with torch's;
 - ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
   ``hyperpar_gdn.distributed.verify.compare_with_reference``;
+- ``grads`` (4 workers, tests/distributed/test_grads.py): ``sync_context_parallel_grads`` on a
+  (dp=2, cp=2) mesh, MindSpore gradient tensors of rank-dependent values;
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
   within the communication timeout with a ``CollectiveError``.
 
@@ -48,7 +50,7 @@ from hyperpar_gdn.distributed.verify import compare_with_reference, relative_err
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
-SECTIONS = ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "stall")
+SECTIONS = ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "grads", "stall")
 HIDDEN = 32
 PARAMS = (
     "in_proj_qkv.weight",
@@ -507,6 +509,31 @@ def section_mesh2d(platform: Platform, world: int) -> dict[str, Any]:
     return results
 
 
+def section_grads(platform: Platform, world: int) -> dict[str, Any]:
+    """Each rank's gradients are (rank + 1) times a fixed pattern (float32 and float64); summed
+    over the cp axis and averaged over the dp axis of a (dp=2, cp=world/2) mesh, and over the 1-D
+    cp mesh alone."""
+    import mindspore as ms
+
+    from hyperpar_gdn import sync_context_parallel_grads
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
+    scale = platform.rank() + 1
+    grads = (
+        ms.Tensor(scale * np.arange(6, dtype=np.float32).reshape(3, 2)),
+        ms.Tensor(np.full((4,), 0.5 * scale, dtype=np.float64)),
+    )
+    both = sync_context_parallel_grads(grads, mesh, dp_axis="dp")
+    cp_only = sync_context_parallel_grads(list(grads), mesh["cp"])
+    return {
+        "cp_group": mesh.get_rank_list("cp"),
+        "both": [g.asnumpy().tolist() for g in both],
+        "dtypes": [str(g.dtype) for g in both],
+        "cp_only": [g.asnumpy().tolist() for g in cp_only],
+        "inputs_unchanged": grads[0].asnumpy().tolist() == (scale * np.arange(6).reshape(3, 2)).tolist(),
+    }
+
+
 def section_stall(platform: Platform, world: int) -> dict[str, Any]:
     """The last rank stays alive but never joins an all-gather: the others must fail by themselves
     within the communication timeout, with a CollectiveError naming the collective."""
@@ -633,6 +660,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "attention": section_attention,
     "bad_input": section_bad_input,
     "mesh2d": section_mesh2d,
+    "grads": section_grads,
     "stall": section_stall,
 }
 

@@ -23,6 +23,7 @@ _EXPORTS = {
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "ContextParallelBatch": "hyperpar_gdn.distributed.batch",
+    "context_parallel_lm_loss": "hyperpar_gdn.distributed.batch",
     "context_parallel_loss": "hyperpar_gdn.distributed.batch",
     "shard_for_context_parallel": "hyperpar_gdn.distributed.batch",
     "get_platform": "hyperpar_gdn.platform",

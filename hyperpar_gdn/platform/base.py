@@ -133,7 +133,9 @@ class TensorOps(ABC):
 
     # --- linear algebra ----------------------------------------------------------------------
     @abstractmethod
-    def matmul(self, a: Tensor, b: Tensor) -> Tensor: ...
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
+        """``a @ b`` in the inputs' dtype, also under a framework's autocast (the GDN state maths
+        stay fp32 in a bf16 model); :meth:`linear` is the one that autocast may lower."""
 
     @abstractmethod
     def tril(self, x: Tensor, diagonal: int = 0) -> Tensor: ...

@@ -249,3 +249,14 @@ def test_wrong_platform_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         NotImplementedError, match=r"MindSporeTrainer needs HP_PLATFORM=mindspore \(got cpu\)"
     ):
         MindSporeTrainer(TrainConfig())
+
+
+def test_bf16_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MindSpore 2.10 has no bf16 matmul on CPU: ``--dtype bf16`` fails before any process group."""
+    from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+
+    monkeypatch.setenv("HP_PLATFORM", "mindspore")
+    with pytest.raises(
+        NotImplementedError, match=r"--dtype bf16 trains on torch only: MindSpore 2\.10 has no bf16"
+    ):
+        MindSporeTrainer(TrainConfig(dtype="bf16"))

@@ -10,8 +10,8 @@ keeps them and their gradient). The chunked path walks the tokens ``chunk_tokens
 chunk's logits, log-sum-exp and target logit are formed in fp32 and dropped; the backward
 recomputes each chunk's logits from the saved hidden states and head weight and forms that chunk's
 gradient of the hidden states and its share of the head weight's gradient (accumulated in fp32).
-Peak memory beyond the inputs: a few ``[chunk_tokens, V]`` fp32 tensors and one ``[V, C]`` fp32
-accumulator. Cost: one more ``[n, C] x [C, V]`` matmul per chunk than the logits path (the
+Peak memory beyond the inputs: three ``[chunk_tokens, V]`` fp32 tensors (in the backward) and one
+``[V, C]`` fp32 accumulator. Cost: one more ``[n, C] x [C, V]`` matmul per chunk than the logits path (the
 recomputation).
 
 Precision: the matmuls run in the hidden states' dtype (a bf16 model multiplies in bf16, the head
@@ -30,7 +30,7 @@ import numpy as np
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
 IGNORE_INDEX = -100
-# One chunk's fp32 logits stay within this (the backward holds about four such tensors).
+# One chunk's fp32 logits stay within this (the backward holds up to three such tensors).
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "default_chunk_tokens", "lm_loss_sum", "lm_loss_sum_reference"]
@@ -142,10 +142,11 @@ def _backward(
     dh_parts = []
     for h_nC, labels_n in zip(xp.split(h_NC, sizes, 0), label_chunks, strict=True):
         labels_n1 = labels_n.reshape(-1, 1)
-        probs_nV = xp.softmax(xp.cast(xp.linear(h_nC, w_VC), acc), -1)
-        target_nV = xp.cast(vocab_ids == labels_n1, acc)
         keep_n1 = xp.cast(labels_n1 != ignore_index, acc) * g
-        dlogits_nV = xp.cast((probs_nV - target_nV) * keep_n1, dtype)
+        # names are rebound as soon as a [n, V] tensor is used up: at most three live at a time
+        dlogits_nV = xp.softmax(xp.cast(xp.linear(h_nC, w_VC), acc), -1)
+        dlogits_nV = dlogits_nV - xp.cast(vocab_ids == labels_n1, acc)
+        dlogits_nV = xp.cast(dlogits_nV * keep_n1, dtype)
         dh_parts.append(xp.matmul(dlogits_nV, w_VC))
         dw_VC = dw_VC + xp.cast(xp.matmul(xp.swapaxes(dlogits_nV, 0, 1), h_nC), acc)
     return xp.cat(dh_parts, 0), xp.cast(dw_VC, xp.dtype(w))

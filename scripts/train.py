@@ -4,6 +4,8 @@
     HP_PLATFORM=cuda torchrun --nproc-per-node 8 scripts/train.py --cp-size 4 --model-size base
     HP_PLATFORM=mindspore msrun --worker_num=2 --local_worker_num=2 --master_port=8118 \\
         --join=True --log_dir=msrun_log scripts/train.py --cp-mode p2p   # MindSpore, MCCL on CPU
+    torchrun --nproc-per-node 2 --max-restarts 3 scripts/train.py --save ckpt --save-every 10
+        # a restarted (or rerun) job resumes from the newest complete checkpoint under ckpt
 
 Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code 1 when
 ``--check-parity`` finds a loss difference above ``--parity-tol``; 2 for a user error (a bad

@@ -207,8 +207,8 @@ def run_msrun(
 
 CP_WORKER = Path(__file__).resolve().parent / "distributed" / "msrun_cp_worker.py"
 CP_WORKER_SECTIONS = {
-    2: ("collectives", "cp", "packed", "bad_input", "lm_loss", "stall"),
-    4: ("collectives", "cp", "packed", "bad_input", "mesh2d"),
+    2: ("collectives", "cp", "packed", "attention", "bad_input", "lm_loss", "stall"),
+    4: ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d"),
 }
 
 

@@ -4,7 +4,9 @@ Rank r of the CP axis holds tokens ``[r*T/cp, (r+1)*T/cp)``. It projects its que
 values with RoPE at those global positions, all-gathers the keys and values of the whole
 sequence (differentiable: the gradient is reduce-scattered back to each shard's owner) and runs
 causal attention of its queries over keys ``0 .. (r+1)*T/cp - 1`` (later shards are invisible to
-it, so they are dropped before the matmuls). The result equals the single-device layer's rows.
+it, so they are dropped before the matmuls), described by their global positions
+(:func:`hyperpar_gdn.ops.attention.attention`: blocks or kernel calls that no query sees are
+skipped, no ``[T/cp, T]`` mask is built). The result equals the single-device layer's rows.
 Shards may differ in length (they are padded to the longest for the all-gather); padding and
 packed documents mask the keys (:class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`).
 
@@ -25,7 +27,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperpar_gdn.ops.attention import causal_attention, doc_ids_tensor, finish_attention, project_attention
+import numpy as np
+
+from hyperpar_gdn.ops.attention import attention, doc_ids_tensor, finish_attention, project_attention
+from hyperpar_gdn.ops.attention_plan import Tokens
 from hyperpar_gdn.platform import Tensor, ops_for
 
 from .mesh import DeviceMesh, as_cp_mesh
@@ -88,15 +93,15 @@ def attention_forward(
         hkv = k_BHTD.shape[1]
         kv_BHTD = gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2, upto=rank + 1)
         k_BHTD, v_BHTD = kv_BHTD[:, :hkv], kv_BHTD[:, hkv:]
-    o_BTX = causal_attention(
-        xp,
-        q_BHTD,
-        k_BHTD,
-        v_BHTD,
-        q_offset=offset,
-        key_mask=None if seq.key_mask is None else seq.key_mask[:, :visible],
-        doc_ids=None if seq.doc_ids is None else seq.doc_ids[:, :visible],
-    )
+    # Queries and keys by their global positions (and documents): the attention skips what
+    # no query sees and never builds a [T_r, T] mask.
+    docs = None if seq.doc_ids is None else np.asarray(xp.to_numpy(seq.doc_ids)).reshape(-1)[:visible]
+    queries = Tokens.span(offset, visible, None if docs is None else docs[offset:])
+    keys = Tokens.span(0, visible, docs)
+    key_mask = None if seq.key_mask is None else seq.key_mask[:, :visible]
+    o_BHTD = attention(xp, q_BHTD, k_BHTD, v_BHTD, queries=queries, keys=keys, key_mask=key_mask)
+    b, h, t, d = o_BHTD.shape
+    o_BTX = xp.swapaxes(o_BHTD, 1, 2).reshape(b, t, h * d)
     return adapter.finish(o_BTX, gate)
 
 

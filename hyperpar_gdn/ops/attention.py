@@ -12,6 +12,7 @@ R rotary dims (R <= D, even).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,10 @@ import numpy as np
 
 from hyperpar_gdn.ops.varlen import doc_ids_from_cu_seqlens
 from hyperpar_gdn.platform import Tensor, TensorOps
+
+from .attention_blockwise import blockwise_attention
+from .attention_plan import Tokens, block_plan, check_tokens, segment_plan, visible_pairs
+from .attention_segments import segment_attention
 
 Projection = Callable[[Tensor], Tensor]
 
@@ -116,6 +121,112 @@ def apply_rotary(xp: TensorOps, x_BHTD: Tensor, cos: Tensor, sin: Tensor) -> Ten
     return xp.cat([x_rot * cos + rotate_half(xp, x_rot) * sin, x_pass], -1)
 
 
+ATTENTION_PATHS = ("auto", "reference", "blockwise", "fused")
+BLOCK_SIZE = 512  # query and key block of the blockwise path
+
+
+def attention_path() -> str:
+    """The path that ``HP_ATTENTION`` forces: ``auto`` (default: a fused kernel of the platform
+    where it has one for the tensors, else ``blockwise``), ``reference`` (the dense
+    :func:`dense_attention`), ``blockwise`` or ``fused`` (an error where there is no kernel)."""
+    value = os.environ.get("HP_ATTENTION", "").strip().lower() or "auto"
+    if value not in ATTENTION_PATHS:
+        raise ValueError(
+            f"HP_ATTENTION={os.environ['HP_ATTENTION']!r} is not an attention path; valid values are "
+            f"{', '.join(ATTENTION_PATHS)}"
+        )
+    return value
+
+
+def attention(
+    xp: TensorOps,
+    q_BHTD: Tensor,
+    k_BHTD: Tensor,
+    v_BHTD: Tensor,
+    *,
+    queries: Tokens,
+    keys: Tokens,
+    key_mask: Any = None,
+    path: str | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> Tensor:
+    """Causal softmax attention over global positions -> ``[B, H, Tq, D]`` (scale ``D**-0.5``).
+
+    Query i sees key j when ``keys.positions[j] <= queries.positions[i]``, both are in the same
+    document (``docs``, packed documents) and ``key_mask[b, j]`` is not 0 (padding); a query that
+    sees no key gives zeros. Queries and keys may be any tokens of the sequence (a shard, two
+    fragments of a load-balanced layout, all-gathered keys in any order): only their positions
+    and documents decide what is visible.
+
+    Args:
+        q_BHTD: ``[B, H, Tq, D]``; k_BHTD, v_BHTD: ``[B, Hkv, Tk, D]`` (H a multiple of Hkv; query
+            head h reads KV head ``h // (H / Hkv)``).
+        queries, keys: :class:`Tokens` of Tq and Tk tokens.
+        key_mask: ``[B, Tk]`` (tensor or numpy; 1 = token, 0 = padding) or None.
+        path: ``auto``, ``reference``, ``blockwise`` or ``fused`` (default: ``HP_ATTENTION``,
+            see :func:`attention_path`).
+        block_size: query and key block of the blockwise path.
+
+    Example:
+        >>> o = attention(xp, q, k, v, queries=Tokens.span(4, 8), keys=Tokens.span(0, 8))
+    """
+    b, h, tq, d = q_BHTD.shape
+    hkv, tk = k_BHTD.shape[1], k_BHTD.shape[2]
+    if h % hkv:
+        raise ValueError(f"query heads H={h} must be a multiple of key/value heads Hkv={hkv}")
+    if tuple(v_BHTD.shape) != tuple(k_BHTD.shape) or k_BHTD.shape[0] != b or k_BHTD.shape[3] != d:
+        raise ValueError(
+            f"k and v must both be [B={b}, Hkv, Tk, D={d}]; got k {tuple(k_BHTD.shape)}, v {tuple(v_BHTD.shape)}"
+        )
+    check_tokens(queries, keys, tq=tq, tk=tk)
+    mask_np = None
+    if key_mask is not None:
+        mask_np = np.asarray(xp.to_numpy(key_mask) if xp.is_tensor(key_mask) else key_mask)
+        if mask_np.shape != (b, tk):
+            raise ValueError(f"key_mask must be [B, Tk] = {(b, tk)}; got {tuple(mask_np.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    path = attention_path() if path is None else path
+    if path not in ATTENTION_PATHS:
+        raise ValueError(
+            f"path={path!r} is not an attention path; valid values are {', '.join(ATTENTION_PATHS)}"
+        )
+    lowered = xp.autocast_dtype(q_BHTD)  # under bf16 autocast q, k, v meet in bf16, as in SDPA
+    if lowered is not None:
+        q_BHTD, k_BHTD, v_BHTD = (xp.cast(x, lowered) for x in (q_BHTD, k_BHTD, v_BHTD))
+    if path == "reference":
+        return dense_attention(xp, q_BHTD, k_BHTD, v_BHTD, queries=queries, keys=keys, key_mask=mask_np)
+    kernel = xp.attention_kernel(q_BHTD) if path in ("auto", "fused") else None
+    segments = segment_plan(queries, keys, mask_np) if kernel is not None else None
+    if segments is not None:
+        return segment_attention(xp, kernel, q_BHTD, k_BHTD, v_BHTD, segments)
+    if path == "fused":
+        why = "padding that differs between batch rows" if kernel is not None else "these tensors"
+        raise ValueError(f"attention path 'fused': the platform {xp.name!r} has no fused kernel for {why}")
+    plan = block_plan(queries, keys, mask_np, block_q=block_size, block_k=block_size)
+    return blockwise_attention(xp, q_BHTD, k_BHTD, v_BHTD, plan)
+
+
+def dense_attention(
+    xp: TensorOps,
+    q_BHTD: Tensor,
+    k_BHTD: Tensor,
+    v_BHTD: Tensor,
+    *,
+    queries: Tokens,
+    keys: Tokens,
+    key_mask: np.ndarray | None = None,
+) -> Tensor:
+    """The readable reference of :func:`attention` (same arguments, key_mask numpy): the whole
+    ``[B, H, Tq, Tk]`` score matrix with a ``[B or 1, 1, Tq, Tk]`` mask -> ``[B, H, Tq, D]``."""
+    h, hkv = q_BHTD.shape[1], k_BHTD.shape[1]
+    k_BHTD = xp.repeat_interleave(k_BHTD, h // hkv, 1)
+    v_BHTD = xp.repeat_interleave(v_BHTD, h // hkv, 1)
+    visible = visible_pairs(queries, keys, key_mask)[:, None]
+    visible = xp.constant(visible.astype(np.int64), like=xp.arange(1, like=q_BHTD)) != 0
+    return xp.masked_attention(q_BHTD, k_BHTD, v_BHTD, visible)
+
+
 def causal_attention(
     xp: TensorOps,
     q_BHTD: Tensor,
@@ -126,40 +237,30 @@ def causal_attention(
     key_mask: Tensor | None = None,
     doc_ids: Tensor | None = None,
 ) -> Tensor:
-    """Causal softmax attention -> ``[B, Tq, H*D]`` (scale ``D**-0.5``).
+    """Causal softmax attention of a contiguous run of queries -> ``[B, Tq, H*D]``.
 
-    Query i sits at global position ``q_offset + i`` and sees keys ``j <= q_offset + i`` (keys
-    are positions ``0 .. Tk-1``) where ``key_mask`` ``[B, Tk]`` (1 = token, 0 = padding) is not 0
-    and, for packed documents, of its own document (``doc_ids`` int ``[1, Tk]``: the document of
-    every key; queries take theirs at their positions). A query that sees no key (left padding)
-    gives zeros.
+    Query i sits at global position ``q_offset + i``; keys are positions ``0 .. Tk-1``;
+    ``key_mask`` ``[B, Tk]`` padding; ``doc_ids`` int ``[1, Tk]`` the document of every key
+    (queries take theirs at their positions). :func:`attention` with those :class:`Tokens`.
 
     Args:
         q_BHTD: ``[B, H, Tq, D]``; k_BHTD, v_BHTD: ``[B, Hkv, Tk, D]`` (H a multiple of Hkv).
     """
     b, h, tq, d = q_BHTD.shape
-    tk, hkv = k_BHTD.shape[2], k_BHTD.shape[1]
+    tk = k_BHTD.shape[2]
     if not 0 <= q_offset <= tk - tq:
         raise ValueError(
             f"queries at positions [{q_offset}, {q_offset + tq}) need keys up to position "
             f"{q_offset + tq - 1}, but there are Tk={tk} keys"
         )
-    if h % hkv:
-        raise ValueError(f"query heads H={h} must be a multiple of key/value heads Hkv={hkv}")
-    if key_mask is not None and tuple(key_mask.shape) != (b, tk):
-        raise ValueError(f"key_mask must be [B, Tk] = {(b, tk)}; got {tuple(key_mask.shape)}")
-    k_BHTD = xp.repeat_interleave(k_BHTD, h // hkv, 1)
-    v_BHTD = xp.repeat_interleave(v_BHTD, h // hkv, 1)
-    q_pos = xp.arange(tq, like=q_BHTD) + q_offset
-    visible = (xp.arange(tk, like=q_BHTD).reshape(1, tk) <= q_pos.reshape(tq, 1)).reshape(1, 1, tq, tk)
-    if key_mask is not None:
-        visible = visible & (key_mask != 0).reshape(b, 1, 1, tk)
+    docs = None
     if doc_ids is not None:
         if tuple(doc_ids.shape) != (1, tk):
             raise ValueError(f"doc_ids must be [1, Tk] = {(1, tk)}; got {tuple(doc_ids.shape)}")
-        q_docs = doc_ids[:, q_offset : q_offset + tq].reshape(1, 1, tq, 1)
-        visible = visible & (q_docs == doc_ids.reshape(1, 1, 1, tk))
-    o_BHTD = xp.masked_attention(q_BHTD, k_BHTD, v_BHTD, visible)
+        docs = np.asarray(xp.to_numpy(doc_ids)).reshape(tk).astype(np.int64)
+    queries = Tokens.span(q_offset, q_offset + tq, None if docs is None else docs[q_offset : q_offset + tq])
+    keys = Tokens.span(0, tk, docs)
+    o_BHTD = attention(xp, q_BHTD, k_BHTD, v_BHTD, queries=queries, keys=keys, key_mask=key_mask)
     return xp.swapaxes(o_BHTD, 1, 2).reshape(b, tq, h * d)
 
 

@@ -23,12 +23,13 @@ import os
 import sys
 from functools import cache
 
-from .base import CollectiveError, Collectives, Group, Platform, Tensor, TensorOps
+from .base import AttentionKernel, CollectiveError, Collectives, Group, Platform, Tensor, TensorOps
 
 PLATFORMS = ("cpu", "cuda", "npu", "mindspore")
 
 __all__ = [
     "PLATFORMS",
+    "AttentionKernel",
     "CollectiveError",
     "Collectives",
     "Group",

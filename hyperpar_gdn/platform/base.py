@@ -67,6 +67,9 @@ class TensorOps(ABC):
     def exp(self, x: Tensor) -> Tensor: ...
 
     @abstractmethod
+    def log(self, x: Tensor) -> Tensor: ...
+
+    @abstractmethod
     def rsqrt(self, x: Tensor) -> Tensor: ...
 
     @abstractmethod
@@ -86,6 +89,14 @@ class TensorOps(ABC):
 
     @abstractmethod
     def sum(self, x: Tensor, dim: int | tuple[int, ...], keepdim: bool = False) -> Tensor: ...
+
+    @abstractmethod
+    def amax(self, x: Tensor, dim: int, keepdim: bool = False) -> Tensor:
+        """The largest entry along ``dim`` (for hand-written loops; need not be differentiable)."""
+
+    @abstractmethod
+    def maximum(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise ``max(a, b)`` with broadcasting (need not be differentiable)."""
 
     @abstractmethod
     def cumsum(self, x: Tensor, dim: int) -> Tensor: ...
@@ -166,6 +177,18 @@ class TensorOps(ABC):
         q ``[B, H, Tq, D]``, k and v ``[B, H, Tk, D]`` (heads already repeated), visible a bool
         ``[B or 1, 1, Tq, Tk]``. A query row with no visible key gives zeros (not NaN)."""
 
+    def autocast_dtype(self, x: Tensor) -> Any:
+        """The dtype a framework's autocast lowers matmuls to on ``x``'s device while it is on
+        (torch's bf16 autocast), else None. Code that calls kernels directly casts its inputs to
+        it, as autocast would."""
+        return None
+
+    def attention_kernel(self, q: Tensor) -> AttentionKernel | None:
+        """The fused attention kernel that serves tensors like ``q`` (its device and dtype), or
+        None where the framework has none (then :mod:`hyperpar_gdn.ops.attention` walks blocks
+        with the functions above)."""
+        return None
+
     @abstractmethod
     def cross_entropy_sum(self, logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> Tensor:
         """The sum of token cross-entropies, computed in fp32 (fp64 for fp64 logits), over the
@@ -190,6 +213,41 @@ class TensorOps(ABC):
         """Apply ``forward(*inputs) -> (outputs, saved)`` with the hand-written gradient
         ``backward(saved, *grad_outputs) -> grads`` (one per input; ``None`` for no gradient).
         Inside ``forward`` autograd is off."""
+
+
+class AttentionKernel(ABC):
+    """A fused softmax-attention kernel that returns its log-sum-exp, on one rectangle of queries
+    and keys with no mask: every query sees every key, or (``causal``, Tq = Tk) query i sees keys
+    0..i. Scores are ``scale * q k^T``; key/value head j serves query heads ``j*G .. j*G+G-1``.
+
+    q ``[B, H, Tq, D]``, k and v ``[B, Hkv, Tk, D]``; lse ``[B, H, Tq]`` (fp32, fp64 for fp64).
+    :mod:`hyperpar_gdn.ops.attention` merges rectangles through their log-sum-exp and calls
+    :meth:`backward` per rectangle with the merged output and log-sum-exp, which gives that
+    rectangle's exact share of the gradients."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """-> (o ``[B, H, Tq, D]`` in q's dtype, lse ``[B, H, Tq]``); autograd off."""
+
+    @abstractmethod
+    def backward(
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        o: Tensor,
+        lse: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """-> (dq, dk, dv) of the rectangle, with ``o`` and ``lse`` those of the whole row (every
+        rectangle of these queries merged)."""
 
 
 class CollectiveError(RuntimeError):

@@ -32,7 +32,7 @@ import mindspore.scipy.linalg as ms_linalg
 import numpy as np
 from mindspore import mint, nn, ops
 
-from .base import TensorOps
+from .base import AttentionKernel, TensorOps
 
 __all__ = ["MindSporeOps", "enable_launch_blocking"]
 
@@ -177,6 +177,9 @@ class MindSporeOps(TensorOps):
     def exp(self, x: ms.Tensor) -> ms.Tensor:
         return self._in_float64(mint.exp, x)
 
+    def log(self, x: ms.Tensor) -> ms.Tensor:
+        return ops.log(x)
+
     def rsqrt(self, x: ms.Tensor) -> ms.Tensor:
         return ops.rsqrt(x)
 
@@ -236,6 +239,12 @@ class MindSporeOps(TensorOps):
         if key not in self._ones:
             self._ones[key] = ops.ones(shape, like.dtype)
         return self._ones[key]
+
+    def amax(self, x: ms.Tensor, dim: int, keepdim: bool = False) -> ms.Tensor:
+        return x.max(axis=dim, keepdims=keepdim)
+
+    def maximum(self, a: ms.Tensor, b: ms.Tensor) -> ms.Tensor:
+        return ops.maximum(a, b)
 
     def cumsum(self, x: ms.Tensor, dim: int) -> ms.Tensor:
         return mint.cumsum(x, dim) if self._ascend else x.cumsum(dim)
@@ -342,6 +351,14 @@ class MindSporeOps(TensorOps):
             scores.masked_fill(ops.logical_not(visible | ops.logical_not(seen)), float("-inf")), -1
         )
         return mint.matmul(probs, v) * seen.astype(q.dtype)
+
+    def attention_kernel(self, q: ms.Tensor) -> AttentionKernel | None:
+        """Ascend: ``FlashAttentionScore`` for fp16/bf16 (not run here); CPU: none."""
+        if self._ascend and q.dtype in (ms.float16, ms.bfloat16):
+            from .mindspore_attention import ascend_kernel
+
+            return ascend_kernel()
+        return None
 
     def cross_entropy_sum(
         self, logits: ms.Tensor, labels: ms.Tensor, *, ignore_index: int = -100

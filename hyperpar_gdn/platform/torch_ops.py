@@ -8,7 +8,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import TensorOps
+from .base import AttentionKernel, TensorOps
+from .torch_attention import attention_kernel_for
 
 
 class _CustomVJP(torch.autograd.Function):
@@ -62,6 +63,9 @@ class TorchOps(TensorOps):
     def exp(self, x: torch.Tensor) -> torch.Tensor:
         return torch.exp(x)
 
+    def log(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
     def rsqrt(self, x: torch.Tensor) -> torch.Tensor:
         return torch.rsqrt(x)
 
@@ -76,6 +80,12 @@ class TorchOps(TensorOps):
 
     def sum(self, x: torch.Tensor, dim: int | tuple[int, ...], keepdim: bool = False) -> torch.Tensor:
         return x.sum(dim=dim, keepdim=keepdim)
+
+    def amax(self, x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+        return x.amax(dim, keepdim=keepdim)
+
+    def maximum(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a, b)
 
     def cumsum(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x.cumsum(dim)
@@ -146,6 +156,13 @@ class TorchOps(TensorOps):
         seen = visible.any(-1, keepdim=True)  # rows with at least one key
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~seen)
         return o * seen.to(o.dtype)
+
+    def autocast_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        kind = x.device.type
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+    def attention_kernel(self, q: torch.Tensor) -> AttentionKernel | None:
+        return attention_kernel_for(q)
 
     def cross_entropy_sum(
         self, logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100

@@ -8,6 +8,12 @@ Process groups come from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOC
 ``MASTER_ADDR``, ``MASTER_PORT``). Without ``RANK`` and ``WORLD_SIZE`` a single process joins a
 1-rank group backed by an in-memory store, so collectives over ``group=None`` work unchanged.
 
+Restarts (``torchrun --max-restarts``): the workers of every attempt meet in the torchrun agent's
+store (``TORCHELASTIC_USE_AGENT_STORE=True``), which outlives the attempts and keeps the keys of
+the ones before: peer addresses of processes that are gone. Every key the process groups write
+is therefore put under a prefix named for the attempt (``TORCHELASTIC_RESTART_COUNT``), so each
+attempt's groups (the default one and every group made from it) rendezvous afresh.
+
 Example::
 
     platform = TorchPlatform("cpu")
@@ -46,6 +52,25 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _elastic_attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under a torchrun agent whose store the workers share across restarts, a client of that
+    store whose keys live under this attempt's own prefix; ``None`` otherwise (``env://`` as is).
+
+    The prefix holds ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``, which every
+    worker of an attempt shares on one node (one agent). Agents on several nodes of a c10d
+    rendezvous can count restarts differently; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each
+    attempt a new store there (and this returns None). The store client waits at most ``timeout``
+    for the store and for every key.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"hyperpar_gdn/{run_id}/attempt_{attempt}/default_pg", store)
 
 
 class TorchPlatform(Platform):
@@ -128,6 +153,11 @@ class TorchPlatform(Platform):
             rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
             dist.init_process_group(
                 self.backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+            )
+        elif len(present) == len(_LAUNCH_VARS) and (attempt := _elastic_attempt_store(timeout)) is not None:
+            rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+            dist.init_process_group(
+                self.backend, store=attempt, rank=rank, world_size=world, timeout=timeout, device_id=device_id
             )
         elif len(present) == len(_LAUNCH_VARS):
             dist.init_process_group(self.backend, init_method="env://", timeout=timeout, device_id=device_id)

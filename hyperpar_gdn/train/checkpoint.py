@@ -1,17 +1,20 @@
-"""Checkpoints: named stateful parts under ``<root>/step-N/``, written atomically.
+"""Checkpoints: named stateful parts under ``<root>/step-N/``, complete or invisible.
 
 Layout of ``step-N/``: one file per part (``model.pt``, ``optimizer.pt``, ``data.pt``,
 ``train.pt``: whatever the caller names) and ``manifest.json`` (the step, the run's options and,
 per part, its file, size and sha256).
 
-A save never damages what is on disk: every part is first serialized in memory and written to a
-temporary file beside its target; only when all of them are written and flushed are they renamed
-over the targets (``os.replace``, atomic on POSIX), the manifest last. A failure before that
-leaves every original file as it was (the temporary files are removed). A crash in the middle of
-the renames leaves files that disagree with the manifest, which loading reports as corrupt.
+A save is complete or invisible. Every part and the manifest are written and flushed into a
+temporary directory beside the target (``.step-N.tmp-<pid>``); only then is that directory renamed
+to ``step-N`` (``os.rename``, atomic on POSIX). A writer that dies before the rename leaves only
+the hidden temporary directory, which :func:`latest_checkpoint` never picks and
+:func:`remove_incomplete` deletes. Replacing an existing ``step-N`` moves the old one aside
+first, so the newest ``step-N`` on disk is always whole. A failure before the rename leaves
+every existing checkpoint as it was.
 
 Loading checks the manifest and every part's size and checksum before deserializing, and raises
-:class:`CheckpointError` naming the offending path.
+:class:`CheckpointError` naming the offending path; :func:`latest_checkpoint` skips such a
+checkpoint with a warning naming the file and takes the one before it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import io
 import json
 import os
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +34,19 @@ import torch
 MANIFEST = "manifest.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_INCOMPLETE = re.compile(r"^\.step-\d+\.(tmp|old)-\d+$")  # a save in progress, or one that died
 
-__all__ = ["CheckpointError", "load_checkpoint", "resolve_checkpoint", "save_checkpoint", "write_atomic"]
+__all__ = [
+    "CheckpointError",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "remove_incomplete",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "write_atomic",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -46,15 +62,16 @@ def save_checkpoint(root: str | Path, step: int, parts: dict[str, Any], *, meta:
     """Write ``parts`` (name -> state, anything ``torch.save`` takes) to ``root/step-<step>/``.
 
     ``meta`` (JSON-serializable: the run's options) goes into the manifest. Returns the step
-    directory. Overwrites an existing checkpoint of the same step only once every new file is on
-    disk.
+    directory, which appears (by a rename) only once every part and the manifest are on disk. An
+    existing checkpoint of the same step is replaced only then.
     """
     if not parts or any(not re.fullmatch(r"[A-Za-z0-9_]+", name) for name in parts):
         raise ValueError(f"part names must be non-empty identifiers; got {sorted(parts)}")
-    directory = Path(root) / f"step-{step}"
-    directory.mkdir(parents=True, exist_ok=True)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    directory = root / f"step-{step}"
     manifest: dict[str, Any] = {"format": FORMAT, "step": step, "meta": meta, "parts": {}}
-    blobs: dict[Path, bytes] = {}
+    blobs: dict[str, bytes] = {}
     for name, state in parts.items():
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -65,18 +82,88 @@ def save_checkpoint(root: str | Path, step: int, parts: dict[str, Any], *, meta:
             "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest(),
         }
-        blobs[directory / file] = data
-    blobs[directory / MANIFEST] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-    temps: list[tuple[Path, Path]] = []
+        blobs[file] = data
+    blobs[MANIFEST] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+    temp = root / f".step-{step}.tmp-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)  # a leftover of this very pid (a save that raised)
     try:
-        for path, data in blobs.items():
-            temps.append(_write_temp(path, data))
+        temp.mkdir()
+        for file, data in blobs.items():
+            _write_flushed(temp / file, data)
+        _fsync_directory(temp)
+        if directory.exists():  # replace: move the old one aside, then the new one in
+            old = root / f".step-{step}.old-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(directory, old)
+            os.rename(temp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(temp, directory)
+        _fsync_directory(root)
     except BaseException:
-        for temp, _ in temps:
-            temp.unlink(missing_ok=True)
+        shutil.rmtree(temp, ignore_errors=True)
         raise
-    _commit(temps)  # the manifest is the last entry: it is replaced last
     return directory
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every ``step-N`` directory under ``root``, oldest first (none
+    when ``root`` does not exist). Says nothing about whether they are complete."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        (int(m.group(1)), child)
+        for child in root.iterdir()
+        if child.is_dir() and (m := _STEP_DIR.match(child.name))
+    )
+
+
+def latest_checkpoint(
+    root: str | Path, *, warn: Callable[[str], None]
+) -> tuple[Path, int, dict[str, Any], dict[str, Any]] | None:
+    """The newest checkpoint under ``root`` that passes every check, loaded:
+    ``(directory, step, parts, meta)``; ``None`` when ``root`` holds none.
+
+    A newer one that fails its checks (a missing manifest or part, a wrong size or sha256, an
+    unreadable file) is skipped; ``warn`` gets one line naming the file and the fallback.
+    """
+    for step, directory in reversed(list_checkpoints(root)):
+        try:
+            loaded_step, parts, meta = load_checkpoint(directory)
+        except CheckpointError as err:
+            warn(f"skipping checkpoint {directory}: {err}; trying the one before it")
+            continue
+        if loaded_step != step:
+            warn(f"skipping checkpoint {directory}: its manifest says step {loaded_step}")
+            continue
+        return directory, step, parts, meta
+    return None
+
+
+def prune_checkpoints(root: str | Path, keep_last: int, *, up_to: int) -> list[Path]:
+    """Of the ``step-N`` directories with ``N <= up_to`` (the step just saved), delete all but the
+    newest ``keep_last`` (>= 1); returns those deleted. Newer ones (an earlier run's, kept by a
+    run that started over) are left alone."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1; got {keep_last}")
+    mine = [directory for step, directory in list_checkpoints(root) if step <= up_to]
+    doomed = mine[:-keep_last]
+    for directory in doomed:
+        shutil.rmtree(directory)
+    return doomed
+
+
+def remove_incomplete(root: str | Path) -> list[Path]:
+    """Delete what saves that died left under ``root`` (hidden ``.step-N.tmp-*`` / ``.old-*``
+    directories); returns them. Call it only when no save into ``root`` is in progress."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    leftovers = sorted(child for child in root.iterdir() if child.is_dir() and _INCOMPLETE.match(child.name))
+    for directory in leftovers:
+        shutil.rmtree(directory, ignore_errors=True)
+    return leftovers
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -89,11 +176,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {path} is not a directory (expected <root> or <root>/step-N)")
     if _STEP_DIR.match(path.name) or (path / MANIFEST).exists():
         return path
-    steps = sorted(
-        (int(m.group(1)), child)
-        for child in path.iterdir()
-        if child.is_dir() and (m := _STEP_DIR.match(child.name))
-    )
+    steps = list_checkpoints(path)
     if not steps:
         raise CheckpointError(f"{path} holds no step-N checkpoint directory")
     return steps[-1][1]
@@ -139,14 +222,27 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict[str, Any], dict[str, An
     return step, parts, meta
 
 
+def _write_flushed(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make the entries of directory ``path`` (new names, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_temp(path: Path, data: bytes) -> tuple[Path, Path]:
     """Write ``data`` to a temporary file beside ``path``, flushed to disk; return (temp, path)."""
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(temp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        _write_flushed(temp, data)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise

@@ -85,8 +85,12 @@ class TrainConfig:
             into one row whose documents restart the model's state, conv and attention, and
             learn no label across a boundary; False: plain windows of the concatenated stream.
         metrics_json: where rank 0 writes the per-step losses, tokens/s and peak memory.
-        save: checkpoint root; ``step-N/`` directories go under it.
+        save: checkpoint root; ``step-N/`` directories go under it. A run started with a root
+            that holds a complete checkpoint resumes from its newest (see ``auto_resume``).
         save_every: also save every this many steps (0: only at the last step).
+        keep_last: after each save keep only the newest this many checkpoints (0: keep all).
+        auto_resume: with ``save``, resume from the newest complete checkpoint under it when one
+            exists (a restarted run continues); False (``--no-auto-resume``): always start at step 1.
         resume: a ``step-N`` directory, or a root whose latest ``step-N`` is taken.
         fsdp: shard parameters, gradients and optimizer state over all ranks (FSDP2).
         ac: activation checkpointing: recompute each decoder layer in the backward.
@@ -117,6 +121,8 @@ class TrainConfig:
     metrics_json: str | None = None
     save: str | None = None
     save_every: int = 0
+    keep_last: int = 0
+    auto_resume: bool = True
     resume: str | None = None
     fsdp: bool = False
     ac: bool = False
@@ -136,7 +142,7 @@ class TrainConfig:
         for name in ("steps", "seq_len", "batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1; got {getattr(self, name)}")
-        for name in ("warmup_steps", "save_every", "seed"):
+        for name in ("warmup_steps", "save_every", "keep_last", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0; got {getattr(self, name)}")
         for name in ("lr", "parity_tol", "timeout_s"):
@@ -160,6 +166,8 @@ class TrainConfig:
             raise ValueError(f"--export {self.export} writes a transformers directory; it needs --model DIR")
         if self.save_every and self.save is None:
             raise ValueError(f"--save-every {self.save_every} needs --save DIR (where to write checkpoints)")
+        if self.keep_last and self.save is None:
+            raise ValueError(f"--keep-last {self.keep_last} needs --save DIR (whose checkpoints to prune)")
 
     @property
     def model(self) -> HybridLMConfig:
@@ -267,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--metrics-json", default=None, help="JSON file for per-step losses, tokens/s, peak memory (rank 0)")
     add("--save", default=None, help="checkpoint root directory (step-N/ under it); None = no checkpoints")
     add("--save-every", type=int, default=defaults.save_every, help="save every N steps (0: at the end)")
+    add("--keep-last", type=int, default=defaults.keep_last, help="keep the newest N checkpoints (0: all)")
+    add(
+        "--no-auto-resume",
+        dest="auto_resume",
+        action="store_false",
+        help="start at step 1 even when --save DIR holds checkpoints (by default: resume from the newest)",
+    )
     add("--resume", default=None, help="a step-N checkpoint directory, or a root (its latest step-N)")
     add("--fsdp", action="store_true", help="shard parameters, gradients, optimizer state (FSDP2)")
     add("--ac", action="store_true", help="activation checkpointing per decoder layer")

@@ -30,7 +30,16 @@ from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 from hyperpar_gdn.platform import get_platform, platform_name
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_atomic
+from .checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    remove_incomplete,
+    save_checkpoint,
+    write_atomic,
+)
 from .config import TrainConfig
 from .data import Batch, BatchSampler, RankBatch, load_stream, rank_batch
 from .lm_head import hidden_and_head
@@ -132,6 +141,8 @@ class Trainer:
         self.step = 0
         if config.resume is not None:
             self._resume(config.resume)
+        elif config.save is not None:
+            self._auto_resume(config.save)
 
     def _apply_sharding(self) -> None:
         """Activation checkpointing and FSDP, after context parallelism (see :mod:`.sharding`)."""
@@ -305,7 +316,7 @@ class Trainer:
 
         parts = self._checkpoint_parts()  # every rank: gathering FSDP shards is collective
 
-        def save() -> None:
+        def save() -> None:  # the other ranks wait in _on_rank_0 until step-N is renamed into place
             path = save_checkpoint(
                 config.save,
                 self.step,
@@ -313,6 +324,9 @@ class Trainer:
                 meta={"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp},
             )
             logger.info("saved %s", path)
+            if config.keep_last:
+                for old in prune_checkpoints(config.save, config.keep_last, up_to=self.step):
+                    logger.info("removed %s (--keep-last %d)", old, config.keep_last)
 
         self._on_rank_0(save, f"save the step-{self.step} checkpoint under {config.save}")
 
@@ -330,8 +344,73 @@ class Trainer:
         if failed:
             raise CheckpointError(f"rank 0 failed to {what}")
 
-    def _resume(self, path: str) -> None:
-        step, parts, meta = load_checkpoint(path)
+    def _auto_resume(self, root: str) -> None:
+        """Resume from the newest complete checkpoint under ``--save`` when there is one.
+
+        Rank 0 alone scans and checks ``root`` (falling back past a damaged newest checkpoint) and
+        tells the others which step it took; they load that directory, which is complete: a
+        ``step-N`` appears only by a rename once all of it is on disk. Every rank learns of a
+        failure on any rank before the next collective, so none waits forever.
+        """
+        found: tuple[Path, int, dict[str, Any], dict[str, Any]] | None = None
+        failure: Exception | None = None
+        code = 0  # rank 0's verdict: 0 failed, 1 no checkpoint, 2 + N resume from step-N
+        if self.rank == 0:
+            try:
+                for leftover in remove_incomplete(root):
+                    logger.warning("removed %s: a save that did not finish", leftover)
+                if self.config.auto_resume:
+                    found = latest_checkpoint(root, warn=logger.warning)
+                    if found is None and (damaged := list_checkpoints(root)):
+                        raise CheckpointError(
+                            f"every checkpoint under --save {root} ({', '.join(d.name for _, d in damaged)}) "
+                            "failed its checks (see the warnings above); repair or move them, or pass "
+                            "--no-auto-resume to start over"
+                        )
+                code = 1 if found is None else 2 + found[1]
+            except Exception as err:
+                found, code, failure = None, 0, err
+        code = self._max_over_ranks(code)
+        if code == 0:
+            if failure is not None:
+                raise failure
+            raise CheckpointError(f"rank 0 failed to look for checkpoints under --save {root}")
+        if code == 1:
+            existing = list_checkpoints(root) if self.rank == 0 else []
+            if existing:  # only under --no-auto-resume
+                logger.warning(
+                    "--no-auto-resume: training from step 1; --save %s already holds %s from an earlier "
+                    "run: this run replaces those it saves again, and a run that resumes from %s takes "
+                    "the newest there",
+                    root,
+                    ", ".join(d.name for _, d in existing),
+                    root,
+                )
+            else:
+                logger.info("no checkpoint under --save %s: training from step 1", root)
+            return
+        step = code - 2
+        loaded: tuple[int, dict[str, Any], dict[str, Any]] | None = None
+        if found is not None:
+            loaded = found[1], found[2], found[3]
+        else:
+            try:
+                loaded = load_checkpoint(Path(root) / f"step-{step}")
+            except CheckpointError as err:
+                logger.error("%s", err)
+        if self._max_over_ranks(int(loaded is None)):
+            raise CheckpointError(
+                f"a rank could not read {Path(root) / f'step-{step}'}, which rank 0 checked "
+                "(do all ranks see the same --save directory?)"
+            )
+        assert loaded is not None
+        logger.info(
+            "resuming from %s (the newest complete checkpoint under --save)", Path(root) / f"step-{step}"
+        )
+        self._resume(str(Path(root) / f"step-{step}"), loaded=loaded)
+
+    def _resume(self, path: str, *, loaded: tuple[int, dict[str, Any], dict[str, Any]] | None = None) -> None:
+        step, parts, meta = load_checkpoint(path) if loaded is None else loaded
         saved = meta.get("config", {})
         mine = self.config.to_dict()
         stream = [
@@ -351,8 +430,10 @@ class Trainer:
         if curve:
             logger.warning("resuming with changed options, the loss curve will differ: %s", "; ".join(curve))
         if step >= self.config.steps:
+            how = "--resume" if loaded is None else "the newest checkpoint under --save,"
             raise ValueError(
-                f"--resume {path} is at step {step}; --steps {self.config.steps} leaves nothing to train"
+                f"{how} {path} is at step {step}; --steps {self.config.steps} leaves nothing to train"
+                + ("" if loaded is None else " (raise --steps, or pass --no-auto-resume to start over)")
             )
         self._load_parts(path, parts)
         self.sampler.load_state_dict(parts["data"])

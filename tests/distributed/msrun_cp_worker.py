@@ -12,6 +12,9 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
   shard, input-gradient shard, parameter gradients summed over ranks);
 - ``packed``: packed documents (global ``cu_seqlens``), every mode, against the torch layer run on
   each document alone (float64);
+- ``attention`` (tests/distributed/test_attention_style_mindspore.py): the MindSpore
+  ``CausalSelfAttention`` under ``SoftmaxAttentionContextParallel`` with uneven shards and packed
+  documents against the torch layer (float64);
 - ``bad_input``: the (type, message) of each bad call on every rank, compared with torch's;
 - ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
   ``hyperpar_gdn.distributed.verify.compare_with_reference``;
@@ -48,7 +51,7 @@ from hyperpar_gdn.distributed.verify import compare_with_reference, relative_err
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
-SECTIONS = ("collectives", "cp", "packed", "bad_input", "mesh2d", "lm_loss", "stall")
+SECTIONS = ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "lm_loss", "stall")
 HIDDEN = 32
 PARAMS = (
     "in_proj_qkv.weight",
@@ -281,6 +284,61 @@ def section_packed(platform: Platform, world: int) -> dict[str, Any]:
             results[f"{name}/{mode}"] = _errors(
                 (platform.to_numpy(out), platform.to_numpy(dx), totals), reference, local
             )
+    return results
+
+
+# Softmax attention under SoftmaxAttentionContextParallel: uneven shards, documents crossing them.
+ATTENTION_T = 23
+ATTENTION_SHARDS = {2: (9, 14), 4: (3, 8, 5, 7)}
+ATTENTION_CU = (0, 2, 7, 8, 16, 23)
+
+
+def section_attention(platform: Platform, world: int) -> dict[str, Any]:
+    """The MindSpore CausalSelfAttention under SoftmaxAttentionContextParallel (uneven shards,
+    packed documents, float64) against the torch layer with the same weights on one process, on
+    the blockwise path and the dense reference (``HP_ATTENTION``)."""
+    import torch
+
+    from hyperpar_gdn import SoftmaxAttentionContextParallel
+    from hyperpar_gdn.models.attention import CausalSelfAttention as TorchAttention
+    from hyperpar_gdn.models.mindspore import CausalSelfAttention, load_torch_state_dict
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    rank = mesh.get_local_rank()
+    torch.manual_seed(0)
+    layer_t = TorchAttention(HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8).double()
+    with torch.no_grad():
+        for p in layer_t.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    rng = np.random.default_rng(5)
+    x, cot = rng.standard_normal((1, ATTENTION_T, HIDDEN)), rng.standard_normal((1, ATTENTION_T, HIDDEN))
+    xt = torch.tensor(x, requires_grad=True)
+    yt = layer_t(xt, cu_seqlens=torch.tensor(ATTENTION_CU))
+    (yt * torch.tensor(cot)).sum().backward()
+    lengths = ATTENTION_SHARDS[world]
+    local = slice(sum(lengths[:rank]), sum(lengths[: rank + 1]))
+    results: dict[str, Any] = {"lengths": list(lengths)}
+    for path in ("blockwise", "reference"):
+        os.environ["HP_ATTENTION"] = path
+        layer = CausalSelfAttention(HIDDEN, num_heads=4, num_kv_heads=2, head_dim=8)
+        load_torch_state_dict(layer, layer_t.state_dict())
+        SoftmaxAttentionContextParallel().apply(layer, mesh)
+        cu = np.asarray(ATTENTION_CU)
+        out, (dx,), grads = platform.value_and_grads(
+            lambda inp, layer=layer, cu=cu: layer(inp, cu_seqlens=cu),
+            [platform.from_numpy(x[:, local], dtype="float64")],
+            platform.from_numpy(cot[:, local], dtype="float64"),
+            layer,
+        )
+        errors = {
+            "output": relative_error(platform.to_numpy(out), yt.detach().numpy()[:, local]),
+            "grad_input": relative_error(platform.to_numpy(dx), xt.grad.numpy()[:, local]),
+        }
+        for name, p in layer_t.named_parameters():
+            total = platform.collectives.all_reduce_sum(grads[name], mesh.get_group())
+            errors[f"grad_{name}"] = relative_error(platform.to_numpy(total), p.grad.numpy())
+        results[path] = errors
+    os.environ.pop("HP_ATTENTION")
     return results
 
 
@@ -566,6 +624,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "collectives": section_collectives,
     "cp": section_cp,
     "packed": section_packed,
+    "attention": section_attention,
     "bad_input": section_bad_input,
     "mesh2d": section_mesh2d,
     "lm_loss": section_lm_loss,

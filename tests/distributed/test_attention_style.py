@@ -3,6 +3,7 @@ outputs, input gradients and every parameter gradient (summed over ranks), on re
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -40,7 +41,17 @@ def _param_grads_summed(module: torch.nn.Module, group: object) -> dict[str, tor
     return {name: comm.all_reduce_sum(p.grad.clone(), group) for name, p in module.named_parameters()}
 
 
-def _attention_errors(rank: int, world: int, seq_len: int) -> dict[str, float]:
+def _attention_errors(
+    rank: int,
+    world: int,
+    seq_len: int,
+    lengths: tuple[int, ...] | None = None,
+    cu_seqlens: list[int] | None = None,
+    path: str = "auto",
+) -> dict[str, float]:
+    """Errors of one CP forward+backward against the single-device layer; ``lengths``: uneven
+    shards; ``cu_seqlens``: packed documents (B = 1); ``path``: HP_ATTENTION on both sides."""
+    os.environ["HP_ATTENTION"] = path
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
     reference = CausalSelfAttention(32, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -48,23 +59,26 @@ def _attention_errors(rank: int, world: int, seq_len: int) -> dict[str, float]:
     parallel.load_state_dict(reference.state_dict())
     SoftmaxAttentionContextParallel().apply(parallel, mesh)
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(2, seq_len, 32, generator=generator)
-    cot = torch.randn(2, seq_len, 32, generator=generator)
-    t = seq_len // world
-    shard = slice(rank * t, (rank + 1) * t)
+    batch = 1 if cu_seqlens is not None else 2
+    x = torch.randn(batch, seq_len, 32, generator=generator)
+    cot = torch.randn(batch, seq_len, 32, generator=generator)
+    lengths = lengths or (seq_len // world,) * world
+    start = sum(lengths[:rank])
+    shard = slice(start, start + lengths[rank])
+    docs = None if cu_seqlens is None else torch.tensor(cu_seqlens)
 
     x_ref = x.clone().requires_grad_()
-    y_ref = reference(x_ref)
+    y_ref = reference(x_ref, cu_seqlens=docs)
     (y_ref * cot).sum().backward()
     x_local = x[:, shard].clone().requires_grad_()
-    y_local = parallel(x_local)
+    y_local = parallel(x_local, cu_seqlens=docs)
     (y_local * cot[:, shard]).sum().backward()
 
     errors = {"out": _rel_err(y_local, y_ref[:, shard]), "dx": _rel_err(x_local.grad, x_ref.grad[:, shard])}
     for name, grad in _param_grads_summed(parallel, mesh.get_group()).items():
         errors[f"d{name}"] = _rel_err(grad, dict(reference.named_parameters())[name].grad)
     SoftmaxAttentionContextParallel.undo(parallel)
-    errors["undo"] = _rel_err(parallel(x), y_ref.detach())
+    errors["undo"] = _rel_err(parallel(x, cu_seqlens=docs), y_ref.detach())
     return errors
 
 
@@ -73,6 +87,24 @@ def test_attention_cp_matches_single_device(world: int, seq_len: int) -> None:
     results = run_ranks(_attention_errors, world, seq_len, timeout_s=60)
     for rank, errors in enumerate(results):
         assert len(errors) == 2 + 6 + 1  # out, dx, 6 parameters, undo
+        bad = {name: err for name, err in errors.items() if not err <= TOL}
+        assert not bad, f"rank {rank}: errors above {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("path", ["auto", "blockwise"])
+@pytest.mark.parametrize(
+    ("world", "lengths", "cu_seqlens"),
+    [((2), (7, 13), [0, 3, 11, 12, 20]), ((4), (5, 11, 9, 7), [0, 2, 9, 10, 23, 32])],
+    ids=["cp2-uneven-packed", "cp4-uneven-packed"],
+)
+def test_attention_cp_uneven_packed_matches_single_device(
+    world: int, lengths: tuple[int, ...], cu_seqlens: list[int], path: str
+) -> None:
+    """Shards of different lengths, documents that cross shard boundaries and one-token documents;
+    the fused-kernel path (auto) and the generic blockwise path."""
+    results = run_ranks(_attention_errors, world, sum(lengths), lengths, cu_seqlens, path, timeout_s=60)
+    for rank, errors in enumerate(results):
+        assert len(errors) == 2 + 6 + 1
         bad = {name: err for name, err in errors.items() if not err <= TOL}
         assert not bad, f"rank {rank}: errors above {TOL}: {bad}"
 

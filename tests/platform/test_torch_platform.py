@@ -224,3 +224,41 @@ def test_harness_refuses_a_parent_with_a_process_group() -> None:
             run_ranks(_environment, 1, timeout_s=10)
     finally:
         dist.destroy_process_group()
+
+
+def _attempt(rank: int, world: int, late_rank: int | None) -> list[float]:
+    """One torchrun attempt: join the group (``late_rank`` some seconds after the others), make a
+    subgroup, reduce over both."""
+    if rank == late_rank:
+        time.sleep(3.0)  # its peers read the store first: a stale address would be theirs to take
+    platform = get_platform("cpu")
+    platform.init_distributed(timeout_s=20)
+    try:
+        x = torch.full((1,), float(rank + 1))
+        platform.collectives.all_reduce_sum(x, platform.new_group(list(range(world))))
+        platform.collectives.all_reduce_sum(x, None)
+        return x.tolist()
+    finally:
+        platform.destroy()
+
+
+def test_each_torchrun_attempt_meets_afresh_in_the_agents_store() -> None:
+    """Two attempts in one store that outlives them (torchrun's agent store): the second meets under
+    its own prefix, although the first left the addresses of its finished ranks there. Without the
+    prefix rank 0 of the second attempt takes rank 1's stale address (rank 1 comes late) and fails
+    with 'Connection refused' at the process-group timeout."""
+    import multiprocessing
+
+    from distributed_harness import _start_store_host
+
+    host, port = _start_store_host(multiprocessing.get_context("fork"), 60)
+    try:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        env["TORCHELASTIC_RUN_ID"] = "job"
+        for attempt, late in ((0, None), (1, 1)):
+            env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+            results = run_ranks(_attempt, 2, late, init=False, env=env, timeout_s=60)
+            assert results == [[6.0], [6.0]], f"attempt {attempt}: {results}"
+    finally:
+        host.kill()
+        host.join()

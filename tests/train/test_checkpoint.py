@@ -1,10 +1,14 @@
-"""Checkpoints on disk: round trip, clear errors for missing or corrupt files, and a failed save
-that leaves the previous checkpoint untouched."""
+"""Checkpoints on disk: round trip, clear errors for missing or corrupt files, a failed save that
+leaves the previous checkpoint untouched, a writer killed mid-save that leaves no step, the
+fallback past a damaged newest checkpoint, and pruning."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,11 @@ import torch
 from hyperpar_gdn.train import checkpoint
 from hyperpar_gdn.train.checkpoint import (
     CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
+    prune_checkpoints,
+    remove_incomplete,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -118,3 +126,71 @@ def test_a_successful_save_replaces_the_checkpoint(tmp_path: Path) -> None:
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["step"] == 7 and set(manifest["parts"]) == {"model", "optimizer", "train"}
     assert not [p for p in directory.iterdir() if ".tmp-" in p.name]
+
+
+def test_latest_checkpoint_skips_a_damaged_newest_one(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, step, _parts(float(step)), meta={"step": step})
+    (tmp_path / "step-6" / "model.pt").write_bytes(b"truncated")
+    (tmp_path / "step-4" / "optimizer.pt").unlink()
+    warnings: list[str] = []
+    directory, step, parts, meta = latest_checkpoint(tmp_path, warn=warnings.append)
+    assert (directory, step, meta) == (tmp_path / "step-2", 2, {"step": 2})
+    assert parts["model"]["w"][0, 0].item() == 2.0
+    assert len(warnings) == 2
+    assert (
+        f"skipping checkpoint {tmp_path / 'step-6'}: checkpoint file {tmp_path / 'step-6' / 'model.pt'}"
+        in (warnings[0])
+    )
+    assert f"checkpoint file {tmp_path / 'step-4' / 'optimizer.pt'} is missing" in warnings[1]
+    (tmp_path / "step-2" / "manifest.json").unlink()
+    assert (
+        latest_checkpoint(tmp_path, warn=warnings.append) is None
+        and "manifest.json is missing" in warnings[-1]
+    )
+    assert latest_checkpoint(tmp_path / "absent", warn=warnings.append) is None
+
+
+_BLOCKED_SAVE = """
+import os, sys, time, torch
+from hyperpar_gdn.train import checkpoint
+root = sys.argv[1]
+checkpoint.save_checkpoint(root, 1, {"model": {"w": torch.ones(2)}}, meta={})
+def stuck(src, dst):  # the writer is killed before it renames step-2 into place
+    print("renaming", flush=True)
+    time.sleep(600)
+checkpoint.os.rename = stuck
+checkpoint.save_checkpoint(root, 2, {"model": {"w": torch.zeros(2)}}, meta={})
+"""
+
+
+def test_a_writer_killed_before_the_rename_leaves_no_step(tmp_path: Path) -> None:
+    """A real process killed (SIGKILL) with every file of step-2 written but not yet renamed."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _BLOCKED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "renaming\n"
+        temp = tmp_path / f".step-2.tmp-{writer.pid}"
+        assert (temp / "manifest.json").is_file() and (temp / "model.pt").is_file()
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=30)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
+    found = latest_checkpoint(tmp_path, warn=pytest.fail)
+    assert found is not None and found[1] == 1 and found[2]["model"]["w"].tolist() == [1.0, 1.0]
+    assert remove_incomplete(tmp_path) == [temp] and not temp.exists()
+
+
+def test_prune_keeps_the_newest_up_to_the_step_just_saved(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 9):
+        save_checkpoint(tmp_path, step, _parts(1.0), meta={})
+    removed = prune_checkpoints(tmp_path, 2, up_to=3)  # step-9 belongs to an earlier, longer run
+    assert removed == [tmp_path / "step-1"]
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2, 3, 9]
+    with pytest.raises(ValueError, match="keep_last must be >= 1; got 0"):
+        prune_checkpoints(tmp_path, 0, up_to=3)

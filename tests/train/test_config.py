@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ({"cp_mode": "ring"}, "--cp-mode 'ring' is not a mode"),
         ({"seq_len": 100, "cp_size": 3}, "--seq-len 100 must be divisible by --cp-size 3"),
         ({"save_every": 5}, "--save-every 5 needs --save DIR"),
+        ({"keep_last": 2}, "--keep-last 2 needs --save DIR"),
+        ({"save": "ck", "keep_last": -1}, "--keep-last must be >= 0; got -1"),
         ({"lr": 0.0}, "--lr must be > 0; got 0.0"),
         ({"model_size": "huge"}, "--model-size 'huge' is unknown"),
         ({"steps": 0}, "--steps must be >= 1; got 0"),
@@ -63,7 +65,8 @@ def test_layout_splits_the_world_into_dp_and_cp() -> None:
 def test_command_line_maps_onto_the_config() -> None:
     config = parse_args(
         "--cp-mode p2p --cp-size 2 --steps 7 --seq-len 32 --model-size small --lr 0.01 --seed 4 "
-        "--data x.txt --metrics-json m.json --save ck --save-every 3 --resume ck --check-parity".split()
+        "--data x.txt --metrics-json m.json --save ck --save-every 3 --keep-last 2 --no-auto-resume "
+        "--resume ck --check-parity".split()
     )
     assert config == TrainConfig(
         cp_mode="p2p",
@@ -77,6 +80,8 @@ def test_command_line_maps_onto_the_config() -> None:
         metrics_json="m.json",
         save="ck",
         save_every=3,
+        keep_last=2,
+        auto_resume=False,
         resume="ck",
         check_parity=True,
     )

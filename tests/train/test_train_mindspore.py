@@ -7,12 +7,18 @@ Qwen3.5 run exports a directory that transformers loads."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import tempfile
+import threading
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from distributed_harness import run_ranks
 
 pytest.importorskip("mindspore")
@@ -26,6 +32,7 @@ from hyperpar_gdn.train.corpus import BUILTIN_CORPUS  # noqa: E402
 from hyperpar_gdn.train.transformers_model import write_tiny_qwen35  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "msrun_train_worker.py"
+MSRUN_SCRIPT = Path(__file__).resolve().parent / "msrun_train_script.py"
 MODES = ("ulysses", "p2p", "all_gather")
 STEPS = 10
 OPTIONS = {"seq_len": 64, "batch_size": 4, "steps": STEPS, "seed": 3}
@@ -249,6 +256,67 @@ def test_wrong_platform_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         NotImplementedError, match=r"MindSporeTrainer needs HP_PLATFORM=mindspore \(got cpu\)"
     ):
         MindSporeTrainer(TrainConfig())
+
+
+def test_a_restart_resumes_from_the_newest_complete_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same command run again with --save resumes (what a rerun after msrun gave up does),
+    past a truncated newest checkpoint, and ends with the first run's losses and weights."""
+    monkeypatch.setenv("HP_PLATFORM", "mindspore")
+    config = TrainConfig(seq_len=32, batch_size=2, seed=5, steps=4, save=str(tmp_path), save_every=2)
+    straight = _ms_train(config)
+    assert straight.start_step == 0 and [r.step for r in straight.records] == [1, 2, 3, 4]
+    _, weights, _ = load_checkpoint(tmp_path / "step-4")
+    model = tmp_path / "step-4" / "model.pt"
+    model.write_bytes(model.read_bytes()[:500])  # the newest checkpoint is damaged
+    resumed = _ms_train(config)
+    assert resumed.start_step == 2 and resumed.losses == straight.losses[2:]
+    _, again, _ = load_checkpoint(tmp_path / "step-4")
+    assert again["model"].keys() == weights["model"].keys()
+    assert all(torch.equal(again["model"][k], weights["model"][k]) for k in again["model"])
+
+
+def _kill_rank_when(path: Path, marker: str, rank: int, deadline_s: float, killed: list[int]) -> None:
+    """SIGKILL the msrun worker of ``rank`` (its command line holds ``marker``) once ``path`` exists."""
+    end = time.monotonic() + deadline_s
+    while not path.is_dir():
+        if time.monotonic() > end:
+            return
+        time.sleep(0.05)
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(marker.encode() in a for a in cmdline) and b"msrun_train_script.py" in b" ".join(cmdline):
+            if f"RANK_ID={rank}".encode() in environ:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+                return
+
+
+def test_msrun_gives_up_on_a_dead_worker_and_a_rerun_resumes(tmp_path: Path) -> None:
+    """msrun does not restart: a worker killed with SIGKILL ends the job with an error; the same
+    command run again resumes from the newest complete checkpoint and finishes."""
+    save = tmp_path / "ckpt"
+    args = ["--seq-len", "32", "--batch-size", "2", "--steps", "6", "--save-every", "2"]
+    args += ["--save", str(save), "--metrics-json", str(tmp_path / "metrics.json"), "--timeout-s", "60"]
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_rank_when, args=(save / "step-2", str(save), 1, 300, killed))
+    killer.start()
+    first = run_msrun(MSRUN_SCRIPT, 2, args, timeout_s=300, log_lines=400)
+    killer.join()
+    assert killed, f"no worker was killed:\n{first.describe()}"
+    assert first.returncode not in (0, None) and not first.timed_out, first.describe()
+    assert not (tmp_path / "metrics.json").exists()  # the job did not finish, and no restart
+    second = run_msrun(MSRUN_SCRIPT, 2, args, timeout_s=300, log_lines=400)
+    assert second.ok, second.describe()
+    found = re.findall(r"resuming from \S*step-(\d+) ", second.logs["worker_0.log"])
+    assert len(found) == 1 and int(found[0]) in (2, 4), second.describe()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["start_step"] == int(found[0]) and metrics["steps"][-1] == 6
 
 
 def test_bf16_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

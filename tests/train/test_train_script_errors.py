@@ -49,6 +49,10 @@ CASES = {
         "checkpoint {tmp}/ckpt does not exist",
     ),
     "corrupt-checkpoint": (lambda tmp: ["--resume", _corrupt_checkpoint(tmp)], "step-3"),
+    "damaged-save-root": (
+        lambda tmp: ["--save", str(Path(_corrupt_checkpoint(tmp)).parent)],
+        "every checkpoint under --save {tmp}/ckpt (step-3) failed its checks",
+    ),
     "missing-model": (lambda tmp: ["--model", str(tmp)], "--model {tmp}: no config.json there"),
 }
 

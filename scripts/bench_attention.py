@@ -1,0 +1,222 @@
+"""Benchmark causal softmax attention: ours against torch's SDPA, and MindSpore's memory against T.
+
+Two parts, each a case of the shared harness of ``bench_ops.py`` (alternating rounds, JSON):
+
+- ``torch``: one process, ``--threads`` threads (1), q ``[1, 6, T, 256]``, k and v ``[1, 1, T, 256]``
+  (6 query heads over 1 KV head), fp32, T = ``--T`` (8192), forward+backward (gradients of q, k,
+  v for a fixed cotangent). ``ours`` is :func:`hyperpar_gdn.ops.attention.attention` on the
+  automatic path (torch CPU: the flash kernel per rectangle, merged by log-sum-exp); ``sdpa`` is
+  ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``. They take turns for
+  ``--repeats`` rounds after a warm-up; the target is ours / sdpa <= 1.1 (ratio of medians).
+  ``--blockwise`` adds the generic blockwise path (what MindSpore on CPU runs) to the rounds.
+- ``mindspore``: the MindSpore ``CausalSelfAttention`` layer (hidden 512, the same heads), one
+  forward+backward per T in ``--ms-T`` (2048 4096 8192 16384), each in a fresh process after a
+  warm-up step at T = 256: the peak RSS growth of the step (``ru_maxrss``) and its time; the dense reference path
+  (``HP_ATTENTION=reference``, which materializes the ``[B, H, T, T]`` scores) at the T in
+  ``--ms-dense-T`` for comparison. Blockwise memory should grow linearly in T.
+
+Usage: ``python scripts/bench_attention.py [--T 8192 --repeats 3 --ms-T 2048 4096 8192 16384]``;
+``--skip-torch`` / ``--skip-mindspore``. Writes ``results/bench_attention.json`` and
+``results/bench_attention.png`` (time and memory of the MindSpore layer against T). The load
+average before and after is in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+TARGET_OURS_OVER_SDPA = 1.1
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 6, 1, 256, 512
+WARMUP_T = 256
+
+
+def torch_case(seq_len: int, repeats: int, warmup: int, threads: int, blockwise: bool) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from bench_ops import round_robin_times
+
+    from hyperpar_gdn.ops.attention import attention
+    from hyperpar_gdn.ops.attention_plan import Tokens
+    from hyperpar_gdn.platform import ops_for
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HEADS, seq_len, HEAD_DIM, generator=g).requires_grad_()
+    k = torch.randn(1, KV_HEADS, seq_len, HEAD_DIM, generator=g).requires_grad_()
+    v = torch.randn(1, KV_HEADS, seq_len, HEAD_DIM, generator=g).requires_grad_()
+    cot = torch.randn(1, HEADS, seq_len, HEAD_DIM, generator=g)
+    xp, tokens = ops_for(q), Tokens.span(0, seq_len)
+
+    def ours(path: str = "auto") -> Any:
+        o = attention(xp, q, k, v, queries=tokens, keys=tokens, path=path)
+        return (o, *torch.autograd.grad((o * cot).sum(), (q, k, v)))
+
+    def sdpa() -> Any:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return (o, *torch.autograd.grad((o * cot).sum(), (q, k, v)))
+
+    calls = {"ours": ours, "sdpa": sdpa}
+    if blockwise:
+        calls["blockwise"] = lambda: ours("blockwise")
+    errors = {}
+    expected = sdpa()
+    for name, fn in calls.items():
+        got = fn()
+        errors[name] = max(
+            ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, expected, strict=True)
+        )
+    times = round_robin_times(calls, repeats, warmup)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    per_round = [a / b for a, b in zip(times["ours"], times["sdpa"], strict=True)]
+    return {
+        "shape": {"B": 1, "H": HEADS, "Hkv": KV_HEADS, "D": HEAD_DIM, "T": seq_len, "dtype": "float32"},
+        "threads": threads,
+        "times_s": times,
+        "median_s": medians,
+        "rel_err_vs_sdpa": errors,
+        "ours_over_sdpa": {
+            "ratio_of_medians": medians["ours"] / medians["sdpa"],
+            "median_of_round_ratios": statistics.median(per_round),
+            "ratio_of_minima": min(times["ours"]) / min(times["sdpa"]),  # least disturbed by other jobs
+            "target": TARGET_OURS_OVER_SDPA,
+            "within_target": medians["ours"] / medians["sdpa"] <= TARGET_OURS_OVER_SDPA,
+        },
+    }
+
+
+def mindspore_step(seq_len: int, threads: int) -> dict[str, Any]:
+    """One forward+backward of the MindSpore layer at ``seq_len`` (run in a fresh process)."""
+    import mindspore as ms
+    import numpy as np
+
+    from hyperpar_gdn.models.mindspore import CausalSelfAttention
+    from hyperpar_gdn.platform import get_platform
+
+    get_platform("mindspore")  # PyNative, kernels launched synchronously
+    ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=threads)
+    layer = CausalSelfAttention(HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    rng = np.random.default_rng(0)
+
+    def step(t: int) -> Any:
+        x = ms.Tensor(rng.standard_normal((1, t, HIDDEN)).astype(np.float32))
+        cot = ms.Tensor(rng.standard_normal((1, t, HIDDEN)).astype(np.float32))
+        grad_fn = ms.grad(
+            lambda inp: (layer(inp) * cot).sum(), grad_position=0, weights=layer.trainable_params()
+        )
+        dx, _ = grad_fn(x)
+        return float(dx.sum().asnumpy())
+
+    step(WARMUP_T)  # kernels and allocator warm, at a T whose memory is below every measured one
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    step(seq_len)
+    elapsed = time.perf_counter() - start
+    growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
+    return {"T": seq_len, "time_s": elapsed, "peak_rss_growth_bytes": growth}
+
+
+def mindspore_case(
+    lengths: list[int], dense_lengths: list[int], threads: int, timeout_s: float
+) -> dict[str, Any]:
+    rows = []
+    for path, ts in (("auto", lengths), ("reference", dense_lengths)):
+        for t in ts:
+            env = {**os.environ, "HP_ATTENTION": path, "OMP_NUM_THREADS": str(threads)}
+            cmd = [sys.executable, __file__, "--ms-worker", str(t), "--threads", str(threads)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+            if done.returncode != 0:
+                raise RuntimeError(f"MindSpore worker T={t} path={path} failed:\n{done.stderr[-3000:]}")
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            row["path"] = "blockwise" if path == "auto" else "dense reference"
+            rows.append(row)
+            print(
+                f"  mindspore {row['path']:>16} T={t:6d}: {row['time_s']:7.1f} s, "
+                f"peak RSS growth {row['peak_rss_growth_bytes'] / 2**20:8.0f} MiB",
+                flush=True,
+            )
+    blockwise = [r for r in rows if r["path"] == "blockwise"]
+    per_token = [r["peak_rss_growth_bytes"] / r["T"] for r in blockwise]
+    return {"rows": rows, "blockwise_bytes_per_token": per_token}
+
+
+def plot(ms_result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for label in ("blockwise", "dense reference"):
+        rows = [r for r in ms_result["rows"] if r["path"] == label]
+        if not rows:
+            continue
+        ts = [r["T"] for r in rows]
+        axes[0].plot(ts, [r["time_s"] for r in rows], "o-", label=label)
+        axes[1].plot(ts, [r["peak_rss_growth_bytes"] / 2**20 for r in rows], "o-", label=label)
+    axes[0].set(xlabel="T", ylabel="s", title="MindSpore CPU attention layer, forward+backward")
+    axes[1].set(xlabel="T", ylabel="MiB", title="peak RSS growth of the step")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--T", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--blockwise", action="store_true", help="also time the generic blockwise path on torch"
+    )
+    parser.add_argument("--ms-T", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--ms-dense-T", type=int, nargs="*", default=[2048, 4096])
+    parser.add_argument("--ms-timeout", type=float, default=1800.0)
+    parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--skip-mindspore", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_attention.json"))
+    parser.add_argument("--ms-worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.ms_worker is not None:
+        print(json.dumps(mindspore_step(args.ms_worker, args.threads)))
+        return 0
+    result: dict[str, Any] = {"load_average_before": os.getloadavg()}
+    if not args.skip_torch:
+        result["torch"] = torch_case(args.T, args.repeats, args.warmup, args.threads, args.blockwise)
+        r = result["torch"]
+        print(
+            f"torch T={args.T}: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in r["median_s"].items())
+            + f"; ours/sdpa {r['ours_over_sdpa']['ratio_of_medians']:.3f} (target <= {TARGET_OURS_OVER_SDPA})"
+            + f"; rel err vs sdpa {r['rel_err_vs_sdpa']}",
+            flush=True,
+        )
+    if not args.skip_mindspore:
+        result["mindspore"] = mindspore_case(args.ms_T, args.ms_dense_T, args.threads, args.ms_timeout)
+    result["load_average_after"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if "mindspore" in result:
+        plot(result["mindspore"], args.out.with_suffix(".png"))
+    print(
+        f"load average before {result['load_average_before']}, after {result['load_average_after']}; "
+        f"wrote {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

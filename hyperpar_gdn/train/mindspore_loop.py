@@ -103,12 +103,14 @@ class AdamW:
         self.names = [p.name for p in self.params] if names is None else list(names)
         if len(self.names) != len(self.params):
             raise ValueError(f"AdamW got {len(self.names)} names for {len(self.params)} parameters")
-        # One group per parameter: in MindSpore 2.10 (experimental.optim on CPU, measured), a group
-        # of two or more parameters whose learning rate changes between steps (the warmup) is
-        # updated wrongly (0.003 off torch's AdamW after one change); one-parameter groups match
-        # torch to fp32 rounding.
+        decay = [i for i, p in enumerate(self.params) if len(p.shape) >= 2]
+        rest = [i for i, p in enumerate(self.params) if len(p.shape) < 2]
+        self._order = decay + rest  # the library's parameter order, group by group
+        self._slot = {position: slot for slot, position in enumerate(self._order)}
         groups = [
-            {"params": [p], "weight_decay": weight_decay if len(p.shape) >= 2 else 0.0} for p in self.params
+            {"params": [self.params[i] for i in ids], "weight_decay": wd}
+            for ids, wd in ((decay, weight_decay), (rest, 0.0))
+            if ids
         ]
         self.optimizer = library_adamw_class()(groups, lr=1e-3, betas=betas, eps=eps)
         # the step counter starts at 0 (experimental.optim) or -1 (mint.optim)
@@ -121,12 +123,12 @@ class AdamW:
     @property
     def exp_avg(self) -> list[ms.Tensor]:
         """First moments, in the order of ``params``."""
-        return list(self.optimizer.exp_avg)
+        return [self.optimizer.exp_avg[self._slot[i]] for i in range(len(self.params))]
 
     @property
     def exp_avg_sq(self) -> list[ms.Tensor]:
         """Second moments, in the order of ``params``."""
-        return list(self.optimizer.exp_avg_sq)
+        return [self.optimizer.exp_avg_sq[self._slot[i]] for i in range(len(self.params))]
 
     def step(self, grads: Sequence[ms.Tensor], lr: float) -> None:
         if len(grads) != len(self.params):
@@ -137,9 +139,11 @@ class AdamW:
                     f"AdamW: gradient {i} has shape {tuple(grad.shape)}, its parameter {param.name} "
                     f"{tuple(param.shape)}"
                 )
+        # A float, not the group's lr Parameter set in place: in 2.10 (measured) a group of two or
+        # more parameters then kept updating with a stale rate (0.003 off torch after one change).
         for group in self.optimizer.param_groups:
-            group["lr"].set_data(ms.Tensor(lr, group["lr"].dtype))
-        self.optimizer(tuple(grads))
+            group["lr"] = float(lr)
+        self.optimizer(tuple(grads[i] for i in self._order))
 
     def state_dict(self) -> dict[str, Any]:
         """The moments (torch tensors, so ``torch.load(weights_only=True)`` reads them), the step
@@ -170,8 +174,11 @@ class AdamW:
                     f"optimizer state of {self.names[i]} has shape {tuple(m.shape)}, not {tuple(p.shape)}"
                 )
         for i, p in enumerate(self.params):
-            self.optimizer.exp_avg[i].set_data(ms.Tensor(state["exp_avg"][i].numpy()).astype(p.dtype))
-            self.optimizer.exp_avg_sq[i].set_data(ms.Tensor(state["exp_avg_sq"][i].numpy()).astype(p.dtype))
+            slot = self._slot[i]
+            self.optimizer.exp_avg[slot].set_data(ms.Tensor(state["exp_avg"][i].numpy()).astype(p.dtype))
+            self.optimizer.exp_avg_sq[slot].set_data(
+                ms.Tensor(state["exp_avg_sq"][i].numpy()).astype(p.dtype)
+            )
         step = self.optimizer.state_step
         value = np.full(step.shape, int(state["steps"]) - self._step_offset)
         step.set_data(ms.Tensor(value, step.dtype))

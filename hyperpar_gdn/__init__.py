@@ -1,9 +1,34 @@
 """hyperpar-gdn: context parallelism for Gated DeltaNet layers on PyTorch and MindSpore.
 
-    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
-    LinearAttentionContextParallel(mode="ulysses").apply(layer, mesh)
+Split a GDN layer's (or a whole hybrid model's) sequence over a group of ranks and get the
+single-device result::
 
-The names below load on first use, so ``import hyperpar_gdn.ops`` stays light.
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))     # under torchrun, 2 ranks
+    LinearAttentionContextParallel(mode="ulysses").apply(layer, mesh)  # a GDN layer
+    apply_context_parallel(model, mesh, mode="p2p")                    # or a whole model
+    shard = shard_for_context_parallel(mesh, input_ids)                # this rank's piece
+    loss = context_parallel_loss(model(shard.input_ids), shard.labels, mesh)
+    loss.backward()
+    sync_context_parallel_grads(model, mesh)                           # sum the gradient shares
+
+Public API (loaded on first use, so ``import hyperpar_gdn.ops`` stays light):
+
+- ``init_device_mesh``, ``DeviceMesh``: the mesh of ranks (torch's API, any platform).
+- ``LinearAttentionContextParallel``: CP for one GDN layer (modes ``ulysses``, ``p2p``,
+  ``all_gather``); ``SoftmaxAttentionContextParallel``: CP for a softmax-attention layer;
+  ``ParallelStyle``: their base (``apply`` / ``undo``).
+- ``apply_context_parallel``, ``undo_context_parallel``: every layer of ``HybridLM`` or of
+  transformers' Qwen3.5 models.
+- ``shard_for_context_parallel``, ``ContextParallelBatch``: a whole batch cut into this rank's
+  shard with labels shifted on the whole sequence; ``context_parallel_loss``: this rank's term of
+  the global mean loss; ``sync_context_parallel_grads``: the gradient shares summed over the CP
+  group (averaged over a DP axis).
+- ``DTensor``, ``Shard``, ``Replicate``: a small DTensor; ``get_platform``: the framework layer
+  (``HP_PLATFORM`` = cpu, cuda, npu or mindspore).
+
+Models: ``hyperpar_gdn.models`` (``GatedDeltaNet``, ``HybridLM``; MindSpore twins in
+``hyperpar_gdn.models.mindspore``). Training: ``scripts/train.py`` and ``hyperpar_gdn.train``.
+Guides: README.md and docs/ in the repository.
 """
 
 from __future__ import annotations
@@ -22,6 +47,7 @@ _EXPORTS = {
     "SoftmaxAttentionContextParallel": "hyperpar_gdn.distributed.attention_style",
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
+    "sync_context_parallel_grads": "hyperpar_gdn.distributed.grads",
     "ContextParallelBatch": "hyperpar_gdn.distributed.batch",
     "context_parallel_lm_loss": "hyperpar_gdn.distributed.batch",
     "context_parallel_loss": "hyperpar_gdn.distributed.batch",
@@ -30,6 +56,10 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name: str) -> Any:

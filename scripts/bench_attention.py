@@ -17,8 +17,9 @@ Two parts, each a case of the shared harness of ``bench_ops.py`` (alternating ro
 
 Usage: ``python scripts/bench_attention.py [--T 8192 --repeats 3 --ms-T 2048 4096 8192 16384]``;
 ``--skip-torch`` / ``--skip-mindspore``. Writes ``results/bench_attention.json`` and
-``results/bench_attention.png`` (time and memory of the MindSpore layer against T). The load
-average before and after is in the JSON.
+``results/bench_attention.png`` (time and memory of the MindSpore layer against T); the MindSpore
+rows also go to ``results/bench_attention_mindspore.json`` and ``.png`` after every row. The load
+average before and after is in the JSON (and beside every MindSpore row).
 """
 
 from __future__ import annotations
@@ -127,27 +128,43 @@ def mindspore_step(seq_len: int, threads: int) -> dict[str, Any]:
 
 
 def mindspore_case(
-    lengths: list[int], dense_lengths: list[int], threads: int, timeout_s: float
+    lengths: list[int], dense_lengths: list[int], threads: int, timeout_s: float, out: Path
 ) -> dict[str, Any]:
-    rows = []
-    for path, ts in (("auto", lengths), ("reference", dense_lengths)):
-        for t in ts:
-            env = {**os.environ, "HP_ATTENTION": path, "OMP_NUM_THREADS": str(threads)}
-            cmd = [sys.executable, __file__, "--ms-worker", str(t), "--threads", str(threads)]
+    """Each T in a fresh process, the dense reference beside the blockwise path at its T; the JSON
+    and the plot are rewritten after every row (a long row may be cut by ``timeout_s``)."""
+    rows: list[dict[str, Any]] = []
+    jobs = [("reference", t) for t in dense_lengths] + [("auto", t) for t in lengths]
+    jobs.sort(key=lambda job: (job[1], job[0] == "auto"))
+    result = {"rows": rows}
+    for path, t in jobs:
+        env = {**os.environ, "HP_ATTENTION": path, "OMP_NUM_THREADS": str(threads)}
+        cmd = [sys.executable, __file__, "--ms-worker", str(t), "--threads", str(threads)]
+        label = "blockwise" if path == "auto" else "dense reference"
+        try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-            if done.returncode != 0:
-                raise RuntimeError(f"MindSpore worker T={t} path={path} failed:\n{done.stderr[-3000:]}")
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            row["path"] = "blockwise" if path == "auto" else "dense reference"
-            rows.append(row)
-            print(
-                f"  mindspore {row['path']:>16} T={t:6d}: {row['time_s']:7.1f} s, "
-                f"peak RSS growth {row['peak_rss_growth_bytes'] / 2**20:8.0f} MiB",
-                flush=True,
-            )
-    blockwise = [r for r in rows if r["path"] == "blockwise"]
-    per_token = [r["peak_rss_growth_bytes"] / r["T"] for r in blockwise]
-    return {"rows": rows, "blockwise_bytes_per_token": per_token}
+        except subprocess.TimeoutExpired:
+            rows.append({"T": t, "path": label, "timed_out_after_s": timeout_s})
+            print(f"  mindspore {label:>16} T={t:6d}: not done within {timeout_s:.0f} s", flush=True)
+            continue
+        if done.returncode != 0:
+            raise RuntimeError(f"MindSpore worker T={t} path={path} failed:\n{done.stderr[-3000:]}")
+        row = {
+            **json.loads(done.stdout.strip().splitlines()[-1]),
+            "path": label,
+            "load_average": os.getloadavg(),
+        }
+        rows.append(row)
+        print(
+            f"  mindspore {label:>16} T={t:6d}: {row['time_s']:7.1f} s, "
+            f"peak RSS growth {row['peak_rss_growth_bytes'] / 2**20:8.0f} MiB",
+            flush=True,
+        )
+        done_rows = [r for r in rows if r["path"] == "blockwise" and "time_s" in r]
+        result["blockwise_bytes_per_token"] = {r["T"]: r["peak_rss_growth_bytes"] / r["T"] for r in done_rows}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"mindspore": result}, indent=2) + "\n")
+        plot(result, out.with_suffix(".png"))
+    return result
 
 
 def plot(ms_result: dict[str, Any], path: Path) -> None:
@@ -158,7 +175,7 @@ def plot(ms_result: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for label in ("blockwise", "dense reference"):
-        rows = [r for r in ms_result["rows"] if r["path"] == label]
+        rows = [r for r in ms_result["rows"] if r["path"] == label and "time_s" in r]
         if not rows:
             continue
         ts = [r["T"] for r in rows]
@@ -205,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if not args.skip_mindspore:
-        result["mindspore"] = mindspore_case(args.ms_T, args.ms_dense_T, args.threads, args.ms_timeout)
+        partial = args.out.with_name(args.out.stem + "_mindspore.json")
+        result["mindspore"] = mindspore_case(
+            args.ms_T, args.ms_dense_T, args.threads, args.ms_timeout, partial
+        )
     result["load_average_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

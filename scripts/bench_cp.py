@@ -7,7 +7,7 @@ to the user). Two sweeps:
 - fixed total T (``--seq-len``): each rank holds T/cp tokens; speed-up over cp=1 is the point.
 - fixed local T (``--local-seq-len``): each rank holds the same tokens whatever cp; the cost of CP.
 
-And the measure of issue 11, parallel efficiency with one core per rank (``--efficiency-cp``, 2 by
+And parallel efficiency with one core per rank (``--efficiency-cp``, 2 by
 default; ``--efficiency-cp 0`` skips it): the layer on the whole sequence (``--seq-len``) in one
 process with 1 thread against ``cp`` ranks of 1 thread each holding T/cp tokens, timed
 alternately in one run: the same ``cp`` processes take turns, rank 0 timing the whole sequence
@@ -19,7 +19,7 @@ Threads: ``--total-threads`` is split evenly over the ranks (cp=1 gets all of th
 run uses the same machine. Per rank and configuration it records the median forward+backward
 time over ``--repeats`` (after a warm-up), the activation memory (bytes of the distinct storages saved
 for backward, parameters excluded, counted by a saved-tensor hook), the peak RSS growth of the process during the step,
-and the bytes the platform's collectives sent, next to the DESIGN.md formulas
+and the bytes the platform's collectives sent, next to the formulas of docs/modes.md
 (:func:`expected_bytes`). Results: JSON (``--out``) and a PNG plot beside it.
 
 ``--backend mindspore`` (or ``--backend torch mindspore``) times the MindSpore layer too: its ranks
@@ -59,7 +59,7 @@ from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 
 MODES = ("ulysses", "p2p", "all_gather")
 LOCAL = "local"  # the efficiency run's plain layer on each shard, ranks side by side
-EFFICIENCY_TARGETS = {"ulysses": 0.9, "p2p": 0.85, "all_gather": 0.85}  # issue 11, cp=2, one core per rank
+EFFICIENCY_TARGETS = {"ulysses": 0.9, "p2p": 0.85, "all_gather": 0.85}  # cp=2, one core per rank
 BACKENDS = ("torch", "mindspore")
 
 
@@ -83,7 +83,7 @@ class LayerShape:
 
 
 def expected_bytes(mode: str, shape: LayerShape, *, seq_len: int, cp: int, rank: int, itemsize: int) -> int:
-    """Bytes this rank sends in one forward+backward, from DESIGN.md section 3.
+    """Bytes this rank sends in one forward+backward, from the formulas of docs/modes.md.
 
     Every mode: the shard lengths, one int64 to each other rank per forward.
     ulysses: two all-to-alls each way; rank j receives the conv channels of its value heads and

@@ -22,7 +22,7 @@ A backend is a class with the methods of :class:`TorchBackend`; ``BACKENDS`` map
 names to them. ``--backend mindspore`` (:class:`MindSporeBackend`) times ``ours`` on MindSpore
 tensors beside ``ours_torch`` and ``transformers`` on torch tensors of the same values; the matmul
 rates are then MindSpore's, and the report gives MindSpore's time over torch's for the same code
-(``mindspore_over_torch``, target <= 2.5, issue 11): the ratio of the medians, the median of the
+(``mindspore_over_torch``, target <= 2.5): the ratio of the medians, the median of the
 per-round ratios (the two take turns each round, so a round's ratio sees the same load) and the
 ratio of the fastest runs. Its
 default T is 2048 (the issue's shape, B1 H4 K=V=128 fp32); torch's is 4096.

@@ -40,28 +40,29 @@ def build_layer(platform: Platform, args: argparse.Namespace) -> Any:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-len", type=int, default=512, help="total tokens T, split over the ranks")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--k-heads", type=int, default=4)
-    parser.add_argument("--v-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--tolerance", type=float, default=1e-4, help="max error relative to each tensor's scale"
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, seconds")
+    add = parser.add_argument
+    add("--seq-len", type=int, default=512, help="total tokens T, split over the ranks")
+    add("--batch-size", type=int, default=2, help="sequences B of the test input")
+    add("--hidden", type=int, default=128, help="hidden size of the GDN layer")
+    add("--k-heads", type=int, default=4, help="query/key heads of the GDN layer")
+    add("--v-heads", type=int, default=8, help="value heads (ulysses needs them divisible by the ranks)")
+    add("--head-dim", type=int, default=32, help="key and value head dimension")
+    add("--seed", type=int, default=0, help="weights and input")
+    add("--tolerance", type=float, default=1e-4, help="max error relative to each tensor's scale")
+    add("--timeout-s", type=float, default=300.0, help="process-group timeout (seconds)")
     args = parser.parse_args()
 
     platform = get_platform()
-    platform.init_distributed(timeout_s=args.timeout)
+    platform.init_distributed(timeout_s=args.timeout_s)
     rank, world = platform.rank(), platform.world_size()
     if args.seq_len % world:
         raise SystemExit(f"--seq-len {args.seq_len} is not divisible by the {world} ranks")
     mesh = init_device_mesh(platform.name, (world,), mesh_dim_names=("cp",))
     rng = np.random.default_rng(args.seed)
-    x = rng.standard_normal((args.batch, args.seq_len, args.hidden))
+    x = rng.standard_normal((args.batch_size, args.seq_len, args.hidden))
     cotangent = rng.standard_normal(x.shape)
 
     rows, ok, total = [], 0, 0
@@ -82,7 +83,7 @@ def main() -> int:
     finally:
         if rank == 0:
             print(
-                f"platform={platform.name} ranks={world} T={args.seq_len} B={args.batch} hidden={args.hidden}"
+                f"platform={platform.name} ranks={world} T={args.seq_len} B={args.batch_size} hidden={args.hidden}"
             )
             print(f"{'mode':<12}{'max rel error':<44}{'time':<10}result")
             for mode, err, elapsed, result in rows:

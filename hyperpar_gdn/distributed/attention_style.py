@@ -114,7 +114,8 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
     After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard
     ``[B, T_r, hidden]`` (shards may differ in length) and gives exactly the single-device rows;
     ours also take ``cu_seqlens=`` (packed documents: the whole sequence's boundaries).
-    Parameters are untouched; their gradients are this rank's share (sum them over the CP ranks).
+    Parameters are untouched; their gradients are this rank's share (sum them over the CP ranks:
+    :func:`~hyperpar_gdn.sync_context_parallel_grads`).
     ``undo(module)`` restores the original forward.
 
     transformers' layers keep their call signature ``(hidden_states, position_embeddings,

@@ -3,7 +3,11 @@
     shard = shard_for_context_parallel(mesh, input_ids, attention_mask=mask)   # whole batch in
     logits = model(**shard.model_inputs()).logits                               # [B, T/cp, V]
     loss = context_parallel_loss(logits, shard.labels, mesh)
-    loss.backward()     # then sum the gradients over the CP ranks (as data parallelism does)
+    loss.backward()
+    sync_context_parallel_grads(model, mesh)   # sum the gradient shares over the CP ranks
+
+A transformers Qwen3.5 model under ``apply_context_parallel`` gives the same loss as
+``model(**shard.model_inputs(), labels=shard.labels).loss``.
 
 Labels are shifted on the whole sequence before sharding (transformers' ``shift_labels``
 convention): the label of the last token of rank r's shard is the first token of rank r+1's, and
@@ -59,8 +63,9 @@ class ContextParallelBatch:
     cu_seqlens: Tensor | None = None
 
     def model_inputs(self) -> dict[str, Tensor]:
-        """Keyword arguments of a transformers model's forward (labels stay out: the model's own
-        loss would average over the local tokens only; use :func:`context_parallel_loss`)."""
+        """Keyword arguments of a transformers model's forward. Labels stay out: add
+        ``labels=self.labels`` for the model's own loss (under ``apply_context_parallel`` this rank's
+        term of the global mean), or use :func:`context_parallel_loss` on the logits."""
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask

@@ -8,18 +8,25 @@ token, so once the mixers take a sequence shard the whole model does: ``model(in
 returns this rank's logits ``[B, T/cp, V]``.
 
 A transformers text model also gets a forward pre-hook that makes its inputs right for a shard
-(DESIGN.md section 6):
+(docs/training.md, transformers models):
 
 - ``position_ids`` default to the shard's global positions ``r*T/cp + t`` (so RoPE is right);
 - the shard lengths are exchanged and a 2-D ``attention_mask`` (this rank's shard of the padding
   mask) is gathered once per forward, into one :class:`GlobalSequence` that every mixer gets (the
   softmax-attention layers need the keys of every rank, the GDN layers their own piece);
 - ``use_cache`` defaults to False; a cache is refused.
+
+On a causal LM (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) a pre-hook builds that layout
+once for the whole forward and hands it to the text model's hook; its ``labels`` are this rank's
+shifted labels (``shard.labels``), passed to transformers' loss as ``shift_labels`` with
+``num_items_in_batch`` = the labelled tokens of the whole CP group (counted in the same
+all-gather), so each rank's ``.loss`` is its term of the global mean.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import numpy as np
@@ -29,6 +36,7 @@ from hyperpar_gdn.ops.layer import LayerDims
 from hyperpar_gdn.ops.varlen import check_cu_seqlens
 
 from .attention_style import SoftmaxAttentionContextParallel
+from .batch import IGNORE_INDEX
 from .cp.ulysses import ulysses_head_error
 from .mesh import DeviceMesh, as_cp_mesh
 from .sequence import GlobalSequence, exchange_lengths, gather_pieces
@@ -39,6 +47,7 @@ __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
 TRANSFORMERS_TEXT_MODELS = ("Qwen3_5TextModel", "Qwen3_5MoeTextModel")
 TRANSFORMERS_MULTIMODAL_MODELS = ("Qwen3_5Model", "Qwen3_5MoeModel")
 _HOOKS = "_hyperpar_cp_hooks"
+_LOSS_KEYWORDS = ("shift_labels", "num_items_in_batch", "ignore_index")
 
 
 def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int = 64) -> Any:
@@ -46,8 +55,13 @@ def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int 
 
     GDN mixers (``linear_attn``) get :class:`LinearAttentionContextParallel` in ``mode``;
     softmax mixers (``self_attn``) get :class:`SoftmaxAttentionContextParallel` (all-gathered K
-    and V, whatever ``mode``). Checks every layer before changing any. Rank r of the mesh must
-    hold tokens ``[r*T/cp, (r+1)*T/cp)`` (see :func:`~hyperpar_gdn.shard_for_context_parallel`).
+    and V, whatever ``mode``). Checks every layer before changing any. Rank r of the mesh holds
+    the r-th contiguous piece of every sequence: tokens ``[r*T/cp, (r+1)*T/cp)`` as
+    :func:`~hyperpar_gdn.shard_for_context_parallel` cuts them, or pieces of different lengths
+    (each forward exchanges the lengths). Each rank passes only its own piece: the whole sequence
+    on every rank computes wrong results (a transformers model warns when every rank got the same
+    tokens). On a transformers causal LM, ``labels=`` are this rank's shifted labels
+    (``shard.labels``) and ``.loss`` is this rank's term of the global mean loss.
 
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
@@ -75,11 +89,19 @@ def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int 
         _check_transformers_config(text_model.config)
         if getattr(text_model, _HOOKS, None) is not None:
             raise ValueError(f"{type(model).__name__} already has context parallelism applied; undo it first")
+        slot: dict[str, Any] = {}  # what the causal LM's hook hands to the inner models' hooks
         hooks = [
-            text_model.register_forward_pre_hook(_text_model_hook(text_model, cp_mesh), with_kwargs=True)
+            text_model.register_forward_pre_hook(
+                _text_model_hook(text_model, cp_mesh, slot), with_kwargs=True
+            )
         ]
         if outer is not None:
-            hooks.append(outer.register_forward_pre_hook(_multimodal_hook(outer, cp_mesh), with_kwargs=True))
+            hooks.append(
+                outer.register_forward_pre_hook(_multimodal_hook(outer, cp_mesh, slot), with_kwargs=True)
+            )
+        if model is not outer and model is not text_model and _takes_labels(model):
+            hook = _causal_lm_hook(model, cp_mesh, slot, multimodal=outer is not None)
+            hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True))
         setattr(text_model, _HOOKS, hooks)
     linear_style = LinearAttentionContextParallel(mode, chunk_size=chunk_size)
     softmax_style = SoftmaxAttentionContextParallel()
@@ -176,10 +198,14 @@ def _local_input(module: Any, arguments: dict[str, Any]) -> tuple[Any, str | Non
     return x, None
 
 
-def _layout(module: Any, mesh: DeviceMesh, arguments: dict[str, Any]) -> tuple[tuple[int, ...], Any]:
-    """Exchange the piece lengths (every rank stops on any rank's bad input) and fill in the
-    global position_ids when none are given. Returns (lengths, position_ids [B, T_r])."""
-    x, error = _local_input(module, arguments)
+def _layout(
+    module: Any, mesh: DeviceMesh, arguments: dict[str, Any], error: str | None = None
+) -> tuple[tuple[int, ...], Any]:
+    """Exchange the piece lengths (every rank stops on any rank's bad input, or on ``error``, a
+    problem a hook found before) and fill in the global position_ids when none are given.
+    Returns (lengths, position_ids [B, T_r])."""
+    x, local_error = _local_input(module, arguments)
+    error = error or local_error
     lengths = exchange_lengths(mesh, None if error else x.shape[1], error)
     positions = arguments.get("position_ids")
     if positions is None:
@@ -190,34 +216,187 @@ def _layout(module: Any, mesh: DeviceMesh, arguments: dict[str, Any]) -> tuple[t
     return lengths, positions
 
 
-def _text_model_hook(text_model: Any, mesh: DeviceMesh) -> Any:
+def _global_sequence(
+    module: Any,
+    mesh: DeviceMesh,
+    arguments: dict[str, Any],
+    *,
+    error: str | None = None,
+    count_labels: bool = False,
+) -> tuple[GlobalSequence, int | None]:
+    """Everything a forward's mixers need about the whole sequence, from one length exchange and
+    one small all-gather (positions, padding, tokens and, with ``count_labels``, which positions
+    carry a label). Sets ``arguments``' position_ids and packed-document keywords for the layers.
+
+    Returns the :class:`GlobalSequence` and, with ``count_labels``, the labelled tokens of the
+    whole CP group (None when no rank passed labels)."""
+    lengths, positions = _layout(module, mesh, arguments, error)
+    mask = arguments.get("attention_mask")
+    xp = mesh.platform.ops
+    ones = positions * 0 + 1
+    tokens = arguments.get("input_ids")
+    channels = [
+        positions,
+        ones if mask is None else xp.cast(mask != 0, positions.dtype),
+        -ones if tokens is None else xp.cast(tokens, positions.dtype),
+    ]
+    if count_labels:
+        labels = arguments.get("labels")
+        ignore = arguments.get("ignore_index", IGNORE_INDEX)
+        channels.append(-ones if labels is None else xp.cast(labels != ignore, positions.dtype))
+    local = xp.stack(channels, 0)
+    whole = gather_pieces(mesh, local, lengths, 2) if mesh.size() > 1 else local  # [channels, B, T]
+    on_host = xp.to_numpy(whole)
+    key_mask = whole[1] if bool((on_host[1] == 0).any()) else None  # the same choice on every rank
+    _warn_if_whole_sequence_everywhere(on_host, lengths)
+    cu = _packed_cu_seqlens(arguments, on_host[0])
+    doc_ids = None
+    if cu is not None:
+        doc_ids = doc_ids_tensor(xp, cu, seq_len=sum(lengths), like=positions)
+        arguments["cu_seq_lens_q"] = xp.constant(cu, like=positions)  # for the GDN layers
+    count = _labelled_tokens(on_host[3], lengths) if count_labels else None
+    return GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids), count
+
+
+def _labelled_tokens(labelled: np.ndarray, lengths: tuple[int, ...]) -> int | None:
+    """The labelled tokens of the whole sequence (``labelled`` [B, T]: 1 labelled, 0 not, -1 on
+    the pieces of ranks that passed no labels); None when no rank passed labels."""
+    starts = np.cumsum((0,) + tuple(lengths))
+    without = [r for r in range(len(lengths)) if (labelled[:, starts[r] : starts[r + 1]] < 0).any()]
+    if len(without) == len(lengths):
+        return None
+    if without:
+        raise ValueError(
+            f"labels= was passed on some CP ranks but not on ranks {without}: pass every rank its "
+            "shard's labels (shard.labels), or none"
+        )
+    return int(labelled.sum())
+
+
+def _warn_if_whole_sequence_everywhere(on_host: np.ndarray, lengths: tuple[int, ...]) -> None:
+    """Warn when every rank holds the same piece (the same tokens, or without input_ids the same
+    positions): the mark of the whole sequence given to every rank instead of its shard, which
+    computes wrong results without any error."""
+    if len(lengths) < 2 or len(set(lengths)) != 1:
+        return
+    t = lengths[0]
+    channel = 2 if (on_host[2] >= 0).all() else 0  # the tokens if every rank passed input_ids
+    pieces = [on_host[channel][:, r * t : (r + 1) * t] for r in range(len(lengths))]
+    if all(np.array_equal(pieces[0], piece) for piece in pieces[1:]):
+        warnings.warn(
+            f"every one of the {len(lengths)} CP ranks got the same {t} tokens"
+            + ("" if channel == 2 else " (the same position_ids)")
+            + ": under context parallelism each rank takes its own piece of the sequence "
+            "(shard_for_context_parallel(mesh, input_ids, ...)); the whole sequence on every rank "
+            "computes wrong results",
+            stacklevel=2,
+        )
+
+
+def _text_model_hook(text_model: Any, mesh: DeviceMesh, slot: dict[str, Any]) -> Any:
     layer_types = set(text_model.config.layer_types)
 
     def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         arguments = _bind(module, args, kwargs)
-        lengths, positions = _layout(module, mesh, arguments)
-        mask = arguments.get("attention_mask")
-        xp = mesh.platform.ops
-        local = xp.stack(
-            [positions, positions * 0 + 1 if mask is None else xp.cast(mask != 0, positions.dtype)], 0
-        )
-        whole = gather_pieces(mesh, local, lengths, 2) if mesh.size() > 1 else local  # [2, B, T]
-        key_mask = whole[1] if bool((whole[1] == 0).any()) else None  # the same choice on every rank
-        cu = _packed_cu_seqlens(arguments, xp.to_numpy(whole[0]))
-        doc_ids = None
-        if cu is not None:
-            doc_ids = doc_ids_tensor(xp, cu, seq_len=sum(lengths), like=positions)
-            arguments["cu_seq_lens_q"] = xp.constant(cu, like=positions)  # for the GDN layers
+        sequence = slot.pop("sequence", None)
+        if sequence is None:  # called directly, not through the causal LM
+            sequence, _ = _global_sequence(module, mesh, arguments, error=slot.pop("error", None))
+        else:  # the causal LM's hook built it; the loss keywords are for its loss, not the layers
+            for key in _LOSS_KEYWORDS:
+                arguments.pop(key, None)
         # Every mixer gets the same GlobalSequence: the lengths are exchanged once per forward,
         # not once per layer (on a GPU or NPU each exchange is a host synchronisation); the GDN
         # layers take their piece of the padding mask from it.
         per_type: dict[str, Any] = dict.fromkeys(layer_types)
-        sequence = GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids)
         per_type["full_attention"] = per_type["linear_attention"] = sequence
         arguments["attention_mask"] = per_type
         return (), arguments
 
     return hook
+
+
+def _takes_labels(model: Any) -> bool:
+    """A transformers model that computes its loss from ``labels``."""
+    forward = getattr(model, "forward", None)
+    return (
+        forward is not None
+        and hasattr(model, "loss_function")
+        and "labels" in inspect.signature(forward).parameters
+    )
+
+
+def _causal_lm_hook(model: Any, mesh: DeviceMesh, slot: dict[str, Any], *, multimodal: bool) -> Any:
+    """On the causal LM: ``labels`` are this rank's shifted labels (``shard.labels``), passed on
+    as transformers' ``shift_labels`` with ``num_items_in_batch`` = the labelled tokens of the whole
+    CP group, so that each rank's ``.loss`` is its term of the global mean (the terms add up to the
+    single-device loss, their gradients summed to its gradient). The whole sequence's layout is
+    built here, once, for the text model's hook."""
+    config = model.config
+
+    def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        slot.clear()
+        arguments = _bind(module, args, kwargs)
+        error = _loss_error(module, config, arguments)
+        labels = arguments.get("labels")
+        if multimodal:
+            if error is None and labels is not None:
+                error = (
+                    f"{type(module).__name__} under context parallelism does not handle labels=; compute "
+                    "the loss with context_parallel_loss(output.logits, shard.labels, mesh)"
+                )
+            slot["error"] = error  # raised on every rank by the next length exchange
+            return (), arguments
+        sequence, count = _global_sequence(module, mesh, arguments, error=error, count_labels=True)
+        slot["sequence"] = sequence
+        if labels is not None:
+            # already shifted on the whole sequence; transformers' loss flattens it with view()
+            arguments["shift_labels"] = labels.contiguous()  # a transformers model: torch
+            arguments["num_items_in_batch"] = count
+        return (), arguments
+
+    return hook
+
+
+def _loss_error(module: Any, config: Any, arguments: dict[str, Any]) -> str | None:
+    """What the causal LM's loss cannot do under context parallelism with these arguments."""
+    name = type(module).__name__
+    labels, shift_labels = arguments.get("labels"), arguments.get("shift_labels")
+    x = arguments.get("input_ids")
+    if x is None:
+        x = arguments.get("inputs_embeds")
+    keep = arguments.get("logits_to_keep", 0)
+    if not isinstance(keep, int) or keep != 0:
+        return (
+            f"{name} under context parallelism does not handle logits_to_keep={keep!r} (it would keep the "
+            "last tokens of every rank's shard); take the last rank's last logits instead"
+        )
+    if arguments.get("num_items_in_batch") is not None:
+        return (
+            f"{name} under context parallelism does not take num_items_in_batch=: it divides by the "
+            "labelled tokens of the whole CP group itself; for another normalisation sum the token "
+            "losses yourself (see context_parallel_loss)"
+        )
+    router = arguments.get("output_router_logits")
+    if router or (router is None and getattr(config, "output_router_logits", False)):
+        return (
+            f"{name} under context parallelism does not handle output_router_logits=True (the "
+            "load-balancing loss would see one rank's tokens only)"
+        )
+    if shift_labels is not None and (labels is None or not _same(labels, shift_labels)):
+        return (
+            f"{name} under context parallelism takes labels= as this rank's labels, already shifted "
+            "(shard.labels), and sets shift_labels= from them: pass labels only"
+        )
+    if labels is not None and x is not None and tuple(labels.shape) != tuple(x.shape[:2]):
+        return (
+            f"{name} under context parallelism takes labels as this rank's shard [B, T/cp] = "
+            f"{tuple(x.shape[:2])} (shard.labels); got shape {tuple(labels.shape)}"
+        )
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and bool((a == b).all())
 
 
 def _packed_cu_seqlens(arguments: dict[str, Any], positions: Any) -> np.ndarray | None:
@@ -255,14 +434,14 @@ def _packed_cu_seqlens(arguments: dict[str, Any], positions: Any) -> np.ndarray 
     return cu
 
 
-def _multimodal_hook(outer: Any, mesh: DeviceMesh) -> Any:
+def _multimodal_hook(outer: Any, mesh: DeviceMesh, slot: dict[str, Any]) -> Any:
     """On a multimodal Qwen3.5 model: text only; global positions instead of its local 3-D ones."""
 
     def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         arguments = _bind(module, args, kwargs)
         media = {k: arguments.get(k) for k in ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")}
         refuse_unhandled(type(module).__name__ + " (images and videos)", media)
-        _layout(module, mesh, arguments)
+        _layout(module, mesh, arguments, slot.pop("error", None))
         return (), arguments
 
     return hook

@@ -67,8 +67,9 @@ class LinearAttentionContextParallel(ParallelStyle):
     sequence, ``[B, T_r, hidden]`` (rank r of the mesh holds the r-th contiguous piece of the
     sequence, usually T/cp tokens; the pieces may differ in length), and gives exactly the
     single-device result. Parameters are untouched (state dict and optimizer
-    as before); their gradients are this rank's share (sum them over the CP ranks, as data
-    parallelism does). ``undo(module)`` restores the original forward.
+    as before); their gradients are this rank's share: sum them over the CP ranks with
+    :func:`~hyperpar_gdn.sync_context_parallel_grads` (FSDP2 does it in its reduce-scatter).
+    ``undo(module)`` restores the original forward.
 
     Works on ``hyperpar_gdn.models.GatedDeltaNet``, on transformers' ``Qwen3_5GatedDeltaNet``
     (without a cache) and on the MindSpore layer.
@@ -97,6 +98,16 @@ class LinearAttentionContextParallel(ParallelStyle):
         self.chunk_size = chunk_size
 
     def apply(self, module: Any, mesh: Any) -> Any:
+        """Make ``module``'s forward take and return this rank's shard; returns ``module``.
+
+        Args:
+            module: a GDN layer (ours, transformers' ``Qwen3_5GatedDeltaNet`` or the MindSpore
+                layer), changed in place; its parameters are untouched.
+            mesh: the 1-D CP mesh (ours, e.g. ``mesh["cp"]``, or a 1-D torch ``DeviceMesh``).
+
+        Raises ``ValueError`` before any change when ``ulysses`` cannot split the layer's heads
+        over the mesh, or when context parallelism is already applied.
+        """
         cp_mesh = as_cp_mesh(mesh)
         dims = LayerDims.of(module)
         cp = cp_mesh.size()

@@ -85,6 +85,22 @@ class GatedDeltaNet(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The layer on ``hidden_states`` ``[B, T, hidden]`` -> ``[B, T, hidden]``.
+
+        Args:
+            attention_mask: ``[B, T]`` (1 = token, 0 = padding): padded rows are zeroed before the
+                projections, or None.
+            cu_seqlens: packed documents (B = 1), int ``[N+1]``: the state and the causal conv
+                restart at every document. Under context parallelism: the whole sequence's
+                boundaries, the same tensor on every rank.
+            position_ids: ``[B, T]`` restarting at 0 at every document (transformers' packed
+                convention); one device only (a shard's positions cannot say where the documents
+                of other shards start).
+
+        After :class:`~hyperpar_gdn.LinearAttentionContextParallel` ``.apply``, ``hidden_states``
+        and the result are this rank's shard ``[B, T_r, hidden]`` (and ``attention_mask`` its
+        ``[B, T_r]`` shard).
+        """
         return layer_forward(
             self, hidden_states, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids
         )

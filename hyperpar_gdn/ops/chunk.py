@@ -4,7 +4,7 @@ Legend: B batch, T tokens, Hk query/key heads, H value heads, K key dim, V value
 C chunk size. Within a chunk, G = cumsum(g) and D_ij = exp(G_i - G_j) for j <= i (0 above the
 diagonal). The intra-chunk delta-rule corrections use Tinv = (I + A)^-1 with
 A = tril(diag(beta) k k^T * D, -1), giving u = Tinv (beta v) and w = Tinv (beta exp(G) k)
-(see DESIGN.md section 2).
+(see docs/maths.md).
 
 The preparation (head repeat, chunking, l2norm, gates, decay mask, the triangular inverse) is one
 hand-written forward/backward pair (:func:`prep_forward`, :func:`prep_backward`): every

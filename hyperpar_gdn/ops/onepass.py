@@ -1,4 +1,4 @@
-"""One pass for a shard's outputs and its summary (DESIGN.md section 8), for context parallelism.
+"""One pass for a shard's outputs and its summary (docs/maths.md), for context parallelism.
 
 A shard of a sequence does not know the state S_in entering it until other ranks have run. Its
 outputs are affine in S_in, o = o0 + Q_eff S_in, and so is the state leaving it,

@@ -6,7 +6,7 @@ installed, then cpu). ``ops_for(tensor)`` returns the tensor functions for a ten
 so the maths in :mod:`hyperpar_gdn.ops` runs on whichever tensors it is given.
 
 ``platform_for_device(device_type)`` serves ``init_device_mesh``: ``HP_PLATFORM`` names the
-framework and ``device_type`` the hardware (DESIGN.md section 9):
+framework and ``device_type`` the hardware (docs/backends.md):
 
 | HP_PLATFORM | valid device_type | platform |
 | --- | --- | --- |

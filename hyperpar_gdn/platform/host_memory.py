@@ -27,7 +27,7 @@ _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 # Allocations up to this size come from the heap; freed memory at the heap's top is returned only
-# above the trim threshold. glibc 2.36 (the machine of DESIGN.md section 4) takes a 1 GiB mmap
+# above the trim threshold. glibc 2.36 (on the CPU machines where this was measured) takes a 1 GiB mmap
 # threshold; where mallopt refuses it, the 32 MiB cap of older glibc documentation is used.
 MMAP_THRESHOLD = 1 << 30
 MMAP_THRESHOLD_CAPPED = 32 * 1024 * 1024

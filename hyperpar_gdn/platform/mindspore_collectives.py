@@ -10,7 +10,7 @@ No built-in MindSpore collective carries gradients across ranks, so the differen
 :meth:`~MindSporeCollectives.shift_right`) are ``Cell``\\ s with a ``bprop`` whose backward is the
 reverse collective; every member must run the backward too (it communicates).
 
-What each collective is built from (measured on CPU, see DESIGN.md section 4 and docs/backends.md):
+What each collective is built from (measured on CPU, see docs/backends.md):
 
 - ``all_to_all``: ``AlltoAllV`` (``all_to_all_single``) on Ascend; on CPU, which has no AlltoAll,
   one ``isend`` per non-empty outgoing part and one ``irecv`` per non-empty incoming part, all

@@ -1,7 +1,7 @@
 """Tensor functions for MindSpore 2.10 in PyNative mode (CPU measured; Ascend chosen by device target).
 
 Many ``mindspore.mint`` functions have no CPU kernel in 2.10 and fail late, at the next sync
-(DESIGN.md section 4), so on CPU this module uses the Tensor methods and ``mindspore.ops``
+(docs/backends.md), so on CPU this module uses the Tensor methods and ``mindspore.ops``
 functions measured to work there with gradients; on Ascend it prefers the ``mint`` kernels.
 
 Two MindSpore habits the maths must not notice:

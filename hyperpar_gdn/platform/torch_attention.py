@@ -37,13 +37,26 @@ def _sum_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
 class CpuFlashKernel(AttentionKernel):
     name = "torch-cpu-flash"
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None, scale=scale
         )
         return o, lse
 
-    def backward(self, do, q, k, v, o, lse, *, causal, scale):
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.contiguous(), q, k, v, o, lse, 0.0, causal, attn_mask=None, scale=scale
         )
@@ -58,7 +71,9 @@ class CudaFlashKernel(AttentionKernel):
     def _flash(self, q: torch.Tensor) -> bool:
         return q.dtype in (torch.float16, torch.bfloat16)
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         groups = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         if self._flash(q):
@@ -69,7 +84,18 @@ class CudaFlashKernel(AttentionKernel):
         )
         return out[0], out[1][..., : q.shape[2]]  # the kernel pads lse's last dim
 
-    def backward(self, do, q, k, v, o, lse, *, causal, scale):
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         groups = q.shape[1] // k.shape[1]
         kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
         tq, tk = q.shape[2], k.shape[2]
@@ -106,7 +132,9 @@ class NpuFusionKernel(AttentionKernel):
             self._masks[device] = torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(1)
         return self._masks[device]
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         import torch_npu
 
         out = torch_npu.npu_fusion_attention(
@@ -122,7 +150,18 @@ class NpuFusionKernel(AttentionKernel):
         o, softmax_max, softmax_sum = out[0], out[1], out[2]
         return o, softmax_max[..., 0] + torch.log(softmax_sum[..., 0])
 
-    def backward(self, do, q, k, v, o, lse, *, causal, scale):
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import torch_npu
 
         softmax_max = lse.unsqueeze(-1).expand(*lse.shape, self._SUMS).contiguous()

@@ -8,12 +8,12 @@ The differentiable ones (:meth:`TorchCollectives.all_to_all`, :meth:`~TorchColle
 :meth:`~TorchCollectives.shift_right`) are ``torch.autograd.Function``s whose backward is the
 reverse collective, so every member must also run the backward (it communicates).
 
-Only primitives that work on gloo are used (see DESIGN.md section 4): ``all_to_all_single`` with
+Only primitives that work on gloo are used (see docs/backends.md): ``all_to_all_single`` with
 contiguous input and uneven splits, ``all_gather_single`` (the new name of
 ``all_gather_into_tensor``, which torch 2.13 deprecates), ``batch_isend_irecv``. The gradient of
 ``all_gather`` is a reduce-scatter written as an even ``all_to_all_single`` followed by a sum over
 senders, in group rank order: deterministic, and the same code on every backend (gloo in torch
-2.13 has ``reduce_scatter_tensor`` too, but DESIGN.md lists all_to_all_single as the primitive
+2.13 has ``reduce_scatter_tensor`` too, but the design lists all_to_all_single as the primitive
 measured to work).
 
 Byte accounting (``bytes_sent``): the payload of this rank's data that lands on OTHER ranks, as if
@@ -30,7 +30,7 @@ every transfer went directly from sender to receiver, counted in forward and bac
 - ``all_reduce_sum``: ``x.nbytes * (world - 1)``.
 
 The physical traffic of the backend's algorithm (rings, trees) differs; this is the logical volume
-the DESIGN.md traffic estimates use.
+the traffic estimates of docs/modes.md use.
 """
 
 from __future__ import annotations

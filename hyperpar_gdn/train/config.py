@@ -154,8 +154,6 @@ class TrainConfig:
         if self.cp_size is not None:
             if self.cp_size < 1:
                 raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
-            if self.seq_len % self.cp_size:
-                raise ValueError(f"--seq-len {self.seq_len} must be divisible by --cp-size {self.cp_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.model_dir is not None and self.model_size is not None:
@@ -190,12 +188,14 @@ class TrainConfig:
     def layout(self, world_size: int) -> tuple[int, int]:
         """(dp, cp) for ``world_size`` ranks; checks the options that depend on it."""
         cp = world_size if self.cp_size is None else self.cp_size
-        launch = "the number of ranks (torchrun --nproc-per-node x --nnodes, or msrun --worker_num)"
         if world_size % cp:
-            raise ValueError(f"--cp-size {cp} does not divide {launch} = {world_size}")
+            raise ValueError(
+                f"{world_size} ranks (torchrun --nproc-per-node x --nnodes, or msrun --worker_num) cannot "
+                f"be split into CP groups of --cp-size {cp}: --cp-size must divide {world_size}"
+            )
         dp = world_size // cp
         if self.seq_len % cp:
-            raise ValueError(f"--seq-len {self.seq_len} must be divisible by the CP size {cp}")
+            raise ValueError(f"--seq-len {self.seq_len} must be divisible by the CP size {cp} (--cp-size)")
         if self.batch_size % dp:
             raise ValueError(
                 f"--batch-size {self.batch_size} must be divisible by the {dp} data-parallel replicas "
@@ -229,6 +229,17 @@ class UsageError(ValueError):
     """A command-line error (unknown option, bad value): the caller reports it."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says it (a flag's own wording, or a
+    None that means something)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text or action.default is None:
+            return help_text
+        return super()._get_help_string(action) or help_text
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see --help)")
@@ -240,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the hybrid GDN/softmax LM with context parallelism "
         "(launch with torchrun, HP_PLATFORM=cpu|cuda|npu picks the platform; or with msrun under "
         "HP_PLATFORM=mindspore).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add = parser.add_argument
     add("--cp-mode", choices=MODES, default=defaults.cp_mode, help="CP mode of the GDN layers")
@@ -248,12 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--cp-size",
         type=int,
         default=None,
-        help="ranks per CP group, None = all ranks; the other ranks do data parallelism",
+        help="ranks per CP group (default: all ranks); the other ranks do data parallelism",
     )
     add("--steps", type=int, default=defaults.steps, help="optimizer steps to reach")
     add("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence, before the CP split")
     add("--batch-size", type=int, default=defaults.batch_size, help="sequences per step, all DP replicas")
-    add("--model-size", choices=list(MODEL_SIZES), default=None, help="built-in model preset (default tiny)")
+    add(
+        "--model-size",
+        choices=list(MODEL_SIZES),
+        default=None,
+        help="built-in model preset (default: tiny; not with --model)",
+    )
     add("--model", dest="model_dir", default=None, help="a transformers Qwen3.5 model directory to train")
     add("--export", default=None, help="with --model: write the trained model as a transformers directory")
     add("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate")
@@ -264,16 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--data",
         default=None,
-        help='text file, JSONL file ("text" per line) or a directory of them; None = the built-in corpus',
+        help='text file, JSONL file ("text" per line) or a directory of them (default: the built-in corpus)',
     )
     add(
         "--no-doc-boundaries",
         dest="doc_boundaries",
         action="store_false",
-        help="train on plain windows of the concatenated documents (no restart at document starts)",
+        help="train on plain windows of the concatenated documents (no restart at document starts; "
+        "default: off, documents restart)",
     )
     add("--metrics-json", default=None, help="JSON file for per-step losses, tokens/s, peak memory (rank 0)")
-    add("--save", default=None, help="checkpoint root directory (step-N/ under it); None = no checkpoints")
+    add("--save", default=None, help="checkpoint root directory (step-N/ under it; default: no checkpoints)")
     add("--save-every", type=int, default=defaults.save_every, help="save every N steps (0: at the end)")
     add("--keep-last", type=int, default=defaults.keep_last, help="keep the newest N checkpoints (0: all)")
     add(

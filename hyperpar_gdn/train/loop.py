@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
 from hyperpar_gdn.models.lm import HybridLM
@@ -44,7 +45,13 @@ from .config import TrainConfig
 from .data import Batch, BatchSampler, RankBatch, load_stream, rank_batch
 from .lm_head import hidden_and_head
 from .log import logger, setup_logging
-from .sharding import apply_activation_checkpointing, apply_fsdp, full_state_dicts, load_full_state_dicts
+from .sharding import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    full_model_state_dict,
+    full_state_dicts,
+    load_full_state_dicts,
+)
 from .transformers_model import export_model_dir, load_model_dir
 
 SUPPORTED_PLATFORMS = ("cpu", "cuda", "npu")
@@ -174,13 +181,14 @@ class Trainer:
         result = TrainResult(start_step=self.step)
         tokens_per_step = config.batch_size * config.seq_len
         logger.info(
-            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s), model %s: %s parameters, "
+            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s%s), model %s: %s parameters, "
             "--dtype %s, %d tokens per step, steps %d..%d",
             self.platform.name,
             self.world_size,
             self.dp,
             self.cp,
             config.cp_mode,
+            "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name)),
             config.model_name,
             f"{self.model.num_parameters():,}",
             config.dtype,
@@ -206,13 +214,16 @@ class Trainer:
             self._maybe_save()
         result.wall_s = time.perf_counter() - start
         if config.export is not None:
-            self._on_rank_0(lambda: export_model_dir(self.model, self.tokenizer, config.export), "export")
+            self._export(config.export)
         result.peak_memory_bytes = self._max_over_ranks(self._peak_memory()[0])
         self._finish_parity(result)
         self._summarize(result)
-        if config.metrics_json is not None and self.rank == 0:
-            write_atomic(
-                Path(config.metrics_json), (json.dumps(self._metrics(result), indent=2) + "\n").encode()
+        if config.metrics_json is not None:  # every rank learns if rank 0 could not write it
+            self._on_rank_0(
+                lambda: write_atomic(
+                    Path(config.metrics_json), (json.dumps(self._metrics(result), indent=2) + "\n").encode()
+                ),
+                f"write --metrics-json {config.metrics_json}",
             )
         return result
 
@@ -293,19 +304,7 @@ class Trainer:
         """Sum the gradient shares over the CP group, then average over the DP groups."""
         if (self.cp == 1 and self.dp == 1) or self.config.fsdp:  # FSDP reduce-scatters them itself
             return
-        params = list(self.model.parameters())
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
-        if self.cp > 1:
-            self.comm.all_reduce_sum(flat, self.mesh.get_group("cp"))
-        if self.dp > 1:
-            self.comm.all_reduce_sum(flat, self.mesh.get_group("dp"))
-            flat /= self.dp
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        sync_context_parallel_grads(self.model, self.mesh, dp_axis="dp")
 
     # --- checkpoints ------------------------------------------------------------------------------
     def _maybe_save(self) -> None:
@@ -329,6 +328,15 @@ class Trainer:
                     logger.info("removed %s (--keep-last %d)", old, config.keep_last)
 
         self._on_rank_0(save, f"save the step-{self.step} checkpoint under {config.save}")
+
+    def _export(self, out: str) -> None:
+        """Write the trained model as a transformers directory: every rank gathers its shards
+        (collective under FSDP), rank 0 writes the directory atomically."""
+        state = full_model_state_dict(self.model)
+        self._on_rank_0(
+            lambda: export_model_dir(self.model, self.tokenizer, out, state_dict=state),
+            f"export the model to {out}",
+        )
 
     def _on_rank_0(self, work: Any, what: str) -> None:
         """Run ``work()`` on rank 0; every rank raises if it failed (or they would wait forever)."""
@@ -427,7 +435,7 @@ class Trainer:
             for k in _SAME_CURVE
             if saved.get(k) != mine[k]
         ]
-        if curve:
+        if curve and self.rank == 0:
             logger.warning("resuming with changed options, the loss curve will differ: %s", "; ".join(curve))
         if step >= self.config.steps:
             how = "--resume" if loaded is None else "the newest checkpoint under --save,"

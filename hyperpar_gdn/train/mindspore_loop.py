@@ -23,7 +23,6 @@ very same tokens), logging, parity check, summary and metrics (inherited). What 
 from __future__ import annotations
 
 import functools
-import math
 import resource
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 from mindspore import ops
 
+from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.parallelize import text_model_of
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
@@ -41,7 +41,7 @@ from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 from .config import TrainConfig
 from .data import Batch, RankBatch, rank_batch
 from .loop import Trainer
-from .transformers_model import load_tokenizer
+from .transformers_model import export_model_dir, load_tokenizer
 
 __all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm", "library_adamw_class"]
 
@@ -292,17 +292,7 @@ class MindSporeTrainer(Trainer):
         """Sum the gradient shares over the CP group, then average over the DP groups."""
         if self.cp == 1 and self.dp == 1:
             return grads
-        flat = ops.cat([g.reshape(-1) for g in grads])
-        if self.cp > 1:
-            flat = self.comm.all_reduce_sum(flat, self.mesh.get_group("cp"))
-        if self.dp > 1:
-            flat = self.comm.all_reduce_sum(flat, self.mesh.get_group("dp")) / self.dp
-        out, offset = [], 0
-        for g in grads:
-            n = math.prod(g.shape)
-            out.append(flat[offset : offset + n].reshape(g.shape))
-            offset += n
-        return out
+        return sync_context_parallel_grads(grads, self.mesh, dp_axis="dp")
 
     def _reference_step(self, batch: Batch) -> float:
         """The same step without any parallelism, on the whole global batch (rank 0 only)."""
@@ -335,6 +325,12 @@ class MindSporeTrainer(Trainer):
             if replica is not None:
                 load_torch_state_dict(replica.model, parts["model"])
                 replica.optimizer.load_state_dict(parts["optimizer"])
+
+    def _export(self, out: str) -> None:
+        """Parameters are whole on every rank (no FSDP here): rank 0 writes the directory."""
+        self._on_rank_0(
+            lambda: export_model_dir(self.model, self.tokenizer, out), f"export the model to {out}"
+        )
 
     def _max_over_ranks(self, value: int) -> int:
         slots = np.zeros(self.world_size, np.float64)

@@ -33,6 +33,7 @@ from hyperpar_gdn.distributed.parallelize import text_model_of
 __all__ = [
     "apply_activation_checkpointing",
     "apply_fsdp",
+    "full_model_state_dict",
     "full_state_dicts",
     "load_full_state_dicts",
 ]
@@ -64,12 +65,16 @@ def apply_fsdp(model: torch.nn.Module, *, device_type: str, dp: int, bf16: bool 
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
 
+def full_model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's state dict keyed by parameter names, whole, on rank 0 (collective under FSDP:
+    every rank must call it; the other ranks get an empty dict)."""
+    return get_model_state_dict(model, options=_SAVE)
+
+
 def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts keyed by parameter names, whole, on rank 0 (collective
     under FSDP: every rank must call it; the other ranks get empty dicts)."""
-    return get_model_state_dict(model, options=_SAVE), get_optimizer_state_dict(
-        model, optimizer, options=_SAVE
-    )
+    return full_model_state_dict(model), get_optimizer_state_dict(model, optimizer, options=_SAVE)
 
 
 def load_full_state_dicts(

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +91,33 @@ def load_tokenizer(path: str | Path) -> Any:
     return tokenizer
 
 
-def export_model_dir(model: Any, tokenizer: Any, out: str | Path) -> Path:
+def export_model_dir(
+    model: Any, tokenizer: Any, out: str | Path, *, state_dict: dict[str, Any] | None = None
+) -> Path:
     """Write ``model`` (transformers' torch model, or the MindSpore ``Qwen3_5ForCausalLM``) and
-    ``tokenizer`` as a transformers directory that ``from_pretrained`` loads."""
+    ``tokenizer`` as a transformers directory that ``from_pretrained`` loads.
+
+    ``state_dict``: the weights to write instead of the model's own (a sharded model's gathered
+    full state dict). The directory appears whole or not at all: it is written into a temporary
+    directory beside ``out`` and renamed to ``out`` at the end (an existing ``out`` is replaced
+    only then); a failure removes the temporary directory and leaves ``out`` as it was.
+    """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        model.save_pretrained(temp, **({} if state_dict is None else {"state_dict": state_dict}))
+        tokenizer.save_pretrained(temp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(temp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(temp, out)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     return out
 
 

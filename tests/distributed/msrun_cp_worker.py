@@ -21,6 +21,8 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``lm_loss`` (tests/distributed/test_batch.py): ``context_parallel_lm_loss`` on each rank's
   shard of :func:`lm_loss_inputs` (float64), the loss and the gradients of the hidden-state shard
   and of the head weight;
+- ``grads`` (4 workers, tests/distributed/test_grads.py): ``sync_context_parallel_grads`` on a
+  (dp=2, cp=2) mesh, MindSpore gradient tensors of rank-dependent values;
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
   within the communication timeout with a ``CollectiveError``.
 
@@ -51,7 +53,7 @@ from hyperpar_gdn.distributed.verify import compare_with_reference, relative_err
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
-SECTIONS = ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "lm_loss", "stall")
+SECTIONS = ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "grads", "lm_loss", "stall")
 HIDDEN = 32
 PARAMS = (
     "in_proj_qkv.weight",
@@ -460,6 +462,31 @@ def section_mesh2d(platform: Platform, world: int) -> dict[str, Any]:
     return results
 
 
+def section_grads(platform: Platform, world: int) -> dict[str, Any]:
+    """Each rank's gradients are (rank + 1) times a fixed pattern (float32 and float64); summed
+    over the cp axis and averaged over the dp axis of a (dp=2, cp=world/2) mesh, and over the 1-D
+    cp mesh alone."""
+    import mindspore as ms
+
+    from hyperpar_gdn import sync_context_parallel_grads
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
+    scale = platform.rank() + 1
+    grads = (
+        ms.Tensor(scale * np.arange(6, dtype=np.float32).reshape(3, 2)),
+        ms.Tensor(np.full((4,), 0.5 * scale, dtype=np.float64)),
+    )
+    both = sync_context_parallel_grads(grads, mesh, dp_axis="dp")
+    cp_only = sync_context_parallel_grads(list(grads), mesh["cp"])
+    return {
+        "cp_group": mesh.get_rank_list("cp"),
+        "both": [g.asnumpy().tolist() for g in both],
+        "dtypes": [str(g.dtype) for g in both],
+        "cp_only": [g.asnumpy().tolist() for g in cp_only],
+        "inputs_unchanged": grads[0].asnumpy().tolist() == (scale * np.arange(6).reshape(3, 2)).tolist(),
+    }
+
+
 def section_stall(platform: Platform, world: int) -> dict[str, Any]:
     """The last rank stays alive but never joins an all-gather: the others must fail by themselves
     within the communication timeout, with a CollectiveError naming the collective."""
@@ -628,6 +655,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "bad_input": section_bad_input,
     "mesh2d": section_mesh2d,
     "lm_loss": section_lm_loss,
+    "grads": section_grads,
     "stall": section_stall,
 }
 

@@ -161,7 +161,7 @@ def test_a_stalled_peer_gives_a_named_collective_error_in_time() -> None:
 def test_selfcheck_runs_under_msrun() -> None:
     """scripts/selfcheck.py under msrun prints the torch run's table, every mode ok."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "selfcheck.py"
-    args = ["--seq-len", "64", "--hidden", "32", "--head-dim", "16", "--timeout", "60"]
+    args = ["--seq-len", "64", "--hidden", "32", "--head-dim", "16", "--timeout-s", "60"]
     outcome = run_msrun(script, 2, args, timeout_s=180)
     log = outcome.logs.get("worker_0.log", "")
     assert outcome.returncode == 0 and not outcome.timed_out, outcome.describe()

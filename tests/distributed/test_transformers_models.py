@@ -152,8 +152,9 @@ def test_padding_mask(mode: str) -> None:
     _check(run_ranks(_worker, 2, False, (mode,), True, 2, timeout_s=180))
 
 
-def _multimodal_worker(rank: int, world: int) -> float:
-    """The language model inside Qwen3_5ForConditionalGeneration, text only."""
+def _multimodal_worker(rank: int, world: int) -> tuple[float, str]:
+    """The language model inside Qwen3_5ForConditionalGeneration, text only; labels= (given on
+    rank 0 only) refused on both ranks."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
     config = transformers.Qwen3_5Config(text_config=tiny_config(moe=False).to_dict())
@@ -164,13 +165,20 @@ def _multimodal_worker(rank: int, world: int) -> float:
         apply_context_parallel(model, mesh, mode="p2p")
         shard = shard_for_context_parallel(mesh, ids)
         local = model(input_ids=shard.input_ids).logits  # positions default to the global ones
+        try:
+            model(input_ids=shard.input_ids, **({"labels": shard.labels} if rank == 0 else {}))
+            refusal = "no error"
+        except ValueError as err:
+            refusal = str(err)
     t = SEQ_LEN // world
-    return ((local - ref[:, rank * t : (rank + 1) * t]).abs().max() / ref.abs().max()).item()
+    return ((local - ref[:, rank * t : (rank + 1) * t]).abs().max() / ref.abs().max()).item(), refusal
 
 
 def test_multimodal_language_model() -> None:
-    for err in run_ranks(_multimodal_worker, 2, timeout_s=120):
-        assert err <= TOL
+    (err0, refusal0), (err1, refusal1) = run_ranks(_multimodal_worker, 2, timeout_s=120)
+    assert err0 <= TOL and err1 <= TOL
+    assert "does not handle labels=; compute the loss with context_parallel_loss" in refusal0
+    assert "CP ranks [0] refused their input" in refusal1
 
 
 def test_refuses_what_it_does_not_handle() -> None:

@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
     ("options", "message"),
     [
         ({"cp_mode": "ring"}, "--cp-mode 'ring' is not a mode"),
-        ({"seq_len": 100, "cp_size": 3}, "--seq-len 100 must be divisible by --cp-size 3"),
         ({"save_every": 5}, "--save-every 5 needs --save DIR"),
         ({"keep_last": 2}, "--keep-last 2 needs --save DIR"),
         ({"save": "ck", "keep_last": -1}, "--keep-last must be >= 0; got -1"),
@@ -37,7 +36,9 @@ def test_option_errors_name_the_option(options: dict[str, object], message: str)
 @pytest.mark.parametrize(
     ("options", "world", "message"),
     [
-        ({"cp_size": 3, "seq_len": 129}, 4, "--cp-size 3 does not divide the number of ranks"),
+        ({"cp_size": 3, "seq_len": 129}, 4, "4 ranks (torchrun --nproc-per-node x --nnodes, or msrun"),
+        ({"cp_size": 3}, 2, "cannot be split into CP groups of --cp-size 3: --cp-size must divide 2"),
+        ({"seq_len": 100, "cp_size": 3}, 3, "--seq-len 100 must be divisible by the CP size 3"),
         (
             {"cp_size": 1, "batch_size": 3},
             2,

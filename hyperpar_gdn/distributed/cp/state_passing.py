@@ -7,7 +7,7 @@ Both run the same pipeline on the local shard; they differ only in how rank r ob
 - all_gather: every rank gathers the packed summaries [S_ext | M] of all ranks and folds those of
   ranks < r; backward reduce-scatters the summaries' gradients to their owners.
 
-One pass, no second output pass (DESIGN.md section 8, :func:`hyperpar_gdn.ops.onepass.shard_outputs`):
+One pass, no second output pass (docs/maths.md, :func:`hyperpar_gdn.ops.onepass.shard_outputs`):
 before any communication each rank runs its chunks once on the widened state [S | M], which gives
 its summary (S_ext, M) and the map Q_eff from the entering state to its outputs. The exchange (a
 :class:`P2PExchange` or :class:`AllGatherExchange`, called from inside the shard's autograd step)

@@ -1,0 +1,60 @@
+"""The docs cannot drift: every fenced Python block of README.md and docs/*.md whose info string is
+``python runnable`` runs here, in a fresh process (``python runnable ranks=N``: on N forked gloo
+ranks, as ``torchrun --nproc-per-node N`` would run it), and must finish without an error."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from distributed_harness import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(?P<info>[^\n`]*)\n(?P<code>.*?)^```\s*$", re.MULTILINE | re.DOTALL)
+RUNNABLE = re.compile(r"^python runnable(?: ranks=(?P<ranks>\d+))?$")
+
+
+def runnable_blocks() -> list[tuple[str, int, str]]:
+    """(id ``file:line``, ranks, code) of every runnable block."""
+    blocks = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        for match in FENCE.finditer(text):
+            info = match["info"].strip()
+            if info.startswith("python runnable") and not RUNNABLE.match(info):
+                raise ValueError(f"{path.name}: bad info string {info!r}; use 'python runnable [ranks=N]'")
+            found = RUNNABLE.match(info)
+            if found:
+                line = text.count("\n", 0, match.start()) + 1
+                blocks.append((f"{path.name}:{line}", int(found["ranks"] or 1), match["code"]))
+    return blocks
+
+
+BLOCKS = runnable_blocks()
+
+
+def _run(rank: int, world: int, name: str, code: str) -> bool:
+    exec(compile(code, name, "exec"), {"__name__": "__main__"})  # noqa: S102 (the docs' own code)
+    return True
+
+
+def test_the_docs_have_runnable_blocks() -> None:
+    names = {name.split(":")[0] for name, _, _ in BLOCKS}
+    assert {"README.md", "training.md"} <= names, names
+
+
+@pytest.mark.parametrize("name, ranks, code", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_block_runs(name: str, ranks: int, code: str) -> None:
+    assert run_ranks(_run, ranks, name, code, timeout_s=120) == [True] * ranks
+
+
+def test_help_lists_the_public_api() -> None:
+    import pydoc
+
+    import hyperpar_gdn
+
+    text = pydoc.render_doc(hyperpar_gdn, renderer=pydoc.plaintext)
+    for name in hyperpar_gdn.__all__:
+        assert f"``{name}``" in hyperpar_gdn.__doc__, f"{name} is not described in the module docstring"
+        assert name in text and getattr(hyperpar_gdn, name) is not None

@@ -1,0 +1,64 @@
+"""What a user of scripts/train.py and scripts/selfcheck.py reads: --help shows the real defaults
+and both scripts name their options alike; the run header lists --fsdp and --ac; a resumed run
+with changed options warns once (rank 0), not once per rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hyperpar_gdn.train.config import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _help_of(option: str, text: str) -> str:
+    """The help paragraph of ``option`` in an argparse help text, on one line."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {option}"))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("  -")), len(lines))
+    return " ".join(line.strip() for line in lines[start:end])
+
+
+def test_train_help_shows_the_real_defaults() -> None:
+    text = build_parser().format_help()
+    assert "default: off, documents restart" in _help_of("--no-doc-boundaries", text)
+    assert "(default: True)" not in text and "(default: None)" not in text
+    assert "default: tiny; not with --model" in _help_of("--model-size", text)
+    assert "default: all ranks" in _help_of("--cp-size", text)
+    assert "(default: 600.0)" in _help_of("--timeout-s", text)
+
+
+def test_selfcheck_options_have_help_and_train_names() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "selfcheck.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    for option in ("--seq-len", "--batch-size", "--seed", "--timeout-s", "--hidden", "--v-heads"):
+        paragraph = _help_of(option, result.stdout)
+        assert "(default: " in paragraph and len(paragraph.split()) > 4, paragraph
+    assert "--timeout " not in result.stdout and "--batch " not in result.stdout
+
+
+def _torchrun(tmp: Path, *args: str) -> str:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += [str(ROOT / "scripts" / "train.py"), "--seq-len", "32", "--batch-size", "2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def test_header_and_resume_warning(tmp_path: Path) -> None:
+    first = _torchrun(tmp_path, "--steps", "2", "--fsdp", "--ac", "--save", "ckpt")
+    assert "(--cp-mode ulysses, --fsdp, --ac)" in first, first
+    resumed = _torchrun(tmp_path, "--steps", "3", "--lr", "0.002", "--resume", "ckpt")
+    assert "(--cp-mode ulysses)" in resumed, resumed
+    assert resumed.count("resuming with changed options") == 1, resumed
+    assert "--lr 0.001 (now 0.002)" in resumed

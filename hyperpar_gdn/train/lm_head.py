@@ -3,9 +3,9 @@
 The trainers compute the loss with :func:`hyperpar_gdn.ops.lm_loss.lm_loss_sum` from these two,
 so no rank ever holds its ``[rows, T/cp, V]`` logits. The model's own forward still runs (FSDP2
 gathers the root's parameters, the head among them, in its hooks): our ``HybridLM`` returns its
-hidden states with ``return_hidden=True``; a transformers model is asked for no logits
-(``logits_to_keep`` an empty index) and its text model's ``last_hidden_state`` is read by a
-forward hook that is removed again.
+hidden states with ``return_hidden=True``; on a transformers model a forward pre-hook hands its
+``lm_head`` no tokens (``[B, 0, C]``) and a forward hook reads the text model's
+``last_hidden_state``; both are removed again.
 """
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ def hidden_and_head(
     def keep(module: Any, args: Any, output: Any) -> None:
         captured["hidden"] = output.last_hidden_state
 
-    handle = text_model_of(model).register_forward_hook(keep)
+    def no_tokens(module: Any, args: tuple) -> tuple:
+        return (args[0][:, :0],)  # the head multiplies no token: [B, 0, V] logits
+
+    head = model.get_output_embeddings()
+    handles = [text_model_of(model).register_forward_hook(keep), head.register_forward_pre_hook(no_tokens)]
     try:
-        none = torch.zeros(0, dtype=torch.int64, device=input_ids.device)
-        model(input_ids=input_ids, use_cache=False, logits_to_keep=none, **packed)
+        model(input_ids=input_ids, use_cache=False, **packed)
     finally:
-        handle.remove()
-    return captured["hidden"], model.get_output_embeddings().weight
+        for handle in handles:
+            handle.remove()
+    return captured["hidden"], head.weight

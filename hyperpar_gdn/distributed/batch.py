@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 from hyperpar_gdn.ops.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.platform import Tensor, ops_for
 
@@ -37,7 +38,12 @@ from .mesh import as_cp_mesh
 
 IGNORE_INDEX = -100
 
-__all__ = ["ContextParallelBatch", "context_parallel_loss", "shard_for_context_parallel"]
+__all__ = [
+    "ContextParallelBatch",
+    "context_parallel_lm_loss",
+    "context_parallel_loss",
+    "shard_for_context_parallel",
+]
 
 
 @dataclass(frozen=True)
@@ -194,7 +200,51 @@ def context_parallel_loss(logits: Tensor, labels: Tensor, mesh: Any) -> Tensor:
             f"labels must be logits' [B, T/cp] = {tuple(logits.shape[:-1])}; got {tuple(labels.shape)}"
         )
     loss_sum = xp.cross_entropy_sum(logits, labels, ignore_index=IGNORE_INDEX)
-    count = xp.sum(xp.cast(labels != IGNORE_INDEX, xp.dtype(loss_sum)), (0, 1))
+    return loss_sum / _labelled_tokens(cp_mesh, labels, loss_sum)
+
+
+def context_parallel_lm_loss(
+    hidden_states: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    mesh: Any,
+    *,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """:func:`context_parallel_loss` of ``hidden_states @ lm_head_weight^T`` without the logits.
+
+    The same value and gradients (of the hidden states and the head weight) as
+    ``context_parallel_loss(hidden_states @ lm_head_weight.T, labels, mesh)``, but the ``[B, T/cp, V]``
+    logits are never held: the tokens are walked ``chunk_tokens`` at a time, forward and backward
+    (:func:`hyperpar_gdn.ops.lm_loss.lm_loss_sum`). With transformers' models::
+
+        text_model = model.model                       # Qwen3_5ForCausalLM's decoder
+        hidden = text_model(**shard.model_inputs()).last_hidden_state          # [B, T/cp, C]
+        loss = context_parallel_lm_loss(hidden, model.lm_head.weight, shard.labels, mesh)
+
+    (``lm_head.weight`` is the embedding's weight when the model ties them.)
+
+    Args:
+        hidden_states: ``[B, T/cp, C]`` this rank's final hidden states (after the final norm).
+        lm_head_weight: ``[V, C]``.
+        labels: ``[B, T/cp]`` shifted labels (``-100`` ignored), e.g. ``shard.labels``.
+        mesh: the 1-D CP mesh; the token count is summed over it (one small all-reduce).
+        chunk_tokens: tokens per chunk; None: one chunk's fp32 logits take at most 256 MiB.
+
+    Returns the sum of this rank's token losses over the number of labelled tokens of the whole
+    CP group (fp32; fp64 for fp64 hidden states).
+    """
+    cp_mesh = as_cp_mesh(mesh)
+    if len(tuple(hidden_states.shape)) != 3:
+        raise ValueError(f"hidden_states must be [B, T/cp, C]; got shape {tuple(hidden_states.shape)}")
+    loss_sum = lm_loss_sum(hidden_states, lm_head_weight, labels, chunk_tokens=chunk_tokens)
+    return loss_sum / _labelled_tokens(cp_mesh, labels, loss_sum)
+
+
+def _labelled_tokens(cp_mesh: Any, labels: Tensor, like: Tensor) -> Tensor:
+    """The number of labels that are not ``-100`` over the whole CP group (0-d, ``like``'s dtype)."""
+    xp = ops_for(like)
+    count = xp.sum(xp.cast(labels != IGNORE_INDEX, xp.dtype(like)), (0, 1))
     if cp_mesh.size() > 1:
         count = cp_mesh.platform.collectives.all_reduce_sum(count.reshape(1), cp_mesh.get_group()).reshape(())
-    return loss_sum / count
+    return count

@@ -17,6 +17,8 @@ from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.style import MODES
 from hyperpar_gdn.models.lm import HybridLMConfig
 
+DTYPES = ("fp32", "bf16")
+
 MODEL_SIZES: dict[str, HybridLMConfig] = {
     # ~0.25M parameters: the embedded default, under a minute on two CPU ranks.
     "tiny": HybridLMConfig(
@@ -96,6 +98,9 @@ class TrainConfig:
         resume: a ``step-N`` directory, or a root whose latest ``step-N`` is taken.
         fsdp: shard parameters, gradients and optimizer state over all ranks (FSDP2).
         ac: activation checkpointing: recompute each decoder layer in the backward.
+        dtype: compute dtype, "fp32" or "bf16" (bf16 matmuls with fp32 master weights, optimizer
+            state, GDN state maths and loss; checkpoints stay fp32). bf16 is the choice on GPUs and
+            NPUs; fp32 on CPUs.
         check_parity: rank 0 also trains a no-CP copy on the whole global batch and compares.
         parity_tol: the largest allowed per-step loss difference under ``check_parity``.
         log_every: print a step line every this many steps (and at the last step).
@@ -126,6 +131,7 @@ class TrainConfig:
     resume: str | None = None
     fsdp: bool = False
     ac: bool = False
+    dtype: str = "fp32"
     check_parity: bool = False
     parity_tol: float = 1e-4
     log_every: int = 1
@@ -157,6 +163,8 @@ class TrainConfig:
         if self.cp_size is not None:
             if self.cp_size < 1:
                 raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.model_dir is not None and self.model_size is not None:
             raise ValueError(
                 f"--model-size {self.model_size} sizes the built-in model; --model {self.model_dir} brings its own"
@@ -330,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--resume", default=None, help="a step-N checkpoint directory, or a root (its latest step-N)")
     add("--fsdp", action="store_true", help="shard parameters, gradients, optimizer state (FSDP2)")
     add("--ac", action="store_true", help="activation checkpointing per decoder layer")
+    add(
+        "--dtype",
+        choices=DTYPES,
+        default=defaults.dtype,
+        help="compute dtype: bf16 (GPU/NPU) multiplies in bf16 with fp32 master weights and optimizer state",
+    )
     add("--check-parity", action="store_true", help="compare every step's loss with a no-CP run on rank 0")
     add(
         "--parity-tol", type=float, default=defaults.parity_tol, help="max loss difference for --check-parity"

@@ -18,6 +18,9 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``bad_input``: the (type, message) of each bad call on every rank, compared with torch's;
 - ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
   ``hyperpar_gdn.distributed.verify.compare_with_reference``;
+- ``lm_loss`` (tests/distributed/test_batch.py): ``context_parallel_lm_loss`` on each rank's
+  shard of :func:`lm_loss_inputs` (float64), the loss and the gradients of the hidden-state shard
+  and of the head weight;
 - ``grads`` (4 workers, tests/distributed/test_grads.py): ``sync_context_parallel_grads`` on a
   (dp=2, cp=2) mesh, MindSpore gradient tensors of rank-dependent values;
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
@@ -50,7 +53,7 @@ from hyperpar_gdn.distributed.verify import compare_with_reference, relative_err
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
-SECTIONS = ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "grads", "stall")
+SECTIONS = ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "grads", "lm_loss", "stall")
 HIDDEN = 32
 PARAMS = (
     "in_proj_qkv.weight",
@@ -653,6 +656,47 @@ def section_collectives(platform: Platform, world: int) -> dict[str, Any]:
     return out
 
 
+# The LM loss case: B, T, C, V and a chunk that divides neither T/2 = 7 nor T/4.
+LM_LOSS_SHAPE = (2, 14, 8, 37)
+LM_LOSS_CHUNK = 5
+
+
+def lm_loss_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """hidden ``[B, T, C]``, head ``[V, C]`` (float64) and shifted labels ``[B, T]`` with an
+    ignored token and right padding."""
+    b, t, c, v = LM_LOSS_SHAPE
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, v, (b, t))
+    labels[0, 3] = -100
+    labels[1, 9:] = -100
+    return rng.standard_normal((b, t, c)), rng.standard_normal((v, c)), labels
+
+
+def section_lm_loss(platform: Platform, world: int) -> dict[str, Any]:
+    import mindspore as ms
+
+    from hyperpar_gdn import context_parallel_lm_loss
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    hidden, head, labels = lm_loss_inputs()
+    local = hidden.shape[1] // world
+    window = slice(platform.rank() * local, (platform.rank() + 1) * local)
+    shard_labels = platform.from_numpy(labels[:, window], dtype="int64")
+
+    def loss_fn(h: Any, w: Any) -> Any:
+        return context_parallel_lm_loss(h, w, shard_labels, mesh, chunk_tokens=LM_LOSS_CHUNK)
+
+    loss, (dh, dw) = ms.value_and_grad(loss_fn, (0, 1))(
+        platform.from_numpy(hidden[:, window], dtype="float64"), platform.from_numpy(head, dtype="float64")
+    )
+    return {
+        "loss": float(platform.to_numpy(loss)),
+        "dtype": str(loss.dtype),
+        "grad_hidden": platform.to_numpy(dh).tolist(),
+        "grad_head": platform.to_numpy(dw).tolist(),
+    }
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "collectives": section_collectives,
     "cp": section_cp,
@@ -660,6 +704,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "attention": section_attention,
     "bad_input": section_bad_input,
     "mesh2d": section_mesh2d,
+    "lm_loss": section_lm_loss,
     "grads": section_grads,
     "stall": section_stall,
 }

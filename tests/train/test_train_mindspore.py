@@ -320,3 +320,14 @@ def test_msrun_gives_up_on_a_dead_worker_and_a_rerun_resumes(tmp_path: Path) -> 
     assert len(found) == 1 and int(found[0]) in (2, 4), second.describe()
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["start_step"] == int(found[0]) and metrics["steps"][-1] == 6
+
+
+def test_bf16_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MindSpore 2.10 has no bf16 matmul on CPU: ``--dtype bf16`` fails before any process group."""
+    from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+
+    monkeypatch.setenv("HP_PLATFORM", "mindspore")
+    with pytest.raises(
+        NotImplementedError, match=r"--dtype bf16 trains on torch only: MindSpore 2\.10 has no bf16"
+    ):
+        MindSporeTrainer(TrainConfig(dtype="bf16"))

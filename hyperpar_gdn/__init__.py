@@ -52,6 +52,7 @@ _EXPORTS = {
     "prefill_context_parallel": "hyperpar_gdn.distributed.prefill",
     "sync_context_parallel_grads": "hyperpar_gdn.distributed.grads",
     "ContextParallelBatch": "hyperpar_gdn.distributed.batch",
+    "context_parallel_lm_loss": "hyperpar_gdn.distributed.batch",
     "context_parallel_loss": "hyperpar_gdn.distributed.batch",
     "shard_for_context_parallel": "hyperpar_gdn.distributed.batch",
     "get_platform": "hyperpar_gdn.platform",

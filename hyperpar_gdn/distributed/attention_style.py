@@ -19,8 +19,11 @@ how the layer projects its shard and finishes the output:
   which take the cos/sin that the model computed from the shard's global ``position_ids``.
 
 Traffic per rank and forward: ``2 * B * Hkv * T/cp * D * (cp-1)`` elements (as much again in the
-backward). Work is unbalanced (the last rank attends over the whole sequence); fine for the
-1-in-4 softmax layers of a hybrid model.
+backward). With contiguous shards the work is unbalanced (the last rank attends over the whole
+sequence). In the head_tail layout (:mod:`.layout`) rank r holds pieces r and 2cp-1-r of 2*cp:
+it gathers all keys, and each of its fragments attends its queries over the keys before the
+fragment's end, so every rank does the same work (pieces r and 2cp-1-r see r+1 and 2cp-r pieces
+of keys: 2cp+1 in all).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from hyperpar_gdn.ops.attention_plan import Tokens
 from hyperpar_gdn.ops.prefill_states import active_prefill_states
 from hyperpar_gdn.platform import Tensor, ops_for
 
+from .layout import check_layout
 from .mesh import DeviceMesh, as_cp_mesh
 from .sequence import GlobalSequence, exchange_lengths, gather_pieces
 from .style import ParallelStyle, refuse_unhandled
@@ -90,6 +94,8 @@ def attention_forward(
     While an inference prefill records the decoding states
     (:func:`~hyperpar_gdn.ops.prefill_states.record_prefill_states`), every rank gathers the keys
     and values of the whole sequence (the same one all-gather) and keeps them."""
+    if seq.layout != "contiguous" and mesh.size() > 1:
+        return _fragments_attention(adapter, mesh, x_BTC, seq, cos_sin=cos_sin)
     rank = mesh.get_local_rank()
     offset, visible = seq.offset(rank), seq.offset(rank + 1)  # keys [0, visible) can be seen
     xp = mesh.platform.ops
@@ -115,6 +121,36 @@ def attention_forward(
     return adapter.finish(o_BTX, gate)
 
 
+def _fragments_attention(
+    adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
+) -> Tensor:
+    """:func:`attention_forward` for a shard of several fragments (head_tail): all keys are
+    gathered and put in global order; the rank's queries, at their global positions, attend over
+    them in one call (each fragment sees the keys before its end; the rest is skipped)."""
+    xp = mesh.platform.ops
+    tokens = seq.token_layout()
+    rank = mesh.get_local_rank()
+    mine = tokens.mine(rank)
+    if cos_sin is not None:  # transformers: RoPE from the cos/sin of the shard's global positions
+        q_BHTD, k_BHTD, v_BHTD, gate = adapter.project(x_BTC, position_offset=0, cos_sin=cos_sin)
+    else:  # ours: RoPE from each fragment's first position
+        pieces = xp.split(x_BTC, [f.length for f in mine], 1)
+        parts = [adapter.project(x, position_offset=f.start) for x, f in zip(pieces, mine, strict=True)]
+        q_BHTD, k_BHTD, v_BHTD = (xp.cat([p[i] for p in parts], 2) for i in range(3))
+        gate = xp.cat([p[3] for p in parts], 1)
+    hkv = k_BHTD.shape[1]
+    kv_BHTD = tokens.to_global(xp, gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2), 2)
+    positions = tokens.positions(rank)
+    docs = None if seq.doc_ids is None else np.asarray(xp.to_numpy(seq.doc_ids)).reshape(-1)
+    queries = Tokens(positions, None if docs is None else docs[positions])
+    keys = Tokens.span(0, tokens.seq_len, docs)
+    o_BHTD = attention(
+        xp, q_BHTD, kv_BHTD[:, :hkv], kv_BHTD[:, hkv:], queries=queries, keys=keys, key_mask=seq.key_mask
+    )
+    b, h, t, d = o_BHTD.shape
+    return adapter.finish(xp.swapaxes(o_BHTD, 1, 2).reshape(b, t, h * d), gate)
+
+
 class SoftmaxAttentionContextParallel(ParallelStyle):
     """Context parallelism for causal softmax attention layers: ours
     (:class:`~hyperpar_gdn.models.attention.CausalSelfAttention`, torch, and its MindSpore twin)
@@ -134,6 +170,9 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
     padding, documents) that ``apply_context_parallel`` passes for a whole transformers model (a
     local 4-D mask cannot describe the keys of other ranks, so it is refused).
 
+    ``layout``: ``"contiguous"`` or ``"head_tail"`` (:mod:`hyperpar_gdn.distributed.layout`),
+    which tokens a rank holds.
+
     Example::
 
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
@@ -141,10 +180,17 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
         y_local = attn(x_local)        # x_local: [B, T/2, hidden]
     """
 
+    def __init__(self, *, layout: str = "contiguous") -> None:
+        self.layout = check_layout(layout)
+
     def apply(self, module: Any, mesh: Any) -> Any:
         cp_mesh = as_cp_mesh(mesh)
         if type(module).__name__ in TRANSFORMERS_ATTENTION:
-            return self._install(module, lambda original: _transformers_forward(module, cp_mesh))
+            return self._install(
+                module,
+                lambda original: _transformers_forward(module, cp_mesh, self.layout),
+                layout=self.layout,
+            )
         for name in ("project", "finish"):
             if not callable(getattr(module, name, None)):
                 raise TypeError(
@@ -163,14 +209,14 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
             if cu_seqlens is not None:
                 xp = cp_mesh.platform.ops
                 doc_ids = doc_ids_tensor(xp, cu_seqlens, seq_len=sum(lengths), like=hidden_states)
-            return attention_forward(
-                adapter, cp_mesh, hidden_states, GlobalSequence(lengths, doc_ids=doc_ids)
-            )
+            seq = GlobalSequence(lengths, doc_ids=doc_ids, layout=self.layout)
+            seq.token_layout()  # head_tail: every rank holds two equal pieces (the same error on every rank)
+            return attention_forward(adapter, cp_mesh, hidden_states, seq)
 
-        return self._install(module, lambda original: forward)
+        return self._install(module, lambda original: forward, layout=self.layout)
 
 
-def _transformers_forward(module: Any, mesh: DeviceMesh) -> Any:
+def _transformers_forward(module: Any, mesh: DeviceMesh, layout: str) -> Any:
     adapter = TransformersAttention(module)
     hidden_size = module.config.hidden_size
 
@@ -194,6 +240,11 @@ def _transformers_forward(module: Any, mesh: DeviceMesh) -> Any:
                 f"{type(module).__name__} under context parallelism needs the whole sequence's layout, "
                 f"which apply_context_parallel(model, ...) passes as its attention_mask; got "
                 f"{type(attention_mask).__name__}: call the whole model, not the layer alone"
+            )
+        if attention_mask.layout != layout:
+            raise ValueError(
+                f"the model's forward passed a sequence in layout={attention_mask.layout!r} to an attention "
+                f"layer parallelized with layout={layout!r}"
             )
         error = _shard_error(hidden_states, hidden_size)
         if error is not None:

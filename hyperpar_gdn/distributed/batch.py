@@ -6,6 +6,10 @@
     loss.backward()
     sync_context_parallel_grads(model, mesh)   # sum the gradient shares over the CP ranks
 
+``layout="head_tail"`` cuts 2*cp pieces and gives rank r pieces r and 2cp-1-r
+(:mod:`hyperpar_gdn.distributed.layout`); the model must have been parallelized with the same
+``layout`` (``apply_context_parallel(..., layout=...)``), and refuses a batch cut for another.
+
 A transformers Qwen3.5 model under ``apply_context_parallel`` gives the same loss as
 ``model(**shard.model_inputs(), labels=shard.labels).loss``.
 
@@ -25,23 +29,31 @@ from typing import Any
 
 import numpy as np
 
+from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 from hyperpar_gdn.ops.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.platform import Tensor, ops_for
 
+from .layout import TokenLayout, check_layout, layout_error
 from .mesh import as_cp_mesh
 
 IGNORE_INDEX = -100
 
-__all__ = ["ContextParallelBatch", "context_parallel_loss", "shard_for_context_parallel"]
+__all__ = [
+    "ContextParallelBatch",
+    "context_parallel_lm_loss",
+    "context_parallel_loss",
+    "shard_for_context_parallel",
+]
 
 
 @dataclass(frozen=True)
 class ContextParallelBatch:
-    """This rank's part of a batch: tokens ``[r*T/cp, (r+1)*T/cp)`` of every row.
+    """This rank's part of a batch: its tokens of every row (``layout``).
 
     Attributes:
         input_ids: ``[B, T/cp]``.
-        position_ids: ``[B, T/cp]``, the global positions ``r*T/cp + t``.
+        position_ids: ``[B, T/cp]``, the global positions of the shard's tokens (contiguous:
+            ``r*T/cp + t``).
         labels: ``[B, T/cp]``, the next token of the whole sequence (``-100`` after the last
             token, where the next token is padding or opens another packed document).
         attention_mask: ``[B, T/cp]`` shard of the padding mask, or None.
@@ -55,12 +67,14 @@ class ContextParallelBatch:
     labels: Tensor
     attention_mask: Tensor | None
     cu_seqlens: Tensor | None = None
+    layout: str = "contiguous"
 
-    def model_inputs(self) -> dict[str, Tensor]:
+    def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of a transformers model's forward. Labels stay out: add
         ``labels=self.labels`` for the model's own loss (under ``apply_context_parallel`` this rank's
-        term of the global mean), or use :func:`context_parallel_loss` on the logits."""
-        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        term of the global mean), or use :func:`context_parallel_loss` on the logits. ``cp_layout``
+        names the layout; the parallelized model checks it against its own."""
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "cp_layout": self.layout}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask
         return inputs
@@ -74,12 +88,14 @@ def shard_for_context_parallel(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
+    layout: str = "contiguous",
 ) -> ContextParallelBatch:
     """Cut a whole batch into this rank's context-parallel shard (no communication).
 
     Args:
-        mesh: the 1-D CP mesh (e.g. ``mesh["cp"]``); rank r gets tokens ``[r*T/cp, (r+1)*T/cp)``.
-        input_ids: ``[B, T]`` int, the same on every rank of the mesh; T divisible by cp.
+        mesh: the 1-D CP mesh (e.g. ``mesh["cp"]``).
+        input_ids: ``[B, T]`` int, the same on every rank of the mesh; T divisible by cp
+            (by 2*cp for head_tail).
         labels: ``[B, T]`` int aligned with ``input_ids`` (token t's own id, ``-100`` to ignore),
             as transformers takes them; None: ``input_ids`` (language modelling).
         attention_mask: ``[B, T]`` (1 = token, 0 = padding) or None. Padding is never a label.
@@ -87,19 +103,24 @@ def shard_for_context_parallel(
             document, as ``DataCollatorWithFlattening`` emits) or plain positions; None: ``0..T-1``.
         cu_seqlens: packed documents (B = 1), int ``[N+1]`` (fla's); with position_ids, both must
             describe the same documents.
+        layout: ``"contiguous"`` (rank r gets tokens ``[r*T/cp, (r+1)*T/cp)``) or ``"head_tail"``
+            (rank r gets pieces r and 2cp-1-r of 2*cp, concatenated). Documents and padding may
+            cross pieces.
 
     Returns a :class:`ContextParallelBatch` whose labels are already shifted (predict token t+1
     at position t); no label crosses into another document.
     """
     cp_mesh = as_cp_mesh(mesh)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    check_layout(layout)
     xp = ops_for(input_ids)
     shape = tuple(input_ids.shape)
     if len(shape) != 2:
         raise ValueError(f"input_ids must be the whole batch [B, T]; got shape {shape}")
     b, t = shape
-    if t % cp:
-        raise ValueError(f"the sequence length T={t} must be divisible by the CP size {cp}")
+    error = layout_error(layout, t, cp)
+    if error is not None:
+        raise ValueError(error)
     for name, tensor in (
         ("labels", labels),
         ("attention_mask", attention_mask),
@@ -124,14 +145,18 @@ def shard_for_context_parallel(
             position_ids = xp.constant((np.arange(t) - first).reshape(1, t), like=input_ids)
     if position_ids is None:
         position_ids = xp.arange(t, like=input_ids).reshape(1, t) + input_ids * 0
-    t_local = t // cp
-    window = slice(rank * t_local, (rank + 1) * t_local)
+    tokens = TokenLayout.of(layout, [t // cp] * cp)
+
+    def mine(x: Tensor) -> Tensor:
+        return tokens.local(xp, x, rank, 1)
+
     return ContextParallelBatch(
-        input_ids=input_ids[:, window],
-        position_ids=position_ids[:, window],
-        labels=shifted[:, window],
-        attention_mask=None if attention_mask is None else attention_mask[:, window],
+        input_ids=mine(input_ids),
+        position_ids=mine(position_ids),
+        labels=mine(shifted),
+        attention_mask=None if attention_mask is None else mine(attention_mask),
         cu_seqlens=cu,
+        layout=layout,
     )
 
 
@@ -175,7 +200,51 @@ def context_parallel_loss(logits: Tensor, labels: Tensor, mesh: Any) -> Tensor:
             f"labels must be logits' [B, T/cp] = {tuple(logits.shape[:-1])}; got {tuple(labels.shape)}"
         )
     loss_sum = xp.cross_entropy_sum(logits, labels, ignore_index=IGNORE_INDEX)
-    count = xp.sum(xp.cast(labels != IGNORE_INDEX, xp.dtype(loss_sum)), (0, 1))
+    return loss_sum / _labelled_tokens(cp_mesh, labels, loss_sum)
+
+
+def context_parallel_lm_loss(
+    hidden_states: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    mesh: Any,
+    *,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """:func:`context_parallel_loss` of ``hidden_states @ lm_head_weight^T`` without the logits.
+
+    The same value and gradients (of the hidden states and the head weight) as
+    ``context_parallel_loss(hidden_states @ lm_head_weight.T, labels, mesh)``, but the ``[B, T/cp, V]``
+    logits are never held: the tokens are walked ``chunk_tokens`` at a time, forward and backward
+    (:func:`hyperpar_gdn.ops.lm_loss.lm_loss_sum`). With transformers' models::
+
+        text_model = model.model                       # Qwen3_5ForCausalLM's decoder
+        hidden = text_model(**shard.model_inputs()).last_hidden_state          # [B, T/cp, C]
+        loss = context_parallel_lm_loss(hidden, model.lm_head.weight, shard.labels, mesh)
+
+    (``lm_head.weight`` is the embedding's weight when the model ties them.)
+
+    Args:
+        hidden_states: ``[B, T/cp, C]`` this rank's final hidden states (after the final norm).
+        lm_head_weight: ``[V, C]``.
+        labels: ``[B, T/cp]`` shifted labels (``-100`` ignored), e.g. ``shard.labels``.
+        mesh: the 1-D CP mesh; the token count is summed over it (one small all-reduce).
+        chunk_tokens: tokens per chunk; None: one chunk's fp32 logits take at most 256 MiB.
+
+    Returns the sum of this rank's token losses over the number of labelled tokens of the whole
+    CP group (fp32; fp64 for fp64 hidden states).
+    """
+    cp_mesh = as_cp_mesh(mesh)
+    if len(tuple(hidden_states.shape)) != 3:
+        raise ValueError(f"hidden_states must be [B, T/cp, C]; got shape {tuple(hidden_states.shape)}")
+    loss_sum = lm_loss_sum(hidden_states, lm_head_weight, labels, chunk_tokens=chunk_tokens)
+    return loss_sum / _labelled_tokens(cp_mesh, labels, loss_sum)
+
+
+def _labelled_tokens(cp_mesh: Any, labels: Tensor, like: Tensor) -> Tensor:
+    """The number of labels that are not ``-100`` over the whole CP group (0-d, ``like``'s dtype)."""
+    xp = ops_for(like)
+    count = xp.sum(xp.cast(labels != IGNORE_INDEX, xp.dtype(like)), (0, 1))
     if cp_mesh.size() > 1:
         count = cp_mesh.platform.collectives.all_reduce_sum(count.reshape(1), cp_mesh.get_group()).reshape(())
-    return loss_sum / count
+    return count

@@ -10,7 +10,9 @@ returns this rank's logits ``[B, T/cp, V]``.
 A transformers text model also gets a forward pre-hook that makes its inputs right for a shard
 (docs/training.md, transformers models):
 
-- ``position_ids`` default to the shard's global positions ``r*T/cp + t`` (so RoPE is right);
+- ``position_ids`` default to the global positions of the shard's tokens (so RoPE is right);
+- ``cp_layout`` (what :meth:`ContextParallelBatch.model_inputs` passes) must name the model's
+  layout: a batch cut for another layout stops every rank;
 - the shard lengths are exchanged and a 2-D ``attention_mask`` (this rank's shard of the padding
   mask) is gathered once per forward, into one :class:`GlobalSequence` that every mixer gets (the
   softmax-attention layers need the keys of every rank, the GDN layers their own piece);
@@ -38,9 +40,10 @@ from hyperpar_gdn.ops.varlen import check_cu_seqlens
 from .attention_style import SoftmaxAttentionContextParallel
 from .batch import IGNORE_INDEX
 from .cp.ulysses import ulysses_head_error
+from .layout import TokenLayout, check_layout
 from .mesh import DeviceMesh, as_cp_mesh
 from .sequence import GlobalSequence, exchange_lengths, gather_pieces
-from .style import MODES, LinearAttentionContextParallel, refuse_unhandled
+from .style import MODES, LinearAttentionContextParallel, ParallelStyle, refuse_unhandled
 
 __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
 
@@ -50,27 +53,35 @@ _HOOKS = "_hyperpar_cp_hooks"
 _LOSS_KEYWORDS = ("shift_labels", "num_items_in_batch", "ignore_index")
 
 
-def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int = 64) -> Any:
+def apply_context_parallel(
+    model: Any, mesh: Any, *, mode: str, chunk_size: int = 64, layout: str = "contiguous"
+) -> Any:
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
     GDN mixers (``linear_attn``) get :class:`LinearAttentionContextParallel` in ``mode``;
     softmax mixers (``self_attn``) get :class:`SoftmaxAttentionContextParallel` (all-gathered K
     and V, whatever ``mode``). Checks every layer before changing any. Rank r of the mesh holds
-    the r-th contiguous piece of every sequence: tokens ``[r*T/cp, (r+1)*T/cp)`` as
-    :func:`~hyperpar_gdn.shard_for_context_parallel` cuts them, or pieces of different lengths
-    (each forward exchanges the lengths). Each rank passes only its own piece: the whole sequence
-    on every rank computes wrong results (a transformers model warns when every rank got the same
-    tokens). On a transformers causal LM, ``labels=`` are this rank's shifted labels
-    (``shard.labels``) and ``.loss`` is this rank's term of the global mean loss.
+    its tokens of every sequence in ``layout``, as :func:`~hyperpar_gdn.shard_for_context_parallel`
+    cuts them (contiguous: tokens ``[r*T/cp, (r+1)*T/cp)``, or pieces of different lengths, each
+    forward exchanges the lengths; head_tail: pieces r and 2cp-1-r of 2*cp). Each rank passes only
+    its own tokens: the whole sequence on every rank computes wrong results (a transformers model
+    warns when every rank got the same tokens). On a transformers causal LM, ``labels=`` are this
+    rank's shifted labels (``shard.labels``) and ``.loss`` is this rank's term of the global mean
+    loss.
 
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"`` for the GDN layers.
         chunk_size: chunk of the gated delta rule.
+        layout: ``"contiguous"`` (rank r holds tokens ``[r*T/cp, (r+1)*T/cp)``) or ``"head_tail"``
+            (pieces r and 2cp-1-r of 2*cp: equal softmax-attention work on every rank). The model
+            takes ``cp_layout=`` (a keyword of its forward, which
+            ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut for another.
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
+    check_layout(layout)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}")
     cp_mesh = as_cp_mesh(mesh)
@@ -92,19 +103,23 @@ def apply_context_parallel(model: Any, mesh: Any, *, mode: str, chunk_size: int 
         slot: dict[str, Any] = {}  # what the causal LM's hook hands to the inner models' hooks
         hooks = [
             text_model.register_forward_pre_hook(
-                _text_model_hook(text_model, cp_mesh, slot), with_kwargs=True
+                _text_model_hook(text_model, cp_mesh, slot, layout), with_kwargs=True
             )
         ]
         if outer is not None:
             hooks.append(
-                outer.register_forward_pre_hook(_multimodal_hook(outer, cp_mesh, slot), with_kwargs=True)
+                outer.register_forward_pre_hook(
+                    _multimodal_hook(outer, cp_mesh, slot, layout), with_kwargs=True
+                )
             )
         if model is not outer and model is not text_model and _takes_labels(model):
-            hook = _causal_lm_hook(model, cp_mesh, slot, multimodal=outer is not None)
+            hook = _causal_lm_hook(model, cp_mesh, slot, layout, multimodal=outer is not None)
             hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True))
         setattr(text_model, _HOOKS, hooks)
-    linear_style = LinearAttentionContextParallel(mode, chunk_size=chunk_size)
-    softmax_style = SoftmaxAttentionContextParallel()
+    else:  # HybridLM: its forward takes cp_layout= and checks it
+        ParallelStyle._install(model, lambda original: _checking_layout(original, layout))
+    linear_style = LinearAttentionContextParallel(mode, chunk_size=chunk_size, layout=layout)
+    softmax_style = SoftmaxAttentionContextParallel(layout=layout)
     for kind, module in mixers:
         (linear_style if kind == "linear_attn" else softmax_style).apply(module, cp_mesh)
     return model
@@ -121,7 +136,32 @@ def undo_context_parallel(model: Any) -> Any:
         handle.remove()
     if hasattr(text_model, _HOOKS):
         delattr(text_model, _HOOKS)
+    else:
+        ParallelStyle.undo(model)
     return model
+
+
+def _layout_mismatch(given: Any, layout: str) -> str | None:
+    """Why a batch that says it was cut in layout ``given`` cannot feed a model in ``layout``."""
+    if given is None or given == layout:
+        return None
+    return (
+        f"the batch was cut for cp_layout={given!r} but the model was parallelized with layout={layout!r}: "
+        f"cut it with shard_for_context_parallel(..., layout={layout!r}) or apply context parallelism "
+        f"with layout={given!r}"
+    )
+
+
+def _checking_layout(original: Any, layout: str) -> Any:
+    """HybridLM's forward with a ``cp_layout`` keyword, refused when it is not the model's."""
+
+    def forward(*args: Any, cp_layout: str | None = None, **kwargs: Any) -> Any:
+        error = _layout_mismatch(cp_layout, layout)
+        if error is not None:
+            raise ValueError(error)
+        return original(*args, **kwargs)
+
+    return forward
 
 
 def text_model_of(model: Any) -> Any:
@@ -199,21 +239,22 @@ def _local_input(module: Any, arguments: dict[str, Any]) -> tuple[Any, str | Non
 
 
 def _layout(
-    module: Any, mesh: DeviceMesh, arguments: dict[str, Any], error: str | None = None
-) -> tuple[tuple[int, ...], Any]:
-    """Exchange the piece lengths (every rank stops on any rank's bad input, or on ``error``, a
-    problem a hook found before) and fill in the global position_ids when none are given.
-    Returns (lengths, position_ids [B, T_r])."""
+    module: Any, mesh: DeviceMesh, arguments: dict[str, Any], layout: str, error: str | None = None
+) -> tuple[TokenLayout, Any]:
+    """Exchange the piece lengths (every rank stops on any rank's bad input, a batch cut for
+    another layout included, or on ``error``, a problem a hook found before) and fill in the global
+    position_ids when none are given. Returns (the token layout, position_ids [B, T_r])."""
     x, local_error = _local_input(module, arguments)
-    error = error or local_error
+    error = error or local_error or _layout_mismatch(arguments.pop("cp_layout", None), layout)
     lengths = exchange_lengths(mesh, None if error else x.shape[1], error)
+    tokens = TokenLayout.of(layout, lengths)  # the same lengths, so the same error, on every rank
     positions = arguments.get("position_ids")
     if positions is None:
         b, t = x.shape[0], x.shape[1]
-        positions = mesh.platform.ops.arange(t, like=x) + sum(lengths[: mesh.get_local_rank()])
+        positions = mesh.platform.ops.constant(tokens.positions(mesh.get_local_rank()), like=x)
         positions = positions.reshape(1, t).expand(b, t)
         arguments["position_ids"] = positions
-    return lengths, positions
+    return tokens, positions
 
 
 def _global_sequence(
@@ -221,6 +262,7 @@ def _global_sequence(
     mesh: DeviceMesh,
     arguments: dict[str, Any],
     *,
+    layout: str,
     error: str | None = None,
     count_labels: bool = False,
 ) -> tuple[GlobalSequence, int | None]:
@@ -230,7 +272,8 @@ def _global_sequence(
 
     Returns the :class:`GlobalSequence` and, with ``count_labels``, the labelled tokens of the
     whole CP group (None when no rank passed labels)."""
-    lengths, positions = _layout(module, mesh, arguments, error)
+    tokens_layout, positions = _layout(module, mesh, arguments, layout, error)
+    lengths = tokens_layout.lengths
     mask = arguments.get("attention_mask")
     xp = mesh.platform.ops
     ones = positions * 0 + 1
@@ -246,16 +289,18 @@ def _global_sequence(
         channels.append(-ones if labels is None else xp.cast(labels != ignore, positions.dtype))
     local = xp.stack(channels, 0)
     whole = gather_pieces(mesh, local, lengths, 2) if mesh.size() > 1 else local  # [channels, B, T]
-    on_host = xp.to_numpy(whole)
+    by_rank = xp.to_numpy(whole)  # the ranks' pieces one after the other
+    _warn_if_whole_sequence_everywhere(by_rank, lengths)
+    whole = tokens_layout.to_global(xp, whole, 2)  # global order (head_tail: pieces reordered)
+    on_host = by_rank if tokens_layout.is_contiguous else xp.to_numpy(whole)
     key_mask = whole[1] if bool((on_host[1] == 0).any()) else None  # the same choice on every rank
-    _warn_if_whole_sequence_everywhere(on_host, lengths)
     cu = _packed_cu_seqlens(arguments, on_host[0], on_host[1] != 0)
     doc_ids = None
     if cu is not None:
         doc_ids = doc_ids_tensor(xp, cu, seq_len=sum(lengths), like=positions)
         arguments["cu_seq_lens_q"] = xp.constant(cu, like=positions)  # for the GDN layers
-    count = _labelled_tokens(on_host[3], lengths) if count_labels else None
-    return GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids), count
+    count = _labelled_tokens(by_rank[3], lengths) if count_labels else None
+    return GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids, layout=layout), count
 
 
 def _labelled_tokens(labelled: np.ndarray, lengths: tuple[int, ...]) -> int | None:
@@ -293,14 +338,16 @@ def _warn_if_whole_sequence_everywhere(on_host: np.ndarray, lengths: tuple[int, 
         )
 
 
-def _text_model_hook(text_model: Any, mesh: DeviceMesh, slot: dict[str, Any]) -> Any:
+def _text_model_hook(text_model: Any, mesh: DeviceMesh, slot: dict[str, Any], layout: str) -> Any:
     layer_types = set(text_model.config.layer_types)
 
     def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         arguments = _bind(module, args, kwargs)
         sequence = slot.pop("sequence", None)
         if sequence is None:  # called directly, not through the causal LM
-            sequence, _ = _global_sequence(module, mesh, arguments, error=slot.pop("error", None))
+            sequence, _ = _global_sequence(
+                module, mesh, arguments, layout=layout, error=slot.pop("error", None)
+            )
         else:  # the causal LM's hook built it; the loss keywords are for its loss, not the layers
             for key in _LOSS_KEYWORDS:
                 arguments.pop(key, None)
@@ -325,7 +372,9 @@ def _takes_labels(model: Any) -> bool:
     )
 
 
-def _causal_lm_hook(model: Any, mesh: DeviceMesh, slot: dict[str, Any], *, multimodal: bool) -> Any:
+def _causal_lm_hook(
+    model: Any, mesh: DeviceMesh, slot: dict[str, Any], layout: str, *, multimodal: bool
+) -> Any:
     """On the causal LM: ``labels`` are this rank's shifted labels (``shard.labels``), passed on
     as transformers' ``shift_labels`` with ``num_items_in_batch`` = the labelled tokens of the whole
     CP group, so that each rank's ``.loss`` is its term of the global mean (the terms add up to the
@@ -346,7 +395,9 @@ def _causal_lm_hook(model: Any, mesh: DeviceMesh, slot: dict[str, Any], *, multi
                 )
             slot["error"] = error  # raised on every rank by the next length exchange
             return (), arguments
-        sequence, count = _global_sequence(module, mesh, arguments, error=error, count_labels=True)
+        sequence, count = _global_sequence(
+            module, mesh, arguments, layout=layout, error=error, count_labels=True
+        )
         slot["sequence"] = sequence
         if labels is not None:
             # already shifted on the whole sequence; transformers' loss flattens it with view()
@@ -436,14 +487,14 @@ def _packed_cu_seqlens(arguments: dict[str, Any], positions: Any, real: Any) -> 
     return cu
 
 
-def _multimodal_hook(outer: Any, mesh: DeviceMesh, slot: dict[str, Any]) -> Any:
+def _multimodal_hook(outer: Any, mesh: DeviceMesh, slot: dict[str, Any], layout: str) -> Any:
     """On a multimodal Qwen3.5 model: text only; global positions instead of its local 3-D ones."""
 
     def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         arguments = _bind(module, args, kwargs)
         media = {k: arguments.get(k) for k in ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")}
         refuse_unhandled(type(module).__name__ + " (images and videos)", media)
-        _layout(module, mesh, arguments, slot.pop("error", None))
+        _layout(module, mesh, arguments, layout, slot.pop("error", None))
         return (), arguments
 
     return hook

@@ -45,7 +45,7 @@ from hyperpar_gdn.platform import Tensor, ops_for
 
 from .mesh import as_cp_mesh
 from .parallelize import TRANSFORMERS_TEXT_MODELS, _mixer, text_model_of
-from .style import _HANDLE
+from .style import _HANDLE, applied_layout, prefill_layout_error
 
 __all__ = ["prefill_context_parallel", "prompt_lengths"]
 
@@ -103,6 +103,12 @@ def prefill_context_parallel(
             raise ValueError(
                 f"layer {i} of {type(model).__name__} is not under context parallelism: call "
                 "apply_context_parallel(model, mesh, mode=...) first"
+            )
+    for i, block in enumerate(text_model.layers):
+        error = prefill_layout_error(applied_layout(_mixer(i, block)[1]) or "contiguous")
+        if error is not None:
+            raise ValueError(
+                f"{error} (layer {i}): apply_context_parallel(model, mesh, mode=...) without layout="
             )
     b, t = (int(n) for n in input_ids.shape)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()

@@ -1,6 +1,7 @@
 """The whole sequence as the softmax-attention layers under context parallelism see it.
 
-Rank r holds the r-th contiguous piece of every row (``lengths[r]`` tokens; pieces may differ).
+Rank r holds the r-th contiguous piece of every row (``lengths[r]`` tokens; pieces may differ),
+or, in the head_tail layout, pieces r and 2cp-1-r of 2*cp (:mod:`.layout`).
 An attention layer needs, besides its own queries, the keys of every earlier piece, where the
 padding is and, for packed documents, which document each key belongs to. A model computes this
 :class:`GlobalSequence` once per forward (one exchange of lengths, one small all-gather) and
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from hyperpar_gdn.platform import Tensor
 
 from .cp.common import CPGroup, shard_lengths
+from .layout import TokenLayout
 from .mesh import DeviceMesh
 
 
@@ -26,15 +28,21 @@ class GlobalSequence:
     lengths: every rank's piece length T_r, in rank order.
     key_mask: ``[B, T]`` padding mask of the whole sequence (1 = token, 0 = padding), or None.
     doc_ids: ``[1, T]`` int, the document of every token (packed documents, B = 1), or None.
+    layout: the token layout (``"contiguous"`` or ``"head_tail"``); key_mask and doc_ids are in
+        global order whatever it is.
     """
 
     lengths: tuple[int, ...]
     key_mask: Tensor | None = None
     doc_ids: Tensor | None = None
+    layout: str = "contiguous"
 
     def offset(self, rank: int) -> int:
-        """Global position of rank ``rank``'s first token."""
+        """Global position of rank ``rank``'s first token (contiguous layout)."""
         return sum(self.lengths[:rank])
+
+    def token_layout(self) -> TokenLayout:
+        return TokenLayout.of(self.layout, self.lengths)
 
 
 def gather_pieces(

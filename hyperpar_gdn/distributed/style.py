@@ -11,18 +11,20 @@ from typing import Any
 from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, gdn_layer_forward
 from hyperpar_gdn.ops.prefill_states import active_prefill_states
 from hyperpar_gdn.ops.varlen import packed_doc_starts
-from hyperpar_gdn.platform import Tensor
+from hyperpar_gdn.platform import Tensor, ops_for
 
-from .cp.common import CPGroup, LayerCall, ShardDocs, shard_lengths
+from .cp.common import CPGroup, LayerCall, ShardDocs, fragment_docs, shard_lengths
 from .cp.conv_state import shard_conv_tail, whole_conv_state
 from .cp.state_passing import state_passing_forward
 from .cp.ulysses import ulysses_forward, ulysses_head_error
 from .dtensor import DTensor
+from .layout import TokenLayout, check_layout
 from .mesh import as_cp_mesh
 from .sequence import GlobalSequence
 
 MODES = ("ulysses", "p2p", "all_gather")
 _HANDLE = "_hyperpar_cp"
+_LAYOUT = "_hyperpar_cp_layout"
 
 
 class ParallelStyle(ABC):
@@ -35,8 +37,11 @@ class ParallelStyle(ABC):
     def apply(self, module: Any, mesh: Any) -> Any: ...
 
     @staticmethod
-    def _install(module: Any, make_forward: Callable[[Callable], Callable]) -> Any:
-        """Replace the module's forward by ``make_forward(original_forward)``."""
+    def _install(
+        module: Any, make_forward: Callable[[Callable], Callable], *, layout: str | None = None
+    ) -> Any:
+        """Replace the module's forward by ``make_forward(original_forward)``; a mixer's style
+        also records its token ``layout`` (:func:`applied_layout`)."""
         if getattr(module, _HANDLE, None) is not None:
             raise ValueError(
                 f"{type(module).__name__} already has context parallelism applied; undo() it first"
@@ -45,6 +50,8 @@ class ParallelStyle(ABC):
         original = getattr(module, attr)
         setattr(module, _HANDLE, (attr, attr in vars(module), original))
         setattr(module, attr, make_forward(original))
+        if layout is not None:
+            setattr(module, _LAYOUT, layout)
         return module
 
     @staticmethod
@@ -59,7 +66,21 @@ class ParallelStyle(ABC):
         else:
             delattr(module, attr)
         delattr(module, _HANDLE)
+        if hasattr(module, _LAYOUT):
+            delattr(module, _LAYOUT)
         return module
+
+
+def applied_layout(module: Any) -> str | None:
+    """The token layout a mixer was parallelized with (None: no context parallelism applied)."""
+    return getattr(module, _LAYOUT, None)
+
+
+def prefill_layout_error(layout: str) -> str | None:
+    """Why a prefill cannot record decoding states in ``layout``: it reads contiguous pieces."""
+    if layout == "contiguous":
+        return None
+    return f"prefill supports layout='contiguous' only; got {layout!r}"
 
 
 class LinearAttentionContextParallel(ParallelStyle):
@@ -81,6 +102,9 @@ class LinearAttentionContextParallel(ParallelStyle):
             ``"p2p"`` (state passing along a chain) or ``"all_gather"`` (one all-gather of
             fp32 state summaries). See docs/modes.md.
         chunk_size: tokens per chunk of the gated delta rule.
+        layout: which tokens a rank holds (:mod:`hyperpar_gdn.distributed.layout`):
+            ``"contiguous"`` (the r-th piece) or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp,
+            concatenated: the layout that balances causal softmax attention).
 
     Example::
 
@@ -89,7 +113,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         y_local = layer(x_local)        # x_local: [B, T/4, hidden]
     """
 
-    def __init__(self, mode: str = "ulysses", *, chunk_size: int = 64) -> None:
+    def __init__(self, mode: str = "ulysses", *, chunk_size: int = 64, layout: str = "contiguous") -> None:
         if mode not in MODES:
             raise ValueError(
                 f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}"
@@ -98,6 +122,7 @@ class LinearAttentionContextParallel(ParallelStyle):
             raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
         self.mode = mode
         self.chunk_size = chunk_size
+        self.layout = check_layout(layout)
 
     def apply(self, module: Any, mesh: Any) -> Any:
         """Make ``module``'s forward take and return this rank's shard; returns ``module``.
@@ -126,12 +151,17 @@ class LinearAttentionContextParallel(ParallelStyle):
 
             return forward
 
-        return self._install(module, make_forward)
+        return self._install(module, make_forward, layout=self.layout)
 
     def _forward(self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs) -> Any:
         attention_mask, cu_seqlens = call_args.attention_mask, call_args.cu_seqlens
         known = None  # the shard lengths, when the model's forward already exchanged them
         if isinstance(attention_mask, GlobalSequence):
+            if attention_mask.layout != self.layout:
+                raise ValueError(
+                    f"the model's forward passed a sequence in layout={attention_mask.layout!r} to a GDN "
+                    f"layer parallelized with layout={self.layout!r}"
+                )
             known, attention_mask = _from_global_sequence(attention_mask, cp.rank)
         placements = None
         if isinstance(x, DTensor):
@@ -142,6 +172,8 @@ class LinearAttentionContextParallel(ParallelStyle):
         error = _shard_error(dims, x, attention_mask)
         call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
         states = active_prefill_states()  # None unless an inference prefill records them
+        if states is not None and prefill_layout_error(self.layout):  # the same on every rank
+            raise ValueError(prefill_layout_error(self.layout))
         if (
             states is not None
             and error is None
@@ -176,15 +208,24 @@ class LinearAttentionContextParallel(ParallelStyle):
                 lengths = shard_lengths(cp, 0 if error else x.shape[1], error)  # raises on every rank
             else:
                 lengths = _check_known(known, cp.rank, x, error)
-            _check_lengths(self.mode, dims, lengths)
+            tokens = TokenLayout.of(
+                self.layout, lengths
+            )  # the same lengths, so the same error, on every rank
+            _check_lengths(self.mode, dims, tokens)
+            layout = None if tokens.is_contiguous else tokens
             docs = None
             if cu_seqlens is not None:
-                docs = ShardDocs.of(cu_seqlens, lengths, cp.rank, dims.conv_kernel_size)
+                width = dims.conv_kernel_size
+                docs = (
+                    ShardDocs.of(cu_seqlens, lengths, cp.rank, width)
+                    if layout is None or self.mode == "ulysses"
+                    else fragment_docs(cu_seqlens, tokens, cp.rank, width)
+                )
             final = {"final_state": True} if states is not None else {}
             if self.mode == "ulysses":
-                y = ulysses_forward(cp, call, x, attention_mask, lengths, docs, **final)
+                y = ulysses_forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
             else:
-                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, **final)
+                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout, **final)
             if states is not None:
                 y, s = y
                 tail = shard_conv_tail(cp, call.weights, x, attention_mask)
@@ -254,8 +295,7 @@ def _from_global_sequence(seq: GlobalSequence, rank: int) -> tuple[list[int], Te
     lengths = list(seq.lengths)
     if seq.key_mask is None:
         return lengths, None
-    start = seq.offset(rank)
-    return lengths, seq.key_mask[:, start : start + lengths[rank]]
+    return lengths, seq.token_layout().local(ops_for(seq.key_mask), seq.key_mask, rank, 1)
 
 
 def _check_known(lengths: list[int], rank: int, x: Tensor, error: str | None) -> list[int]:
@@ -295,11 +335,13 @@ def _shard_error(dims: LayerDims, x: Tensor, attention_mask: Tensor | None) -> s
     return None
 
 
-def _check_lengths(mode: str, dims: LayerDims, lengths: list[int]) -> None:
-    """Rules on every rank's token count; the same ValueError on every rank (all know the counts)."""
+def _check_lengths(mode: str, dims: LayerDims, tokens: TokenLayout) -> None:
+    """Rules on every rank's token count (every fragment's, for a layout of several per rank);
+    the same ValueError on every rank (all know the counts)."""
     halo = dims.conv_kernel_size - 1
     need = 1 if mode == "ulysses" else max(halo, 1)
-    for rank, t in enumerate(lengths):
+    for rank in range(tokens.size):
+        t = min(f.length for f in tokens.mine(rank))
         if t >= need:
             continue
         if mode == "ulysses":
@@ -307,7 +349,13 @@ def _check_lengths(mode: str, dims: LayerDims, lengths: list[int]) -> None:
                 f"mode='ulysses': the shard of CP rank {rank} is empty; every shard needs a token"
             )
         raise ValueError(
-            f"mode={mode!r}: the shard of CP rank {rank} has T/cp={t} tokens, fewer than the conv halo "
+            f"mode={mode!r}: the shard of CP rank {rank} has "
+            + (
+                f"T/cp={t} tokens"
+                if tokens.is_contiguous
+                else f"pieces of {t} tokens (layout={tokens.kind!r})"
+            )
+            + f", fewer than the conv halo "
             f"W-1={halo} (conv_kernel_size={dims.conv_kernel_size}); every shard needs at least {need}: "
             "use fewer ranks or a longer sequence"
         )

@@ -15,6 +15,8 @@ import numpy as np
 
 from hyperpar_gdn.platform import Platform
 
+from .layout import TokenLayout
+
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     """max |actual - expected| / max(|expected|, tiny), in float64."""
@@ -37,6 +39,7 @@ def compare_with_reference(
     dtype: str = "float32",
     reference_dtype: str | None = None,
     shard_lengths: Sequence[int] | None = None,
+    layout: str = "contiguous",
 ) -> dict[str, float]:
     """Relative errors of the CP ``layer`` against ``reference`` (same weights, no CP).
 
@@ -46,7 +49,8 @@ def compare_with_reference(
     ``get_local_rank()`` and ``size()``). ``reference_dtype`` (default ``dtype``)
     runs the reference in another precision, e.g. float64 as the truth for a float32 layer.
     ``shard_lengths`` (one per rank, summing to T) gives rank r the r-th contiguous piece of that
-    length; default T/cp each. Returns ``{"output": e, "grad_input": e, "grad_<param>": e, ...}``.
+    length; default T/cp each. ``layout``: which tokens rank r holds (``"head_tail"``: pieces r and
+    2cp-1-r of 2*cp; the layer must be parallelized with the same layout). Returns ``{"output": e, "grad_input": e, "grad_<param>": e, ...}``.
     """
     rank, size = mesh.get_local_rank(), mesh.size()
     t = x.shape[1]
@@ -56,8 +60,7 @@ def compare_with_reference(
         shard_lengths = [t // size] * size
     if len(shard_lengths) != size or sum(shard_lengths) != t or min(shard_lengths) < 0:
         raise ValueError(f"shard_lengths={list(shard_lengths)} must be {size} counts >= 0 summing to T={t}")
-    start = sum(shard_lengths[:rank])
-    local = slice(start, start + shard_lengths[rank])
+    local = TokenLayout.of(layout, shard_lengths).positions(rank)
 
     def run(module: Any, x_np: np.ndarray, cot_np: np.ndarray, mask_np: np.ndarray | None, dtype: str):
         mask = None if mask_np is None else platform.from_numpy(mask_np, dtype=dtype)

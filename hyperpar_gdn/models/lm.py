@@ -192,14 +192,21 @@ class HybridLM(nn.Module):
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, return_hidden: bool = False
+    ) -> torch.Tensor:
         """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents; every mixer restarts at each
-        (under context parallelism: the global boundaries, the same tensor on every rank)."""
+        (under context parallelism: the global boundaries, the same tensor on every rank).
+        ``return_hidden``: return the final hidden states ``[B, T, C]`` (after the final norm)
+        instead of the logits, for a loss that applies the head itself
+        (:func:`hyperpar_gdn.context_parallel_lm_loss` with ``embed_tokens.weight``)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
             x_BTC = block(x_BTC, cu_seqlens=cu_seqlens)
+        if return_hidden:
+            return self.norm(x_BTC)
         return lm_logits(_TORCH, self.norm(x_BTC), self.embed_tokens.weight)
 
     def num_parameters(self) -> int:

@@ -191,6 +191,9 @@ def attention(
         raise ValueError(
             f"path={path!r} is not an attention path; valid values are {', '.join(ATTENTION_PATHS)}"
         )
+    lowered = xp.autocast_dtype(q_BHTD)  # under bf16 autocast q, k, v meet in bf16, as in SDPA
+    if lowered is not None:
+        q_BHTD, k_BHTD, v_BHTD = (xp.cast(x, lowered) for x in (q_BHTD, k_BHTD, v_BHTD))
     if path == "reference":
         return dense_attention(xp, q_BHTD, k_BHTD, v_BHTD, queries=queries, keys=keys, key_mask=mask_np)
     kernel = xp.attention_kernel(q_BHTD) if path in ("auto", "fused") else None

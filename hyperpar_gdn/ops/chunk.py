@@ -46,7 +46,14 @@ from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
 from .common import L2NORM_EPS, check_document_states, check_inputs, from_chunks, to_chunks
 from .recurrence import chunk_outputs
-from .varlen import ChunkMasks, aligned_layout, check_cu_seqlens, check_doc_starts, chunk_masks
+from .varlen import (
+    ChunkMasks,
+    aligned_layout,
+    check_cu_seqlens,
+    check_doc_starts,
+    chunk_masks,
+    row_chunk_masks,
+)
 
 
 @dataclass
@@ -285,15 +292,22 @@ def prep_backward(
 # --- public functions -----------------------------------------------------------------------------
 
 
-def _cuts(seq_len: int, batch_size: int, cu_seqlens: Any, doc_starts: Any) -> np.ndarray | None:
-    """Where the state restarts, from one of the two packed descriptions (None for neither)."""
+def _cuts(seq_len: int, batch_size: int, cu_seqlens: Any, doc_starts: Any) -> Any:
+    """Where the state restarts, from one of the two packed descriptions (None for neither; a
+    list of arrays, one per batch row, for per-row ``doc_starts``)."""
     if cu_seqlens is not None and doc_starts is not None:
         raise ValueError("give cu_seqlens or doc_starts, not both")
     if cu_seqlens is not None:
         return check_cu_seqlens(cu_seqlens, seq_len=seq_len, batch_size=batch_size)[1:-1]
     if doc_starts is not None:
+        shape = tuple(np.shape(doc_starts))
+        if batch_size > 1 and shape == (batch_size, seq_len):  # one row of starts per batch row
+            return [np.flatnonzero(check_doc_starts(row, seq_len=seq_len)) for row in doc_starts]
         if batch_size != 1:
-            raise ValueError(f"packed documents (doc_starts) need batch size B=1; got B={batch_size}")
+            raise ValueError(
+                f"packed documents (doc_starts) need batch size B=1 or one row per batch row [B, T] = "
+                f"{(batch_size, seq_len)}; got B={batch_size}, doc_starts of shape {shape}"
+            )
         return np.flatnonzero(check_doc_starts(doc_starts, seq_len=seq_len))
     return None
 
@@ -323,6 +337,8 @@ def prepare_chunks(
         doc_starts: bool ``[T]`` or ``[1, T]``, True at a document's first token (a context
             parallel shard's view). The entering state reaches the tokens before the first True
             (none when doc_starts[0] is True: it is then dropped, and a summary has M = 0).
+            ``[B, T]`` with B > 1: each batch row its own segment with its own starts (the
+            fragments of a context-parallel shard, run as rows).
     """
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
@@ -334,8 +350,11 @@ def prepare_chunks(
     q, k, v, g, beta = (xp.cast(x, dtype) for x in (q, k, v, g, beta))
     seq_len, num_k_heads = q.shape[1], q.shape[2]
     masks = None
-    if cuts is not None and len(cuts):
-        masks = chunk_masks(xp, cuts, num_chunks=-(-seq_len // chunk_size), chunk_size=chunk_size, like=q)
+    num_chunks = -(-seq_len // chunk_size)
+    if isinstance(cuts, list) and any(len(row) for row in cuts):
+        masks = row_chunk_masks(xp, cuts, num_chunks=num_chunks, chunk_size=chunk_size, like=q)
+    elif cuts is not None and not isinstance(cuts, list) and len(cuts):
+        masks = chunk_masks(xp, cuts, num_chunks=num_chunks, chunk_size=chunk_size, like=q)
     use_l2 = bool(use_qk_l2norm_in_kernel)
     qg, p, u, w, kd, gl = xp.custom_vjp(
         lambda *a: prep_forward(xp, *a, chunk_size=chunk_size, use_qk_l2norm=use_l2, masks=masks),

@@ -209,6 +209,19 @@ def chunk_masks(
     )
 
 
+def row_chunk_masks(
+    xp: TensorOps, cuts_per_row: list[np.ndarray], *, num_chunks: int, chunk_size: int, like: Tensor
+) -> ChunkMasks:
+    """:func:`chunk_masks` with cuts of their own for each batch row: masks ``[N, B, 1, C, *]``."""
+    rows = [
+        chunk_masks(xp, cuts, num_chunks=num_chunks, chunk_size=chunk_size, like=like)
+        for cuts in cuts_per_row
+    ]
+    return ChunkMasks(
+        *(xp.cat([getattr(m, name) for m in rows], 1) for name in ("seg_tril", "first", "last"))
+    )
+
+
 # --- the document-aligned layout (per-document states) -----------------------------------------
 
 

@@ -144,7 +144,9 @@ class TensorOps(ABC):
 
     # --- linear algebra ----------------------------------------------------------------------
     @abstractmethod
-    def matmul(self, a: Tensor, b: Tensor) -> Tensor: ...
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
+        """``a @ b`` in the inputs' dtype, also under a framework's autocast (the GDN state maths
+        stay fp32 in a bf16 model); :meth:`linear` is the one that autocast may lower."""
 
     @abstractmethod
     def tril(self, x: Tensor, diagonal: int = 0) -> Tensor: ...
@@ -174,6 +176,12 @@ class TensorOps(ABC):
 
         q ``[B, H, Tq, D]``, k and v ``[B, H, Tk, D]`` (heads already repeated), visible a bool
         ``[B or 1, 1, Tq, Tk]``. A query row with no visible key gives zeros (not NaN)."""
+
+    def autocast_dtype(self, x: Tensor) -> Any:
+        """The dtype a framework's autocast lowers matmuls to on ``x``'s device while it is on
+        (torch's bf16 autocast), else None. Code that calls kernels directly casts its inputs to
+        it, as autocast would."""
+        return None
 
     def attention_kernel(self, q: Tensor) -> AttentionKernel | None:
         """The fused attention kernel that serves tensors like ``q`` (its device and dtype), or

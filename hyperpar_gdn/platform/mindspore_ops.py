@@ -366,7 +366,13 @@ class MindSporeOps(TensorOps):
         logits = self.cast(logits, self.compute_dtype(logits)).reshape(-1, logits.shape[-1])
         labels = labels.reshape(-1).astype(ms.int32)
         keep = labels != ignore_index
-        log_probs = ops.log_softmax(logits, -1)
+        if logits.dtype == ms.float64:
+            # ops.log_softmax keeps only ~4e-6 of float64 on CPU (measured against torch); the
+            # formula keeps rounding-level agreement, gradient included.
+            shifted = logits - ops.stop_gradient(ops.amax(logits, -1, True))
+            log_probs = shifted - ops.log(ops.exp(shifted).sum(-1, keepdims=True))
+        else:
+            log_probs = ops.log_softmax(logits, -1)
         picked = ops.gather_elements(log_probs, 1, (labels * keep.astype(ms.int32)).reshape(-1, 1))
         return -(picked.reshape(-1) * keep.astype(logits.dtype)).sum()
 

@@ -125,6 +125,11 @@ class TorchOps(TensorOps):
         return torch.index_select(x, dim, torch.as_tensor(index, dtype=torch.int64, device=x.device))
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # The state maths multiply in their own dtype (fp32 states, chunk products) also under
+        # bf16 autocast, which would round them to bf16; projections use linear(), which it casts.
+        if torch.is_autocast_enabled(a.device.type):
+            with torch.autocast(a.device.type, enabled=False):
+                return torch.matmul(a, b)
         return torch.matmul(a, b)
 
     def tril(self, x: torch.Tensor, diagonal: int = 0) -> torch.Tensor:
@@ -134,6 +139,9 @@ class TorchOps(TensorOps):
         return x.masked_fill(x.abs() < torch.finfo(x.dtype).tiny, 0.0)
 
     def solve_unit_lower(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(a.device.type):
+            with torch.autocast(a.device.type, enabled=False):
+                return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
         return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -148,6 +156,10 @@ class TorchOps(TensorOps):
         seen = visible.any(-1, keepdim=True)  # rows with at least one key
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible | ~seen)
         return o * seen.to(o.dtype)
+
+    def autocast_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        kind = x.device.type
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
     def attention_kernel(self, q: torch.Tensor) -> AttentionKernel | None:
         return attention_kernel_for(q)

@@ -13,8 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.style import MODES
 from hyperpar_gdn.models.lm import HybridLMConfig
+
+DTYPES = ("fp32", "bf16")
 
 MODEL_SIZES: dict[str, HybridLMConfig] = {
     # ~0.25M parameters: the embedded default, under a minute on two CPU ranks.
@@ -65,6 +68,9 @@ class TrainConfig:
 
     Attributes:
         cp_mode: context-parallel mode of the GDN layers (softmax layers all-gather K and V).
+        cp_layout: which tokens a CP rank holds: "contiguous" or "head_tail" (pieces r and
+            2cp-1-r of 2*cp: equal softmax-attention work on every rank). None: head_tail when
+            the model has softmax-attention layers, else contiguous (:meth:`token_layout`).
         cp_size: ranks per CP group; the world is split into world/cp_size data-parallel
             replicas. None: every rank in one CP group.
         steps: optimizer steps to reach (a resumed run continues up to this step).
@@ -92,6 +98,9 @@ class TrainConfig:
         resume: a ``step-N`` directory, or a root whose latest ``step-N`` is taken.
         fsdp: shard parameters, gradients and optimizer state over all ranks (FSDP2).
         ac: activation checkpointing: recompute each decoder layer in the backward.
+        dtype: compute dtype, "fp32" or "bf16" (bf16 matmuls with fp32 master weights, optimizer
+            state, GDN state maths and loss; checkpoints stay fp32). bf16 is the choice on GPUs and
+            NPUs; fp32 on CPUs.
         check_parity: rank 0 also trains a no-CP copy on the whole global batch and compares.
         parity_tol: the largest allowed per-step loss difference under ``check_parity``.
         log_every: print a step line every this many steps (and at the last step).
@@ -99,6 +108,7 @@ class TrainConfig:
     """
 
     cp_mode: str = "ulysses"
+    cp_layout: str | None = None
     cp_size: int | None = None
     steps: int = 60
     seq_len: int = 128
@@ -121,6 +131,7 @@ class TrainConfig:
     resume: str | None = None
     fsdp: bool = False
     ac: bool = False
+    dtype: str = "fp32"
     check_parity: bool = False
     parity_tol: float = 1e-4
     log_every: int = 1
@@ -129,6 +140,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.cp_mode not in MODES:
             raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(MODES)}")
+        if self.cp_layout is not None and self.cp_layout not in LAYOUTS:
+            raise ValueError(
+                f"--cp-layout {self.cp_layout!r} is not a token layout; choose one of {', '.join(LAYOUTS)}"
+            )
         if self.model_size is not None and self.model_size not in MODEL_SIZES:
             raise ValueError(
                 f"--model-size {self.model_size!r} is unknown; choose one of {', '.join(MODEL_SIZES)}"
@@ -148,6 +163,8 @@ class TrainConfig:
         if self.cp_size is not None:
             if self.cp_size < 1:
                 raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.model_dir is not None and self.model_size is not None:
             raise ValueError(
                 f"--model-size {self.model_size} sizes the built-in model; --model {self.model_dir} brings its own"
@@ -177,6 +194,19 @@ class TrainConfig:
         m = self.model
         return m.linear_num_key_heads, m.linear_num_value_heads, m.linear_conv_kernel_dim
 
+    def token_layout(self) -> str:
+        """``--cp-layout``, or its default: head_tail when the model has softmax-attention layers
+        (their causal work is then the same on every rank), else contiguous."""
+        if self.cp_layout is not None:
+            return self.cp_layout
+        if self.model_dir is not None:
+            from .transformers_model import has_softmax_attention
+
+            softmax = has_softmax_attention(self.model_dir)
+        else:
+            softmax = "full_attention" in self.model.layer_types
+        return "head_tail" if softmax else "contiguous"
+
     def layout(self, world_size: int) -> tuple[int, int]:
         """(dp, cp) for ``world_size`` ranks; checks the options that depend on it."""
         cp = world_size if self.cp_size is None else self.cp_size
@@ -194,12 +224,19 @@ class TrainConfig:
                 f"({world_size} ranks / --cp-size {cp})"
             )
         num_k_heads, num_v_heads, conv_width = self.gdn_dims()
-        local = self.seq_len // cp
+        pieces = 2 * cp if cp > 1 and self.token_layout() == "head_tail" else cp
+        if self.seq_len % pieces:
+            raise ValueError(
+                f"--cp-layout head_tail cuts --seq-len {self.seq_len} into 2 x cp = {pieces} equal pieces; "
+                "use a --seq-len divisible by it, or --cp-layout contiguous"
+            )
+        local = self.seq_len // pieces
         halo = conv_width - 1
         if cp > 1 and self.cp_mode != "ulysses" and local < halo:
             raise ValueError(
-                f"--cp-mode {self.cp_mode}: --seq-len {self.seq_len} / cp {cp} = {local} tokens per rank, "
-                f"fewer than the conv halo {halo}; use a longer --seq-len or a smaller --cp-size"
+                f"--cp-mode {self.cp_mode}: --seq-len {self.seq_len} / {pieces} = {local} tokens per piece "
+                f"(cp {cp}, --cp-layout {self.token_layout()}), fewer than the conv halo {halo}; use a longer "
+                "--seq-len or a smaller --cp-size"
             )
         if cp > 1 and self.cp_mode == "ulysses" and num_v_heads % cp:
             raise ValueError(
@@ -248,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--cp-mode", choices=MODES, default=defaults.cp_mode, help="CP mode of the GDN layers")
     add(
+        "--cp-layout",
+        choices=LAYOUTS,
+        default=None,
+        help="tokens per CP rank: contiguous, or head_tail (pieces r and 2cp-1-r of 2cp); "
+        "None = head_tail when the model has softmax-attention layers",
+    )
+    add(
         "--cp-size",
         type=int,
         default=None,
@@ -294,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--resume", default=None, help="a step-N checkpoint directory, or a root (its latest step-N)")
     add("--fsdp", action="store_true", help="shard parameters, gradients, optimizer state (FSDP2)")
     add("--ac", action="store_true", help="activation checkpointing per decoder layer")
+    add(
+        "--dtype",
+        choices=DTYPES,
+        default=defaults.dtype,
+        help="compute dtype: bf16 (GPU/NPU) multiplies in bf16 with fp32 master weights and optimizer state",
+    )
     add("--check-parity", action="store_true", help="compare every step's loss with a no-CP run on rank 0")
     add(
         "--parity-tol", type=float, default=defaults.parity_tol, help="max loss difference for --check-parity"

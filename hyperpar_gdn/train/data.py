@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
+
 from .corpus import BUILTIN_CORPUS
 
 VOCAB_SIZE = 256  # bytes
@@ -187,10 +189,19 @@ class RankBatch:
 
 
 def rank_batch(
-    batch: Batch, *, dp_rank: int, dp_size: int, cp_rank: int, cp_size: int, doc_boundaries: bool = True
+    batch: Batch,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    cp_rank: int,
+    cp_size: int,
+    doc_boundaries: bool = True,
+    layout: str = "contiguous",
 ) -> RankBatch:
     """This rank's inputs and labels from a global batch ``[B, T+1]``: rows of DP replica
-    ``dp_rank``, the ``cp_rank``-th of ``cp_size`` contiguous pieces of their tokens.
+    ``dp_rank``, the tokens of CP rank ``cp_rank`` of ``cp_size`` in the token ``layout``
+    (contiguous: the ``cp_rank``-th of ``cp_size`` pieces; head_tail: pieces ``cp_rank`` and
+    ``2 cp_size - 1 - cp_rank`` of ``2 cp_size``). ``cu_seqlens`` stays global.
 
     With ``doc_boundaries`` and a document starting inside a row, the replica's rows are packed
     into one row of ``B/dp * T`` tokens whose documents (row starts included) are its
@@ -214,6 +225,13 @@ def rank_batch(
         row_starts[:, 0] = True
         inputs, labels, row_starts = inputs.reshape(1, -1), labels.reshape(1, -1), row_starts.reshape(-1)
         cu = torch.cat([row_starts.nonzero()[:, 0], torch.tensor([row_starts.numel()])])
-    t = inputs.shape[1] // cp_size
-    window = slice(cp_rank * t, (cp_rank + 1) * t)
+    error = layout_error(layout, inputs.shape[1], cp_size)
+    if error is not None:
+        raise ValueError(error)
+    tokens = TokenLayout.of(layout, [inputs.shape[1] // cp_size] * cp_size)
+    if tokens.is_contiguous:
+        (piece,) = tokens.mine(cp_rank)
+        window: Any = slice(piece.start, piece.stop)
+    else:
+        window = torch.as_tensor(tokens.positions(cp_rank))
     return RankBatch(inputs[:, window], labels[:, window], cu)

@@ -11,6 +11,7 @@ labelled token of the global batch: the same step as one device on the whole bat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -27,6 +28,7 @@ from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
 from hyperpar_gdn.models.lm import HybridLM
+from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 from hyperpar_gdn.platform import get_platform, platform_name
 
 from .checkpoint import (
@@ -41,6 +43,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .data import Batch, BatchSampler, RankBatch, load_stream, rank_batch
+from .lm_head import hidden_and_head
 from .log import logger, setup_logging
 from .sharding import (
     apply_activation_checkpointing,
@@ -55,7 +58,7 @@ SUPPORTED_PLATFORMS = ("cpu", "cuda", "npu")
 # Options a resumed run must share with its checkpoint to draw the same batches and shapes.
 _SAME_STREAM = ("model_size", "model_dir", "seq_len", "batch_size", "seed", "data")
 # Options that change the loss curve if they differ (a warning only).
-_SAME_CURVE = ("lr", "warmup_steps", "weight_decay", "grad_clip", "doc_boundaries")
+_SAME_CURVE = ("lr", "warmup_steps", "weight_decay", "grad_clip", "doc_boundaries", "dtype")
 
 
 @dataclass
@@ -134,7 +137,8 @@ class Trainer:
         if (
             self.cp > 1 or self.tokenizer is not None
         ):  # transformers' own layers would drop cu_seqlens on a CPU
-            apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode)
+            cp_layout = config.token_layout()
+            apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode, layout=cp_layout)
         self._apply_sharding()
         self.sampler = BatchSampler(
             load_stream(config.data, self.tokenizer),
@@ -153,7 +157,7 @@ class Trainer:
         if self.config.ac:
             apply_activation_checkpointing(self.model)
         if self.config.fsdp:
-            apply_fsdp(self.model, device_type=self.device.type, dp=self.dp)
+            apply_fsdp(self.model, device_type=self.device.type, dp=self.dp, bf16=self.config.dtype == "bf16")
             self.optimizer = _adamw(self.model, self.config)  # over the sharded parameters
 
     def _build_model(self) -> None:
@@ -178,16 +182,18 @@ class Trainer:
         result = TrainResult(start_step=self.step)
         tokens_per_step = config.batch_size * config.seq_len
         logger.info(
-            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s%s), model %s: %s parameters, "
-            "%d tokens per step, steps %d..%d",
+            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s, --cp-layout %s%s), model %s: %s parameters, "
+            "--dtype %s, %d tokens per step, steps %d..%d",
             self.platform.name,
             self.world_size,
             self.dp,
             self.cp,
             config.cp_mode,
+            config.token_layout(),
             "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name)),
             config.model_name,
             f"{self.model.num_parameters():,}",
+            config.dtype,
             tokens_per_step,
             self.step + 1,
             config.steps,
@@ -242,6 +248,7 @@ class Trainer:
             cp_rank=0 if whole else self.cp_rank,
             cp_size=1 if whole else self.cp,
             doc_boundaries=self.config.doc_boundaries,
+            layout=self.config.token_layout(),
         )
         cu = None if part.cu_seqlens is None else part.cu_seqlens.to(self.device)
         return RankBatch(part.inputs.to(self.device), part.labels.to(self.device), cu)
@@ -249,10 +256,7 @@ class Trainer:
     def _train_step(self, batch: Batch) -> float:
         """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
         part = self._rank_batch(batch)
-        logits = self._logits(self.model, part)
-        loss_sum = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), part.labels.reshape(-1), reduction="sum"
-        )
+        loss_sum = self._loss_sum(part)
         dtype = _stat_dtype(self.device)
         totals = torch.stack([loss_sum.detach().to(dtype), (part.labels != -100).sum().to(dtype)])
         self.comm.all_reduce_sum(totals, None)  # the loss sum and the labelled tokens of the global batch
@@ -266,11 +270,29 @@ class Trainer:
         """The same step without any parallelism, on the whole global batch (rank 0 only)."""
         assert self.reference is not None and self.ref_optimizer is not None
         part = self._rank_batch(batch, whole=True)
-        logits = self._logits(self.reference, part)
+        with self._autocast():
+            logits = self._logits(self.reference, part)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), part.labels.reshape(-1))
         loss.backward()
         _optimizer_step(self.reference, self.ref_optimizer, self.config, self.step)
         return loss.item()
+
+    def _loss_sum(self, part: RankBatch) -> torch.Tensor:
+        """The sum of this rank's token losses (fp32), from the final hidden states and the head
+        weight in token chunks: the ``[rows, T_local, V]`` logits are never held."""
+        with self._autocast():
+            hidden, head = hidden_and_head(
+                self.model, part.inputs, transformers=self.tokenizer is not None, cu_seqlens=part.cu_seqlens
+            )
+        if self.config.dtype == "bf16":  # the head's matmuls in bf16, the rest of the loss in fp32
+            hidden = hidden.to(torch.bfloat16)
+        return lm_loss_sum(hidden, head, part.labels)
+
+    def _autocast(self) -> Any:
+        """bf16 autocast under ``--dtype bf16`` without FSDP (whose MixedPrecisionPolicy casts)."""
+        if self.config.dtype != "bf16" or self.config.fsdp:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _logits(self, model: torch.nn.Module, part: RankBatch) -> torch.Tensor:
         """``[rows, T_local, V]`` logits of the built-in or a transformers model (which, under

@@ -12,8 +12,9 @@ very same tokens), logging, parity check, summary and metrics (inherited). What 
 - gradients come from ``mindspore.value_and_grad``; the loss term of each rank is its sum of token
   losses over the tokens of its DP replica, gradients are summed over the CP group and averaged
   over the DP groups: the gradient of the mean loss over the global batch, as on torch;
-- the optimizer is :class:`AdamW`, torch's ``AdamW`` maths (decay on matrices, betas (0.9, 0.95),
-  eps 1e-8) with torch's global-norm clipping, written with MindSpore tensors;
+- ``--dtype bf16`` is refused (:data:`BF16_REFUSED` says why): MindSpore trains in fp32;
+- the optimizer is :class:`AdamW`: MindSpore's library AdamW (torch's ``AdamW`` maths) set up as
+  torch's (decay on matrices, betas (0.9, 0.95), eps 1e-8), with torch's global-norm clipping;
 - checkpoints have the same layout and parts; the ``model`` part is a torch state dict with the
   torch model's names (a torch ``HybridLM`` loads it; for ``--model``, transformers' names), the ``optimizer`` part is :class:`AdamW`'s
   own state (format :data:`ADAMW_FORMAT`), so a run resumes on the platform that saved it.
@@ -22,7 +23,6 @@ very same tokens), logging, parity check, summary and metrics (inherited). What 
 from __future__ import annotations
 
 import functools
-import math
 import resource
 from collections.abc import Sequence
 from typing import Any
@@ -36,16 +36,22 @@ from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.parallelize import text_model_of
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
-from hyperpar_gdn.platform import ops_for
+from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 
 from .config import TrainConfig
 from .data import Batch, RankBatch, rank_batch
 from .loop import Trainer
 from .transformers_model import export_model_dir, load_tokenizer
 
-__all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm"]
+__all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm", "library_adamw_class"]
 
 ADAMW_FORMAT = "hyperpar_gdn.train.mindspore_loop.AdamW/1"
+BF16_REFUSED = (
+    "--dtype {dtype} trains on torch only: MindSpore 2.10 has no bf16 kernels on CPU for MatMul, "
+    "BatchMatMul, Exp, Softmax, Sigmoid, Rsqrt or reductions (measured), and its "
+    "auto_mixed_precision does not reach these models' functional maths (amp_level 'auto' leaves "
+    "them fp32, 'O1' and 'O2' fail); use --dtype fp32 on MindSpore"
+)
 
 
 def clip_grad_norm(grads: Sequence[ms.Tensor], max_norm: float) -> tuple[list[ms.Tensor], float]:
@@ -59,11 +65,23 @@ def clip_grad_norm(grads: Sequence[ms.Tensor], max_norm: float) -> tuple[list[ms
     return [g * coef.astype(g.dtype) for g in grads], float(total.asnumpy())
 
 
-class AdamW:
-    """``torch.optim.AdamW`` (single-tensor implementation) on MindSpore parameters.
+def library_adamw_class() -> type:
+    """MindSpore's AdamW for the device target: ``mindspore.mint.optim.AdamW`` on Ascend; on CPU,
+    where its ``AdamW`` kernel is missing in 2.10 (``mint.optim.AdamW`` and ``FusedAdamW`` both
+    fail with "The kernel AdamW unregistered", measured), ``mindspore.experimental.optim.AdamW``,
+    the same torch AdamW arithmetic in composed ops (one compiled graph per step)."""
+    if ms.get_context("device_target") == "Ascend":
+        from mindspore.mint.optim import AdamW as LibraryAdamW
+    else:
+        from mindspore.experimental.optim import AdamW as LibraryAdamW
+    return LibraryAdamW
 
-    Weight decay applies to parameters with 2 or more dims only, as ``hyperpar_gdn.train.loop``
-    configures torch's. :meth:`step` takes the gradients in the order of ``params``.
+
+class AdamW:
+    """MindSpore's library AdamW (:func:`library_adamw_class`) with torch's settings: weight decay
+    on parameters with 2 or more dims only (as ``hyperpar_gdn.train.loop`` configures torch's),
+    betas (0.9, 0.95), eps 1e-8, the learning rate set every step. :meth:`step` takes the
+    gradients in the order of ``params``.
 
     Args:
         params: the parameters to update (``mindspore.Parameter``).
@@ -85,33 +103,47 @@ class AdamW:
         self.names = [p.name for p in self.params] if names is None else list(names)
         if len(self.names) != len(self.params):
             raise ValueError(f"AdamW got {len(self.names)} names for {len(self.params)} parameters")
-        self.weight_decay = weight_decay
-        self.betas = betas
-        self.eps = eps
-        self.exp_avg = [ops.zeros(p.shape, p.dtype) for p in self.params]
-        self.exp_avg_sq = [ops.zeros(p.shape, p.dtype) for p in self.params]
-        self.steps = 0
+        decay = [i for i, p in enumerate(self.params) if len(p.shape) >= 2]
+        rest = [i for i, p in enumerate(self.params) if len(p.shape) < 2]
+        self._order = decay + rest  # the library's parameter order, group by group
+        self._slot = {position: slot for slot, position in enumerate(self._order)}
+        groups = [
+            {"params": [self.params[i] for i in ids], "weight_decay": wd}
+            for ids, wd in ((decay, weight_decay), (rest, 0.0))
+            if ids
+        ]
+        self.optimizer = library_adamw_class()(groups, lr=1e-3, betas=betas, eps=eps)
+        # the step counter starts at 0 (experimental.optim) or -1 (mint.optim)
+        self._step_offset = -int(self.optimizer.state_step.asnumpy().reshape(-1)[0])
+
+    @property
+    def steps(self) -> int:
+        return int(self.optimizer.state_step.asnumpy().reshape(-1)[0]) + self._step_offset
+
+    @property
+    def exp_avg(self) -> list[ms.Tensor]:
+        """First moments, in the order of ``params``."""
+        return [self.optimizer.exp_avg[self._slot[i]] for i in range(len(self.params))]
+
+    @property
+    def exp_avg_sq(self) -> list[ms.Tensor]:
+        """Second moments, in the order of ``params``."""
+        return [self.optimizer.exp_avg_sq[self._slot[i]] for i in range(len(self.params))]
 
     def step(self, grads: Sequence[ms.Tensor], lr: float) -> None:
         if len(grads) != len(self.params):
             raise ValueError(f"AdamW.step got {len(grads)} gradients for {len(self.params)} parameters")
-        self.steps += 1
-        beta1, beta2 = self.betas
-        step_size = lr / (1 - beta1**self.steps)
-        bias_correction2_sqrt = math.sqrt(1 - beta2**self.steps)
         for i, (param, grad) in enumerate(zip(self.params, grads, strict=True)):
             if tuple(grad.shape) != tuple(param.shape):
                 raise ValueError(
                     f"AdamW: gradient {i} has shape {tuple(grad.shape)}, its parameter {param.name} "
                     f"{tuple(param.shape)}"
                 )
-            value = param.value()
-            if self.weight_decay and len(param.shape) >= 2:
-                value = value * (1 - lr * self.weight_decay)
-            self.exp_avg[i] = self.exp_avg[i] + (grad - self.exp_avg[i]) * (1 - beta1)  # torch's lerp
-            self.exp_avg_sq[i] = self.exp_avg_sq[i] * beta2 + grad * grad * (1 - beta2)
-            denom = ops.sqrt(self.exp_avg_sq[i]) / bias_correction2_sqrt + self.eps
-            param.set_data(value - self.exp_avg[i] / denom * step_size)
+        # A float, not the group's lr Parameter set in place: in 2.10 (measured) a group of two or
+        # more parameters then kept updating with a stale rate (0.003 off torch after one change).
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(lr)
+        self.optimizer(tuple(grads[i] for i in self._order))
 
     def state_dict(self) -> dict[str, Any]:
         """The moments (torch tensors, so ``torch.load(weights_only=True)`` reads them), the step
@@ -141,14 +173,15 @@ class AdamW:
                 raise ValueError(
                     f"optimizer state of {self.names[i]} has shape {tuple(m.shape)}, not {tuple(p.shape)}"
                 )
-        self.exp_avg = [
-            ms.Tensor(m.numpy()).astype(p.dtype) for m, p in zip(state["exp_avg"], self.params, strict=True)
-        ]
-        self.exp_avg_sq = [
-            ms.Tensor(v.numpy()).astype(p.dtype)
-            for v, p in zip(state["exp_avg_sq"], self.params, strict=True)
-        ]
-        self.steps = int(state["steps"])
+        for i, p in enumerate(self.params):
+            slot = self._slot[i]
+            self.optimizer.exp_avg[slot].set_data(ms.Tensor(state["exp_avg"][i].numpy()).astype(p.dtype))
+            self.optimizer.exp_avg_sq[slot].set_data(
+                ms.Tensor(state["exp_avg_sq"][i].numpy()).astype(p.dtype)
+            )
+        step = self.optimizer.state_step
+        value = np.full(step.shape, int(state["steps"]) - self._step_offset)
+        step.set_data(ms.Tensor(value, step.dtype))
 
 
 class _Replica:
@@ -163,8 +196,9 @@ class _Replica:
         def loss_fn(
             inputs: ms.Tensor, labels: ms.Tensor, scale: ms.Tensor, cu_seqlens: ms.Tensor | None
         ) -> tuple[ms.Tensor, ms.Tensor]:
-            logits = model(inputs) if cu_seqlens is None else model(inputs, cu_seqlens)
-            loss_sum = ops_for(logits).cross_entropy_sum(logits, labels)  # labels -100: no loss
+            # the chunked LM loss: the [rows, T_local, V] logits are never held; labels -100: no loss
+            hidden = model.final_hidden_states(inputs, cu_seqlens)
+            loss_sum = lm_loss_sum(hidden, model.head_weight, labels)
             return loss_sum * scale, loss_sum
 
         self.value_and_grad = ms.value_and_grad(loss_fn, None, self.params, has_aux=True)
@@ -199,6 +233,11 @@ class MindSporeTrainer(Trainer):
     """
 
     platforms = ("mindspore",)
+
+    def __init__(self, config: TrainConfig) -> None:
+        if config.dtype != "fp32":  # on every rank, before the process group
+            raise NotImplementedError(BF16_REFUSED.format(dtype=config.dtype))
+        super().__init__(config)
 
     def _unsupported(self, name: str) -> str:
         return f"MindSporeTrainer needs HP_PLATFORM=mindspore (got {name}); use Trainer for torch"
@@ -238,6 +277,7 @@ class MindSporeTrainer(Trainer):
             cp_rank=self.cp_rank,
             cp_size=self.cp,
             doc_boundaries=self.config.doc_boundaries,
+            layout=self.config.token_layout(),
         )
         dtype = self._stat_dtype()
         count = ms.Tensor([float((part.labels != -100).sum())], dtype)

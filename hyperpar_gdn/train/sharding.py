@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hyperpar_gdn.distributed.parallelize import text_model_of
 
@@ -49,12 +49,16 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
         layers[i] = checkpoint_wrapper(layer)
 
 
-def apply_fsdp(model: torch.nn.Module, *, device_type: str, dp: int) -> None:
-    """Shard parameters, gradients and optimizer state over every rank (FSDP2)."""
+def apply_fsdp(model: torch.nn.Module, *, device_type: str, dp: int, bf16: bool = False) -> None:
+    """Shard parameters, gradients and optimizer state over every rank (FSDP2). ``bf16``: the
+    gathered parameters are bf16 for compute, the sharded ones (what AdamW updates and
+    checkpoints hold) stay fp32 and gradients are reduced in fp32."""
     mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    options = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     for layer in text_model_of(model).layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(float(dp))

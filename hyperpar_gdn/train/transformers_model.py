@@ -55,6 +55,15 @@ def gdn_dims(path: str | Path) -> tuple[int, int, int]:
     )
 
 
+def has_softmax_attention(path: str | Path) -> bool:
+    """Whether a model directory's decoder has softmax-attention (``full_attention``) layers."""
+    text = _text_config(path)
+    if "layer_types" in text:
+        return "full_attention" in text["layer_types"]
+    interval, layers = text.get("full_attention_interval", 4), int(text["num_hidden_layers"])
+    return layers >= interval  # transformers' default: every interval-th layer
+
+
 def _require_transformers(path: str | Path) -> None:
     if importlib.util.find_spec("transformers") is None:
         raise ModuleNotFoundError(

@@ -21,6 +21,9 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``prefill`` (tests/distributed/test_prefill_mindspore.py): the MindSpore Qwen3.5 model (dense
   and MoE) reads a prompt under every mode; the states equal the single-device prefill's and the
   greedy continuation from them equals its continuation (every mode for dense, p2p for MoE);
+- ``lm_loss`` (tests/distributed/test_batch.py): ``context_parallel_lm_loss`` on each rank's
+  shard of :func:`lm_loss_inputs` (float64), the loss and the gradients of the hidden-state shard
+  and of the head weight;
 - ``grads`` (4 workers, tests/distributed/test_grads.py): ``sync_context_parallel_grads`` on a
   (dp=2, cp=2) mesh, MindSpore gradient tensors of rank-dependent values;
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
@@ -53,7 +56,18 @@ from hyperpar_gdn.distributed.verify import compare_with_reference, relative_err
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
-SECTIONS = ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "grads", "prefill", "stall")
+SECTIONS = (
+    "collectives",
+    "cp",
+    "packed",
+    "attention",
+    "bad_input",
+    "mesh2d",
+    "grads",
+    "lm_loss",
+    "prefill",
+    "stall",
+)
 HIDDEN = 32
 PARAMS = (
     "in_proj_qkv.weight",
@@ -241,6 +255,8 @@ def section_cp(platform: Platform, world: int) -> dict[str, Any]:
 
 # Packed documents (B = 1, float64): global boundaries; shards of 48 (cp 2) or 24 (cp 4) tokens.
 PACKED_T = 96
+# head_tail pieces start at multiples of 24 (cp 2) and 12 (cp 4): 10..60 and 60..93 cross several
+HEAD_TAIL_CU = (0, 1, 10, 60, 93, 96)
 PACKED_CASES = {
     "tiny-and-long": (0, 1, 3, 10, 60, 96),  # 1 and 2 tokens (< conv halo); 10..60 crosses 24 and 48
     "at-shard-start": (0, 48, 72, 96),
@@ -284,6 +300,54 @@ def section_packed(platform: Platform, world: int) -> dict[str, Any]:
                 for k, g in grads.items()
             }
             results[f"{name}/{mode}"] = _errors(
+                (platform.to_numpy(out), platform.to_numpy(dx), totals), reference, local
+            )
+    results.update(_head_tail(platform, mesh, layer_t, x, cot))
+    return results
+
+
+def _head_tail(platform: Platform, mesh: Any, layer_t: Any, x: np.ndarray, cot: np.ndarray) -> dict[str, Any]:
+    """The head_tail layout (rank r holds pieces r and 2cp-1-r of 2*cp), every mode, against the
+    torch layer: packed documents across pieces (each document alone) and padding (chunk 8, so
+    that every fragment spans several chunks)."""
+    from hyperpar_gdn.distributed.layout import TokenLayout
+    from hyperpar_gdn.models.mindspore import GatedDeltaNet
+
+    world = mesh.size()
+    local = TokenLayout.of("head_tail", [PACKED_T // world] * world).positions(mesh.get_local_rank())
+    cu = HEAD_TAIL_CU
+    pieces = [
+        torch_reference(layer_t, x[:, a:b], cot[:, a:b], None, "float64")
+        for a, b in zip(cu[:-1], cu[1:], strict=True)
+    ]
+    packed = (
+        np.concatenate([p[0] for p in pieces], 1),
+        np.concatenate([p[1] for p in pieces], 1),
+        {k: sum(p[2][k] for p in pieces) for k in PARAMS},
+    )
+    mask = np.ones((1, PACKED_T))
+    mask[0, :5] = 0
+    mask[0, -30:] = 0
+    padded = torch_reference(layer_t, x, cot, mask, "float64")
+    results = {}
+    for mode in MODES:
+        for name, reference, packing in (("packed", packed, np.asarray(cu)), ("padded", padded, None)):
+            style = LinearAttentionContextParallel(mode=mode, chunk_size=8, layout="head_tail")
+            layer = style.apply(GatedDeltaNet.from_torch(layer_t), mesh)
+            mask_t = None if packing is not None else platform.from_numpy(mask[:, local], dtype="float64")
+            out, (dx,), grads = platform.value_and_grads(
+                lambda inp, layer=layer, cu_t=packing, m=mask_t: layer(
+                    inp, attention_mask=m, cu_seqlens=cu_t
+                ),
+                [platform.from_numpy(x[:, local], dtype="float64")],
+                platform.from_numpy(cot[:, local], dtype="float64"),
+                layer,
+            )
+            totals = {
+                k: platform.to_numpy(platform.collectives.all_reduce_sum(g, mesh.get_group()))
+                for k, g in grads.items()
+            }
+            results[f"head_tail/{name}/{mode}"] = _errors(
                 (platform.to_numpy(out), platform.to_numpy(dx), totals), reference, local
             )
     return results
@@ -676,6 +740,47 @@ def section_prefill(platform: Platform, world: int) -> dict[str, Any]:
     return results
 
 
+# The LM loss case: B, T, C, V and a chunk that divides neither T/2 = 7 nor T/4.
+LM_LOSS_SHAPE = (2, 14, 8, 37)
+LM_LOSS_CHUNK = 5
+
+
+def lm_loss_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """hidden ``[B, T, C]``, head ``[V, C]`` (float64) and shifted labels ``[B, T]`` with an
+    ignored token and right padding."""
+    b, t, c, v = LM_LOSS_SHAPE
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, v, (b, t))
+    labels[0, 3] = -100
+    labels[1, 9:] = -100
+    return rng.standard_normal((b, t, c)), rng.standard_normal((v, c)), labels
+
+
+def section_lm_loss(platform: Platform, world: int) -> dict[str, Any]:
+    import mindspore as ms
+
+    from hyperpar_gdn import context_parallel_lm_loss
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    hidden, head, labels = lm_loss_inputs()
+    local = hidden.shape[1] // world
+    window = slice(platform.rank() * local, (platform.rank() + 1) * local)
+    shard_labels = platform.from_numpy(labels[:, window], dtype="int64")
+
+    def loss_fn(h: Any, w: Any) -> Any:
+        return context_parallel_lm_loss(h, w, shard_labels, mesh, chunk_tokens=LM_LOSS_CHUNK)
+
+    loss, (dh, dw) = ms.value_and_grad(loss_fn, (0, 1))(
+        platform.from_numpy(hidden[:, window], dtype="float64"), platform.from_numpy(head, dtype="float64")
+    )
+    return {
+        "loss": float(platform.to_numpy(loss)),
+        "dtype": str(loss.dtype),
+        "grad_hidden": platform.to_numpy(dh).tolist(),
+        "grad_head": platform.to_numpy(dw).tolist(),
+    }
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "collectives": section_collectives,
     "cp": section_cp,
@@ -683,6 +788,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "attention": section_attention,
     "bad_input": section_bad_input,
     "mesh2d": section_mesh2d,
+    "lm_loss": section_lm_loss,
     "grads": section_grads,
     "prefill": section_prefill,
     "stall": section_stall,

@@ -175,10 +175,12 @@ def test_selfcheck_runs_under_msrun() -> None:
 def test_packed_documents_equal_each_document_alone(world: int) -> None:
     """Global cu_seqlens, every mode (float64): the MindSpore layer under CP against the torch
     layer run on each document alone (documents across shard boundaries, shorter than the conv
-    halo, starting exactly at a shard start)."""
+    halo, starting exactly at a shard start); also in the head_tail layout, with documents across
+    its pieces and with padding."""
     per_rank = section_data(cp_worker_job(world), "packed")
     for rank, results in enumerate(per_rank):
-        assert len(results) == len(worker.PACKED_CASES) * len(worker.MODES)
+        # and the head_tail layout: packed documents across pieces and padding, every mode
+        assert len(results) == (len(worker.PACKED_CASES) + 2) * len(worker.MODES)
         for key, errors in results.items():
             assert set(errors) == ERROR_KEYS, key
             bad = {k: v for k, v in errors.items() if not v <= TOL["float64"]}

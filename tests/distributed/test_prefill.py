@@ -265,11 +265,18 @@ def _refusals_worker(rank: int, world: int, base: torch.nn.Module) -> list[str]:
         ),
         lambda: prefill_context_parallel(model, mesh, ids, attention_mask=right_padded),
         lambda: prefill_context_parallel(model, mesh, ids[0]),
+        lambda: prefill_context_parallel(
+            apply_context_parallel(undo_context_parallel(model), mesh, mode="p2p", layout="head_tail"),
+            mesh,
+            ids,
+        ),
+        # on rank 0 alone: a refusal after any collective would hang here instead
+        lambda: prefill_context_parallel(model, mesh, ids) if rank == 0 else "not called",
     ]
     for call in calls:
         try:
-            call()
-            messages.append("no error")
+            result = call()
+            messages.append(result if isinstance(result, str) else "no error")
         except (ValueError, NotImplementedError) as err:
             messages.append(str(err))
     return messages
@@ -277,8 +284,11 @@ def _refusals_worker(rank: int, world: int, base: torch.nn.Module) -> list[str]:
 
 def test_refuses_bad_input() -> None:
     base = tiny_model(moe=False, dtype=torch.float32)
-    for messages in run_ranks(_refusals_worker, 2, base, timeout_s=120):
+    for rank, messages in enumerate(run_ranks(_refusals_worker, 2, base, timeout_s=120)):
         assert "is not under context parallelism: call apply_context_parallel" in messages[0]
         assert "lengths=[5, 5] must give each of cp=2 ranks at least one token and sum to T=12" in messages[1]
         assert "rows [1] end in padding" in messages[2]
         assert "the prompt must be input_ids [B, T] with T >= 1; got shape (12,)" in messages[3]
+        assert "prefill supports layout='contiguous' only; got 'head_tail' (layer 0)" in messages[4]
+        # rank 0 alone refused without waiting for rank 1
+        assert messages[5] == (messages[4] if rank == 0 else "not called")

@@ -2,7 +2,8 @@
 
 - ``lm_cp``: the MindSpore HybridLM under ``apply_context_parallel`` in every mode against the
   single-device MindSpore model with the same fp64 weights: logits shard and every parameter
-  gradient summed over the ranks (relative errors), then ``undo_context_parallel``;
+  gradient summed over the ranks (relative errors), then ``undo_context_parallel``; in the
+  contiguous and the head_tail token layouts;
 - ``qwen_cp``: the same for the MindSpore Qwen3_5ForCausalLM of each ``--qwen-dirs`` directory
   (dense and MoE), loaded in fp64 and moved off its init;
 - ``train``: ``scripts/train.py`` (its ``main``, as msrun would run it) with the options after
@@ -90,23 +91,28 @@ def qwen_cp_section(platform: Any, model_dirs: list[str]) -> dict[str, Any]:
     for path in model_dirs:
         vocab = build(path).config.vocab_size
         ids = np.random.default_rng(1).integers(0, vocab, (2, 40)).astype(np.int64)
-        out[Path(path).name] = cp_errors(platform, lambda path=path: build(path), ids)
+        # head_tail on the dense model only (the MoE one adds nothing to the layout, and time)
+        layouts = ("contiguous", "head_tail") if Path(path).name == "dense" else ("contiguous",)
+        out[Path(path).name] = cp_errors(platform, lambda path=path: build(path), ids, layouts=layouts)
     return out
 
 
-def cp_errors(platform: Any, build: Any, ids: np.ndarray) -> dict[str, dict[str, float]]:
-    """Per mode: relative errors of the CP logits shard, of every parameter gradient summed over
-    the ranks, and of the logits after ``undo_context_parallel``, against ``build()`` run whole."""
+def cp_errors(
+    platform: Any, build: Any, ids: np.ndarray, *, layouts: tuple[str, ...] = ("contiguous", "head_tail")
+) -> dict[str, dict[str, float]]:
+    """Per mode (``mode``, and ``mode/head_tail`` in the head_tail layout): relative errors of the CP
+    logits shard, of every parameter gradient summed over the ranks, and of the logits after
+    ``undo_context_parallel``, against ``build()`` run whole."""
     import mindspore as ms
     from mindspore import ops
 
     from hyperpar_gdn import init_device_mesh
+    from hyperpar_gdn.distributed.layout import TokenLayout
     from hyperpar_gdn.distributed.parallelize import apply_context_parallel, undo_context_parallel
 
     rank, world = platform.rank(), platform.world_size()
     mesh = init_device_mesh("mindspore", (world,), mesh_dim_names=("cp",))
     t = ids.shape[1] // world
-    shard = slice(rank * t, (rank + 1) * t)
 
     def run(model: Any, inputs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         names = [name for name, _ in model.parameters_and_names()]
@@ -121,17 +127,19 @@ def cp_errors(platform: Any, build: Any, ids: np.ndarray) -> dict[str, dict[str,
 
     logits_ref, grads_ref = run(build(), ids)
     out: dict[str, Any] = {}
-    for mode in MODES:
-        model = build()
-        apply_context_parallel(model, mesh, mode=mode)
-        logits, grads = run(model, ids[:, shard])
-        errors = {"logits": _rel(logits, logits_ref[:, shard])}
-        for name, grad in grads.items():
-            summed = platform.collectives.all_reduce_sum(ms.Tensor(grad), mesh.get_group()).asnumpy()
-            errors[f"d{name}"] = _rel(summed, grads_ref[name])
-        undo_context_parallel(model)
-        errors["undo"] = _rel(model(ms.Tensor(ids)).asnumpy(), logits_ref)
-        out[mode] = errors
+    for layout in layouts:
+        shard = TokenLayout.of(layout, [t] * world).positions(rank)
+        for mode in MODES:
+            model = build()
+            apply_context_parallel(model, mesh, mode=mode, layout=layout)
+            logits, grads = run(model, ids[:, shard])
+            errors = {"logits": _rel(logits, logits_ref[:, shard])}
+            for name, grad in grads.items():
+                summed = platform.collectives.all_reduce_sum(ms.Tensor(grad), mesh.get_group()).asnumpy()
+                errors[f"d{name}"] = _rel(summed, grads_ref[name])
+            undo_context_parallel(model)
+            errors["undo"] = _rel(model(ms.Tensor(ids)).asnumpy(), logits_ref)
+            out[mode if layout == "contiguous" else f"{mode}/{layout}"] = errors
     return out
 
 

@@ -3,6 +3,7 @@ MindSpore is refused clearly; the README's first command is the embedded default
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -26,6 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
         ({"lr": 0.0}, "--lr must be > 0; got 0.0"),
         ({"model_size": "huge"}, "--model-size 'huge' is unknown"),
         ({"steps": 0}, "--steps must be >= 1; got 0"),
+        (
+            {"cp_layout": "zigzag"},
+            "--cp-layout 'zigzag' is not a token layout; choose one of contiguous, head_tail",
+        ),
     ],
 )
 def test_option_errors_name_the_option(options: dict[str, object], message: str) -> None:
@@ -44,7 +49,17 @@ def test_option_errors_name_the_option(options: dict[str, object], message: str)
             2,
             "--batch-size 3 must be divisible by the 2 data-parallel replicas",
         ),
-        ({"seq_len": 4, "cp_mode": "p2p"}, 2, "2 tokens per rank, fewer than the conv halo 3"),
+        (
+            {"seq_len": 4, "cp_mode": "p2p", "cp_layout": "contiguous"},
+            2,
+            "--seq-len 4 / 2 = 2 tokens per piece (cp 2, --cp-layout contiguous), fewer than the conv halo 3",
+        ),
+        (
+            {"seq_len": 8, "cp_mode": "p2p"},
+            2,
+            "--seq-len 8 / 4 = 2 tokens per piece (cp 2, --cp-layout head_tail), fewer than the conv halo 3",
+        ),
+        ({"seq_len": 66}, 2, "--cp-layout head_tail cuts --seq-len 66 into 2 x cp = 4 equal pieces"),
         (
             {"model_size": "small", "seq_len": 64},
             16,
@@ -139,6 +154,33 @@ def test_readme_first_command_runs_the_embedded_default() -> None:
     while launch and re.fullmatch(r"[A-Z_]+=\S*", launch[0]):  # environment assignments
         launch.pop(0)
     assert launch == ["torchrun", "--nproc-per-node", "2", "scripts/train.py"], commands[0]
+
+
+def test_cp_layout_defaults_to_head_tail_with_softmax_layers(tmp_path: Path) -> None:
+    assert TrainConfig().token_layout() == "head_tail"  # the built-in model has softmax layers
+    assert TrainConfig(cp_layout="contiguous").token_layout() == "contiguous"
+    assert parse_args(["--cp-layout", "contiguous"]).cp_layout == "contiguous"
+    config = {"model_type": "qwen3_5_text", "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+    for layer_types, expected in (
+        (["linear_attention"] * 2, "contiguous"),
+        (["full_attention"], "head_tail"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": layer_types}))
+        assert TrainConfig(model_dir=str(tmp_path)).token_layout() == expected
+
+
+def test_head_tail_gives_rank_r_pieces_r_and_2cp_minus_1_minus_r() -> None:
+    tokens = torch.arange(17).reshape(1, 17)  # 16 inputs, their labels shifted on the whole row
+    starts = torch.zeros(1, 17, dtype=torch.bool)
+    for rank, pieces in enumerate(([0, 7], [1, 6], [2, 5], [3, 4])):
+        part = rank_batch(
+            Batch(tokens, starts), dp_rank=0, dp_size=1, cp_rank=rank, cp_size=4, layout="head_tail"
+        )
+        expected = [t for p in pieces for t in (2 * p, 2 * p + 1)]
+        assert part.inputs.tolist() == [expected]
+        assert part.labels.tolist() == [[t + 1 for t in expected]]
+    with pytest.raises(ValueError, match=re.escape("T=16 is not divisible by 32 (2*cp, cp=16)")):
+        rank_batch(Batch(tokens, starts), dp_rank=0, dp_size=1, cp_rank=0, cp_size=16, layout="head_tail")
 
 
 def test_documents_pack_the_rows_of_a_replica() -> None:

@@ -65,6 +65,14 @@ def test_cp_matches_the_run_without_cp(mode: str, no_cp_losses: list[float]) -> 
     assert max(independent) <= PARITY_TOL, f"the 1-rank run differs by {max(independent):.3g}"
 
 
+def test_contiguous_layout_matches_the_run_without_cp(no_cp_losses: list[float]) -> None:
+    """The runs above use the default --cp-layout head_tail (the model has softmax layers)."""
+    options = {**FAST, "steps": 10, "cp_mode": "p2p", "cp_layout": "contiguous", "check_parity": True}
+    rank0 = run_ranks(_train, 2, options, timeout_s=150)[0]
+    diffs = [abs(a - b) for a, b in zip(rank0["losses"], no_cp_losses[:10], strict=True)]
+    assert max(diffs) <= PARITY_TOL and rank0["parity_max_diff"] <= PARITY_TOL
+
+
 def test_dp_times_cp_matches_the_run_without_cp(no_cp_losses: list[float]) -> None:
     options = {**FAST, "steps": 10, "cp_size": 2, "cp_mode": "p2p", "check_parity": True}
     results = run_ranks(_train, 4, options, timeout_s=150)

@@ -13,6 +13,8 @@ from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, conv_silu
 from hyperpar_gdn.ops.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.platform import Collectives, Group, Tensor, TensorOps
 
+from ..layout import TokenLayout
+
 
 @dataclass(frozen=True)
 class CPGroup:
@@ -64,13 +66,15 @@ class ShardDocs:
     @classmethod
     def of(cls, cu_seqlens: Any, lengths: Sequence[int], rank: int, width: int) -> ShardDocs:
         """From the global ``cu_seqlens`` (int ``[N+1]``, the same on every rank; validated
-        against the whole length ``sum(lengths)``)."""
+        against the whole length ``sum(lengths)``), for rank r's contiguous piece."""
         whole = doc_starts_from_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
-        start = sum(lengths[:rank])
+        return cls.of_segment(whole, sum(lengths[:rank]), lengths[rank], width)
+
+    @classmethod
+    def of_segment(cls, whole: np.ndarray, start: int, length: int, width: int) -> ShardDocs:
+        """The view of the tokens ``[start, start + length)`` from the whole sequence's starts."""
         before = np.concatenate([np.zeros(width - 1, dtype=bool), whole[:start]])
-        return cls(
-            whole=whole, local=whole[start : start + lengths[rank]], halo=before[len(before) - (width - 1) :]
-        )
+        return cls(whole=whole, local=whole[start : start + length], halo=before[len(before) - (width - 1) :])
 
 
 def conv_with_halo(cp: CPGroup, mixed: Tensor, conv_weight: Tensor, docs: ShardDocs | None = None) -> Tensor:
@@ -86,6 +90,53 @@ def conv_with_halo(cp: CPGroup, mixed: Tensor, conv_weight: Tensor, docs: ShardD
     t = mixed.shape[1]
     halo = cp.comm.shift_right(mixed[:, t - (width - 1) :], cp.group)
     return conv_silu(cp.xp, mixed, conv_weight, halo=halo, doc_starts=local, halo_doc_starts=halo_starts)
+
+
+def conv_fragments(
+    cp: CPGroup,
+    layout: TokenLayout,
+    pieces: Sequence[Tensor],
+    conv_weight: Tensor,
+    docs: Sequence[ShardDocs] | None = None,
+) -> list[Tensor]:
+    """Causal conv + SiLU on each of this rank's fragments ``pieces[slot]`` ``[B, P, C]``.
+
+    A fragment's halo is the last W-1 pre-conv tokens of the fragment before it in global order,
+    wherever that one lives: every rank all-gathers the halos of its fragments ``[n, B, W-1, C]``
+    (one small differentiable collective) and takes those of its predecessors. The sequence's
+    first fragment gets zeros. ``docs``: one :class:`ShardDocs` per fragment."""
+    width = conv_weight.shape[-1]
+    xp = cp.xp
+    mine = layout.mine(cp.rank)
+    halos: list[Tensor | None] = [None] * len(mine)
+    if width > 1:
+        tails = xp.stack([y[:, y.shape[1] - (width - 1) :] for y in pieces], 0)
+        gathered = cp.comm.all_gather(tails, cp.group)  # [cp, n, B, W-1, C]
+        for fragment in mine:
+            prev = layout.previous(fragment)
+            if prev is not None:
+                halos[fragment.slot] = gathered[prev.rank][prev.slot]
+    out = []
+    for slot, (piece, halo) in enumerate(zip(pieces, halos, strict=True)):
+        starts = None if docs is None else docs[slot]
+        out.append(
+            conv_silu(
+                xp,
+                piece,
+                conv_weight,
+                halo=halo,
+                doc_starts=None if starts is None else starts.local,
+                halo_doc_starts=None if starts is None or halo is None else starts.halo,
+            )
+        )
+    return out
+
+
+def fragment_docs(cu_seqlens: Any, layout: TokenLayout, rank: int, width: int) -> tuple[ShardDocs, ...]:
+    """One :class:`ShardDocs` per fragment of rank ``rank`` (slot order), from the global
+    ``cu_seqlens`` (validated against the whole length)."""
+    whole = doc_starts_from_cu_seqlens(cu_seqlens, seq_len=layout.seq_len)
+    return tuple(ShardDocs.of_segment(whole, f.start, f.length, width) for f in layout.mine(rank))
 
 
 def shard_lengths(cp: CPGroup, t_local: int, error: str | None) -> list[int]:

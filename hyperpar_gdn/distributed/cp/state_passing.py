@@ -24,106 +24,198 @@ Shapes: S ``[B, H, K, V]``, M ``[B, H, K, K]``, packed ``[B, H, K, V+K]``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from hyperpar_gdn.ops import prepare_chunks
 from hyperpar_gdn.ops.layer import finish, gates, head_dims, mask_padding, project, split_heads
 from hyperpar_gdn.ops.onepass import shard_outputs
 from hyperpar_gdn.platform import Tensor
 
-from .common import CPGroup, LayerCall, ShardDocs, conv_with_halo
+from ..layout import TokenLayout
+from .common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
 
 
 def _t(xp, x: Tensor) -> Tensor:
     return xp.swapaxes(x, -1, -2)
 
 
+def _rows(xp, x: Tensor, n: int) -> list[Tensor]:
+    """x ``[n*B, ...]`` -> the n fragments' ``[B, ...]`` (x itself when n = 1)."""
+    return [x] if n == 1 else xp.split(x, [x.shape[0] // n] * n, 0)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The fragments of the sequence in global order, as ``(rank, slot)``, and the global indices
+    of this rank's fragments in slot order (:class:`~hyperpar_gdn.distributed.layout.TokenLayout`;
+    contiguous: fragment r is rank r's only one)."""
+
+    order: tuple[tuple[int, int], ...]
+    mine: tuple[int, ...]
+
+    @classmethod
+    def of(cls, cp: CPGroup, layout: TokenLayout | None) -> Chain:
+        if layout is None:
+            return cls(order=tuple((r, 0) for r in range(cp.size)), mine=(cp.rank,))
+        order = tuple((f.rank, f.slot) for f in layout.fragments)
+        return cls(order=order, mine=tuple(order.index((cp.rank, f.slot)) for f in layout.mine(cp.rank)))
+
+    def previous(self, i: int) -> tuple[int, int] | None:
+        return self.order[i - 1] if i > 0 else None
+
+    def next(self, i: int) -> tuple[int, int] | None:
+        return self.order[i + 1] if i + 1 < len(self.order) else None
+
+
 @dataclass
 class P2PExchange:
-    """S_in from rank r-1, M S_in + S_ext on to rank r+1; backward dS_in + M^T dS_out back to r-1.
-    ``keep_out``: keep the state leaving this shard (``s_out``) for :meth:`final_state`."""
+    """Along the chain of fragments in global order: a fragment's S_in comes from the previous
+    fragment's owner (rank r-1 for contiguous shards), M S_in + S_ext goes on to the next one's;
+    backward sends dS_in + M^T dS_out back along the chain. A link between two fragments of the
+    same rank stays local. Summaries are ``[n*B, ...]``: this rank's n fragments, slot-major.
+    ``keep_final``: keep the states leaving this rank's fragments for :meth:`final_state`."""
 
     cp: CPGroup
-    keep_out: bool = False
-    saved: tuple[Tensor, ...] = field(default=(), repr=False)
-    s_out: Tensor | None = field(default=None, repr=False)
+    layout: TokenLayout | None = None
+    saved: tuple = field(default=(), repr=False)
+    keep_final: bool = False
+    s_outs: tuple[Tensor, ...] = field(default=(), repr=False)
 
     def forward(self, s_ext: Tensor, m: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
-        if cp.rank == 0:
-            s_in, s_out = xp.zeros(s_ext.shape, like=s_ext), s_ext
-        else:
-            s_in = cp.comm.recv(s_ext, cp.rank - 1, cp.group)
-            s_out = xp.matmul(m, s_in) + s_ext
-        if cp.rank < cp.size - 1:
-            cp.comm.send(s_out, cp.rank + 1, cp.group)
-        self.saved = (s_in, m)
-        if self.keep_out:
-            self.s_out = s_out
-        return s_in
+        chain = Chain.of(cp, self.layout)
+        n = len(chain.mine)
+        s_exts, ms = _rows(xp, s_ext, n), None if m is None else _rows(xp, m, n)
+        s_ins: list[Tensor] = []
+        s_outs: list[Tensor] = []
+        for slot, i in enumerate(chain.mine):
+            prev, nxt = chain.previous(i), chain.next(i)
+            if prev is None:
+                s_in, s_out = xp.zeros(s_exts[slot].shape, like=s_ext), s_exts[slot]
+            else:
+                s_in = (
+                    s_outs[prev[1]] if prev[0] == cp.rank else cp.comm.recv(s_exts[slot], prev[0], cp.group)
+                )
+                s_out = xp.matmul(ms[slot], s_in) + s_exts[slot]
+            if nxt is not None and nxt[0] != cp.rank:
+                cp.comm.send(s_out, nxt[0], cp.group)
+            s_ins.append(s_in)
+            s_outs.append(s_out)
+        self.saved = (chain, s_ins, ms)
+        if self.keep_final:
+            self.s_outs = tuple(s_outs)
+        return s_ins[0] if n == 1 else xp.cat(s_ins, 0)
 
     def final_state(self) -> Tensor:
-        """The state leaving the last shard (the whole sequence's), on every rank: the last rank's
-        ``s_out``, summed with zeros from the others."""
+        """The state leaving the sequence's last fragment (the whole sequence's), on every rank:
+        its owner's ``s_out``, summed with zeros from the others."""
         cp, xp = self.cp, self.cp.xp
-        mine = self.s_out if cp.rank == cp.size - 1 else xp.zeros(self.s_out.shape, like=self.s_out)
+        owner, slot = Chain.of(cp, self.layout).order[-1]
+        like = self.s_outs[0]
+        mine = self.s_outs[slot] if cp.rank == owner else xp.zeros(like.shape, like=like)
         return cp.comm.all_reduce_sum(mine, cp.group)
 
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
-        s_in, m = self.saved
-        if cp.rank < cp.size - 1:
-            ds_out = cp.comm.recv(s_in, cp.rank + 1, cp.group)
-        else:
-            ds_out = xp.zeros(s_in.shape, like=s_in)
-        if cp.rank > 0:
-            cp.comm.send(ds_in + xp.matmul(_t(xp, m), ds_out), cp.rank - 1, cp.group)
-        return ds_out
+        chain, s_ins, ms = self.saved
+        n = len(chain.mine)
+        ds_ins = None if ds_in is None else _rows(xp, ds_in, n)
+        ds_outs: list[Tensor | None] = [None] * n
+        to_previous: dict[int, Tensor] = {}  # dS_in + M^T dS_out of a slot whose predecessor is local
+        for slot, i in reversed(list(enumerate(chain.mine))):
+            prev, nxt = chain.previous(i), chain.next(i)
+            if nxt is None:
+                ds_out = xp.zeros(s_ins[slot].shape, like=s_ins[slot])
+            elif nxt[0] == cp.rank:
+                ds_out = to_previous[nxt[1]]
+            else:
+                ds_out = cp.comm.recv(s_ins[slot], nxt[0], cp.group)
+            ds_outs[slot] = ds_out
+            if prev is not None:
+                grad = ds_ins[slot] + xp.matmul(_t(xp, ms[slot]), ds_out)
+                if prev[0] == cp.rank:
+                    to_previous[slot] = grad
+                else:
+                    cp.comm.send(grad, prev[0], cp.group)
+        return ds_outs[0] if n == 1 else xp.cat(ds_outs, 0)
 
 
 @dataclass
 class AllGatherExchange:
-    """Every rank gathers the packed summaries [S_ext | M] of all ranks and folds those of ranks < r;
-    backward reverses the fold and reduce-scatters the summaries' gradients to their owners (rank 0
-    sends M = 0: no rank uses M_0)."""
+    """Every rank gathers the packed summaries [S_ext | M] of all fragments and folds, in global
+    order, those before each of its own; backward reverses the fold and reduce-scatters the
+    summaries' gradients to their owners (a fragment that no state enters sends M = 0).
+    Summaries are ``[n*B, ...]``: this rank's n fragments, slot-major. ``keep_final``: keep the
+    gathered summaries for :meth:`final_state`."""
 
     cp: CPGroup
-    saved: tuple[Tensor, ...] = field(default=(), repr=False)
+    layout: TokenLayout | None = None
+    saved: tuple = field(default=(), repr=False)
+    keep_final: bool = False
+    gathered: Tensor | None = field(default=None, repr=False)
 
     def forward(self, s_ext: Tensor, m: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
+        chain = Chain.of(cp, self.layout)
+        n = len(chain.mine)
         if m is None:
             b, h, dk, _ = s_ext.shape
             m = xp.zeros((b, h, dk, dk), like=s_ext)
-        gathered = cp.comm.all_gather(xp.cat([s_ext, m], -1), cp.group)  # [cp, B, H, K, V+K]
-        dv = s_ext.shape[-1]
-        states = [xp.zeros(s_ext.shape, like=s_ext)]  # the fold: s_{j+1} = M_j s_j + S_ext_j
-        for j in range(cp.rank):
-            states.append(xp.matmul(gathered[j][..., dv:], states[-1]) + gathered[j][..., :dv])
-        self.saved = (gathered, *states)
-        return states[-1]
+        gathered = cp.comm.all_gather(xp.cat([s_ext, m], -1), cp.group)  # [cp, n*B, H, K, V+K]
+        dv, rows = s_ext.shape[-1], s_ext.shape[0] // n
+        states = [xp.zeros((rows, *s_ext.shape[1:]), like=s_ext)]  # s_{i+1} = M_i s_i + S_ext_i
+        summaries = []
+        for i in range(max(chain.mine)):
+            owner, slot = chain.order[i]
+            packed = gathered[owner] if n == 1 else gathered[owner][slot * rows : (slot + 1) * rows]
+            summaries.append(packed)
+            states.append(xp.matmul(packed[..., dv:], states[-1]) + packed[..., :dv])
+        self.saved = (chain, gathered.shape, summaries, states)
+        if self.keep_final:
+            self.gathered = gathered
+        s_ins = [states[i] for i in chain.mine]
+        return s_ins[0] if n == 1 else xp.cat(s_ins, 0)
 
     def final_state(self) -> Tensor:
-        """The state leaving the last shard (the whole sequence's), on every rank without
-        communication: the fold of the gathered summaries carried on to the end."""
+        """The state leaving the sequence's last fragment (the whole sequence's), on every rank
+        without communication: the fold of the gathered summaries carried on to the end."""
         xp = self.cp.xp
-        gathered, *states = self.saved
-        dv = states[0].shape[-1]
+        chain, _, _, states = self.saved
+        gathered = self.gathered
+        n = len(chain.mine)
+        dv, rows = states[0].shape[-1], states[0].shape[0]
         s = states[-1]
-        for j in range(len(states) - 1, self.cp.size):
-            s = xp.matmul(gathered[j][..., dv:], s) + gathered[j][..., :dv]
+        for i in range(len(states) - 1, len(chain.order)):
+            owner, slot = chain.order[i]
+            packed = gathered[owner] if n == 1 else gathered[owner][slot * rows : (slot + 1) * rows]
+            s = xp.matmul(packed[..., dv:], s) + packed[..., :dv]
         return s
 
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
-        gathered, *states = self.saved
+        chain, shape, summaries, states = self.saved
+        n = len(chain.mine)
         dv = states[0].shape[-1]
-        grads = [xp.zeros(gathered[0].shape, like=gathered) for _ in range(cp.size)]
-        ds = ds_in
-        for j in range(cp.rank - 1, -1, -1):
-            grads[j] = xp.cat([ds, xp.matmul(ds, _t(xp, states[j]))], -1)
-            ds = xp.matmul(_t(xp, gathered[j][..., dv:]), ds)
-        received = cp.comm.all_to_all(xp.stack(grads, 0), [1] * cp.size, [1] * cp.size, cp.group)
+        ds_ins = {} if ds_in is None else dict(zip(chain.mine, _rows(xp, ds_in, n), strict=True))
+        rows = shape[1] // n
+        grads = {}
+        ds = None
+        for i in range(max(chain.mine), 0, -1):
+            if i in ds_ins:
+                ds = ds_ins[i] if ds is None else ds + ds_ins[i]
+            grads[chain.order[i - 1]] = xp.cat([ds, xp.matmul(ds, _t(xp, states[i - 1]))], -1)
+            ds = xp.matmul(_t(xp, summaries[i - 1][..., dv:]), ds)
+        zeros = xp.zeros((rows, *shape[2:]), like=states[0])
+        send = [
+            xp.cat([grads.get((owner, slot), zeros) for slot in range(n)], 0)
+            if n > 1
+            else grads.get((owner, 0), zeros)
+            for owner in range(cp.size)
+        ]
+        received = cp.comm.all_to_all(xp.stack(send, 0), [1] * cp.size, [1] * cp.size, cp.group)
         # The gradient of this rank's S_ext is that of the state leaving it (that of M, its
         # product with S_in, is taken by the shard's own backward).
         return xp.sum(received, 0)[..., :dv]
@@ -138,18 +230,32 @@ def state_passing_forward(
     call: LayerCall,
     x: Tensor,
     attention_mask: Tensor | None,
-    docs: ShardDocs | None = None,
+    docs: ShardDocs | Sequence[ShardDocs] | None = None,
+    layout: TokenLayout | None = None,
     *,
     final_state: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """x ``[B, T/cp, hidden]`` (this rank's shard) -> ``[B, T/cp, hidden]``.
+    """x ``[B, T_r, hidden]`` (this rank's shard) -> ``[B, T_r, hidden]``.
 
-    Packed documents (``docs``): the shard's summary is exact across them (M = 0 once a
-    document starts in the shard), so the exchange is unchanged; the conv and the local chunks
-    restart at every start.
+    ``layout`` None or contiguous: the shard is one piece of the sequence. Otherwise the shard is
+    several fragments (:mod:`hyperpar_gdn.distributed.layout`, all of one length), which run as
+    rows of one batch ``[n*B, P, ...]``: one widened pass, one exchange along the chain of
+    fragments in global order. ``docs``: packed documents, one :class:`ShardDocs` per fragment
+    (or one for a contiguous shard).
 
-    ``final_state``: also return the state after the whole sequence's last token ``[B, H, K, V]``
-    (compute dtype) on every rank, from the summaries (an inference prefill; no gradient)."""
+    Packed documents: the shard's summary is exact across them (M = 0 once a document starts in
+    the shard), so the exchange is unchanged; the conv and the local chunks restart at every
+    start.
+
+    ``final_state`` (contiguous shards only): also return the state after the whole sequence's
+    last token ``[B, H, K, V]`` (compute dtype) on every rank, from the summaries (an inference
+    prefill; no gradient)."""
+    per_fragment = None if docs is None else ((docs,) if isinstance(docs, ShardDocs) else tuple(docs))
+    if layout is not None and not layout.is_contiguous:
+        if final_state:
+            raise NotImplementedError(f"final_state needs contiguous shards; got layout {layout.kind!r}")
+        return _fragments_forward(mode, cp, call, x, attention_mask, per_fragment, layout)
+    docs = None if per_fragment is None else per_fragment[0]
     xp, w, dims = cp.xp, call.weights, call.dims
     x = mask_padding(xp, x, attention_mask)
     mixed, z, b, a = project(xp, w, x)
@@ -165,7 +271,45 @@ def state_passing_forward(
         use_qk_l2norm_in_kernel=True,
         doc_starts=None if docs is None else docs.local,
     )
-    exchange = P2PExchange(cp, keep_out=final_state) if mode == "p2p" else EXCHANGES[mode](cp)
+    exchange = EXCHANGES[mode](cp, keep_final=final_state)
     o = xp.cast(shard_outputs(prep, exchange, widened=cp.rank > 0), prep.out_dtype)
     y = finish(xp, w, dims, o, z)
     return (y, exchange.final_state()) if final_state else y
+
+
+def _fragments_forward(
+    mode: str,
+    cp: CPGroup,
+    call: LayerCall,
+    x: Tensor,
+    attention_mask: Tensor | None,
+    docs: tuple[ShardDocs, ...] | None,
+    layout: TokenLayout,
+) -> Tensor:
+    """The shard's n fragments as n rows of one batch; every fragment is widened (the first
+    fragment of the sequence gets a zero S_in from the exchange)."""
+    xp, w, dims = cp.xp, call.weights, call.dims
+    mine = layout.mine(cp.rank)
+    n, lengths = len(mine), [f.length for f in mine]
+    x = mask_padding(xp, x, attention_mask)
+    mixed, z, b, a = project(xp, w, x)
+    pieces = xp.split(mixed, lengths, 1)
+    convs = conv_fragments(cp, layout, pieces, w.conv, docs)
+
+    def rows(y: Tensor) -> Tensor:  # [B, T_r, *] -> [n*B, P, *], slot-major
+        return xp.cat(xp.split(y, lengths, 1), 0)
+
+    q, k, v = split_heads(xp, xp.cat(convs, 0), **head_dims(dims))
+    g, beta = gates(xp, rows(b), rows(a), w.a_log, w.dt_bias)
+    prep = prepare_chunks(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        chunk_size=call.chunk_size,
+        use_qk_l2norm_in_kernel=True,
+        doc_starts=None if docs is None else np.stack([d.local for d in docs]),  # [n, P] (B = 1)
+    )
+    o = xp.cast(shard_outputs(prep, EXCHANGES[mode](cp, layout), widened=True), prep.out_dtype)
+    return finish(xp, w, dims, xp.cat(xp.split(o, [o.shape[0] // n] * n, 0), 1), z)

@@ -11,6 +11,10 @@ uses q/k head i // (H/Hk)), so only H must be divisible by cp (:func:`ulysses_he
 Hk is divisible by cp too, the q/k heads of the ranks are disjoint; otherwise a q/k head whose
 value heads sit on several ranks goes to each of them (its gradients come back summed).
 
+Token layouts (:mod:`hyperpar_gdn.distributed.layout`): the whole sequence the all-to-all
+assembles is the ranks' shards in rank order; for a layout whose shards are several fragments
+(head_tail) it is put in global order before the conv and the rule, and back before the return.
+
 Tokens: ranks may hold different numbers of tokens; ``lengths`` (every rank's, exchanged by the
 caller) sets the uneven all-to-all splits. Both all-to-alls move flat buffers: the part for rank
 j is its ``[B, T_r, width_j]`` block, flattened.
@@ -39,6 +43,7 @@ from hyperpar_gdn.ops.layer import (
 )
 from hyperpar_gdn.platform import Tensor, TensorOps
 
+from ..layout import TokenLayout
 from .common import CPGroup, LayerCall, ShardDocs
 
 
@@ -182,12 +187,15 @@ def ulysses_forward(
     attention_mask: Tensor | None,
     lengths: Sequence[int],
     docs: ShardDocs | None = None,
+    layout: TokenLayout | None = None,
     *,
     final_state: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """x ``[B, T_r, hidden]`` (this rank's shard; ``lengths[j]`` = T_j on every rank) ->
     ``[B, T_r, hidden]``. Packed documents (``docs``): the conv and the rule run on the whole
-    sequence, so they restart at the global document starts.
+    sequence, so they restart at the global document starts. ``layout`` (None: contiguous): the
+    received shards are put in global order after the first all-to-all and back in rank order
+    before the second (a split and a concatenation each way, nothing for contiguous).
 
     ``final_state``: also return the state after the sequence's last token ``[B, H, K, V]``
     (compute dtype) on every rank: each rank's heads ran the whole sequence; one all-gather puts
@@ -210,7 +218,9 @@ def ulysses_forward(
         [bsz * t * width for t in lengths],
         cp.group,
     )
-    full = _from_token_blocks(xp, received, bsz, lengths, width)  # [B, T, width]
+    full = _from_token_blocks(xp, received, bsz, lengths, width)  # [B, T, width], rank order
+    if layout is not None:
+        full = layout.to_global(xp, full, 1)
     conv_width = mine.conv_width(dims)
     whole = None if docs is None else docs.whole
     conv_in, b_mine, a_mine = xp.split(full, [conv_width, hv, hv], 2)
@@ -245,8 +255,11 @@ def ulysses_forward(
         o, _ = outputs_from(prep, None)
 
     # [B, T, hv*Dv]: the tokens of rank i go back to rank i; rank j's heads arrive from rank j
+    o = o.reshape(bsz, sum(lengths), hv * dv)
+    if layout is not None:
+        o = layout.to_rank_order(xp, o, 1)
     back = cp.comm.all_to_all(
-        _to_token_blocks(xp, o.reshape(bsz, sum(lengths), hv * dv), lengths),
+        _to_token_blocks(xp, o, lengths),
         [bsz * t * hv * dv for t in lengths],
         [bsz * t_local * hv * dv] * n,
         cp.group,

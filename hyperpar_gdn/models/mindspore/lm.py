@@ -141,11 +141,21 @@ class HybridLM(nn.Cell):
     def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
         """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents (under context parallelism: the
         global boundaries, the same on every rank)."""
+        hidden_BTC = self.final_hidden_states(input_ids, cu_seqlens)
+        return lm_logits(ops_for(hidden_BTC), hidden_BTC, self.embed_tokens.weight)
+
+    def final_hidden_states(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+        """``[B, T, C]`` after the final norm: what the tied head (``head_weight``) multiplies."""
         check_input_ids(input_ids)
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
             x_BTC = block(x_BTC, cu_seqlens)
-        return lm_logits(ops_for(x_BTC), self.norm(x_BTC), self.embed_tokens.weight)
+        return self.norm(x_BTC)
+
+    @property
+    def head_weight(self) -> ms.Parameter:
+        """``[V, C]``: the embedding's weight (the head is tied)."""
+        return self.embed_tokens.weight
 
     def num_parameters(self) -> int:
         return sum(int(np.prod(p.shape)) for p in self.get_parameters())

@@ -93,8 +93,12 @@ class Qwen3_5ForCausalLM(nn.Cell):
     def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
         """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents (under context parallelism: the
         global boundaries, the same on every rank)."""
-        hidden_BTC = self.model(input_ids, cu_seqlens)
+        hidden_BTC = self.final_hidden_states(input_ids, cu_seqlens)
         return lm_logits(ops_for(hidden_BTC), hidden_BTC, self.head_weight)
+
+    def final_hidden_states(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+        """``[B, T, C]`` after the final norm: what ``head_weight`` multiplies."""
+        return self.model(input_ids, cu_seqlens)
 
     def num_parameters(self) -> int:
         return sum(int(np.prod(p.shape)) for p in self.get_parameters())

@@ -1,0 +1,268 @@
+"""Whole-model parallel efficiency at cp ranks of one core each, both token layouts, every mode.
+
+The model: transformers' ``Qwen3_5ForCausalLM`` with Qwen3.5-27B's head geometry divided by 4
+(GDN 4 key / 12 value heads of 128; attention 6 query / 1 key-value heads of 256, partial rotary
+0.25), 3 GDN layers and 1 softmax-attention layer, hidden 256 (``--vocab`` tokens, small, so that
+the mixers and not the logits decide the step). One training step (forward, cross-entropy,
+backward) of the whole sequence ``--seq-len`` on one process with one thread, against ``cp``
+ranks with one thread each holding T/cp tokens, in the contiguous and the head_tail layout, per
+GDN mode. The single-device step is the faster of transformers' own model (its torch GDN and SDPA
+attention) and ours on one rank (``apply_context_parallel`` on a one-rank mesh).
+
+Timed alternately as ``bench_cp``'s efficiency run (its fork-and-collect helper): in every round
+rank 0 times both single-device steps while the others wait at a barrier, then all ranks time the
+plain model on their own tokens side by side (no communication: what the machine allows, the
+"bound"), then each (layout, mode) CP step in turn. Efficiency = median best single time / median
+over rounds of the slowest rank's CP time / cp. JSON (``--out``) and a PNG plot beside it; the
+load average before and after is recorded (the machine is shared).
+
+Usage: ``python scripts/bench_cp_model.py [--seq-lens 8192 16384 --cp 2 --repeats 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cp's helpers
+
+from bench_cp import _fork_ranks  # noqa: E402
+
+from hyperpar_gdn.platform.host_memory import keep_freed_host_memory  # noqa: E402
+
+MODES = ("ulysses", "p2p", "all_gather")
+LAYOUTS = ("contiguous", "head_tail")
+SINGLE = ("transformers", "ours")
+LOCAL = "local"
+TARGET = 0.85  # whole-model efficiency at cp=2 in every mode, head_tail, T=8192
+
+
+def model_config(vocab: int) -> Any:
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        head_dim=256,
+        linear_num_key_heads=4,
+        linear_num_value_heads=12,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        attention_dropout=0.0,
+    )
+
+
+def _rank_main(rank: int, cp: int, port: int, job: dict[str, Any], queue: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(cp),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        HP_PLATFORM=os.environ.get("HP_PLATFORM", "cpu"),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        queue.put((rank, "ok", _measure(rank, cp, job)))
+    except BaseException:  # report to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def _measure(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
+    from hyperpar_gdn.distributed import DeviceMesh
+    from hyperpar_gdn.distributed.batch import context_parallel_loss
+    from hyperpar_gdn.platform import get_platform
+
+    platform = get_platform()
+    platform.init_distributed(timeout_s=3600)
+    comm = platform.collectives
+    mesh = init_device_mesh(platform.name, (cp,), mesh_dim_names=("cp",))
+    config = model_config(job["vocab"])
+    seq_len = job["seq_len"]
+
+    def make_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return transformers.Qwen3_5ForCausalLM(config).train()
+
+    ids = torch.randint(0, job["vocab"], (1, seq_len), generator=torch.Generator().manual_seed(1))
+
+    def single_step(model: torch.nn.Module) -> None:  # the whole sequence, one process
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, use_cache=False).logits
+        torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+
+    def cp_step(model: torch.nn.Module, shard: Any, group_mesh: Any) -> None:
+        model.zero_grad(set_to_none=True)
+        logits = model(**shard.model_inputs(), use_cache=False).logits
+        context_parallel_loss(logits, shard.labels, group_mesh).backward()
+
+    solo = DeviceMesh.from_group(platform, None, [rank], mesh_dim_name="cp")
+    # the same names on every rank (one barrier before each); the single steps run on rank 0 only
+    steps: dict[str, Any] = {"single/transformers": None, "single/ours": None}
+    if rank == 0:
+        steps["single/transformers"] = (make_model(), None, None)
+        steps["single/ours"] = (apply_context_parallel(make_model(), solo, mode="p2p"), None, None)
+    # LOCAL: our model on this rank's T/cp tokens alone (a one-rank mesh), all ranks side by side
+    local_shard = shard_for_context_parallel(solo, ids[:, rank * seq_len // cp : (rank + 1) * seq_len // cp])
+    steps[LOCAL] = (apply_context_parallel(make_model(), solo, mode="p2p"), local_shard, solo)
+    for layout in job["layouts"]:
+        shard = shard_for_context_parallel(mesh, ids, layout=layout)
+        for mode in job["modes"]:
+            model = apply_context_parallel(make_model(), mesh, mode=mode, layout=layout)
+            steps[f"{layout}/{mode}"] = (model, shard, mesh)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(job["warmup"] + job["repeats"]):
+        for name, step in steps.items():
+            comm.barrier(None)
+            if step is None:
+                continue
+            model, shard, group_mesh = step
+            start = time.perf_counter()
+            if shard is None:
+                single_step(model)
+            else:
+                cp_step(model, shard, group_mesh)
+            times[name].append(time.perf_counter() - start)
+    platform.destroy()
+    return {name: samples[job["warmup"] :] for name, samples in times.items()}
+
+
+def run(seq_len: int, cp: int, args: argparse.Namespace) -> dict[str, Any]:
+    job = {
+        "seq_len": seq_len,
+        "vocab": args.vocab,
+        "modes": args.modes,
+        "layouts": args.layouts,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+    }
+    load_before = os.getloadavg()
+    results = _fork_ranks(_rank_main, cp, (job,), timeout_s=args.timeout)
+    rounds = len(results[0][LOCAL])
+
+    def slowest(name: str) -> list[float]:
+        return [max(results[r][name][i] for r in range(cp)) for i in range(rounds)]
+
+    singles = {kind: statistics.median(results[0][f"single/{kind}"]) for kind in SINGLE}
+    best_kind = min(singles, key=singles.get)
+    single = singles[best_kind]
+    local = statistics.median(slowest(LOCAL))
+    rows = {}
+    for layout in args.layouts:
+        for mode in args.modes:
+            per_round = slowest(f"{layout}/{mode}")
+            rows[f"{layout}/{mode}"] = {
+                "layout": layout,
+                "mode": mode,
+                "cp_slowest_rank_s": statistics.median(per_round),
+                "parallel_efficiency": single / statistics.median(per_round) / cp,
+                "rank_medians_s": [statistics.median(results[r][f"{layout}/{mode}"]) for r in range(cp)],
+                "samples_slowest_rank_s": per_round,
+            }
+    return {
+        "seq_len": seq_len,
+        "cp": cp,
+        "single_s": singles,
+        "single_best": best_kind,
+        "single_samples_s": {kind: results[0][f"single/{kind}"] for kind in SINGLE},
+        "local_side_by_side_s": local,
+        "machine_bound_efficiency": single / local / cp,
+        "rows": rows,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
+
+
+def report(result: dict[str, Any]) -> None:
+    s = result["single_s"]
+    print(
+        f"T={result['seq_len']} cp={result['cp']}: single step transformers {s['transformers']:.2f}s, ours "
+        f"{s['ours']:.2f}s (best: {result['single_best']}); plain model on T/cp side by side "
+        f"{result['local_side_by_side_s']:.2f}s, machine bound {result['machine_bound_efficiency']:.3f}; "
+        f"load {result['load_average_before'][0]:.1f} -> {result['load_average_after'][0]:.1f}"
+    )
+    print(f"{'layout':<12}{'mode':<12}{'cp step s':>10}{'efficiency':>12}{'per-rank medians s':>24}")
+    for row in result["rows"].values():
+        ranks = " ".join(f"{t:.2f}" for t in row["rank_medians_s"])
+        print(
+            f"{row['layout']:<12}{row['mode']:<12}{row['cp_slowest_rank_s']:>10.2f}"
+            f"{row['parallel_efficiency']:>12.3f}{ranks:>24}"
+        )
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, result in zip(axes[0], results, strict=True):
+        rows = list(result["rows"].values())
+        labels = [f"{r['layout']}\n{r['mode']}" for r in rows]
+        ax.bar(
+            range(len(rows)),
+            [r["parallel_efficiency"] for r in rows],
+            color=["C0" if r["layout"] == "contiguous" else "C1" for r in rows],
+        )
+        ax.axhline(TARGET, color="k", ls="--", lw=1, label=f"target {TARGET}")
+        ax.axhline(result["machine_bound_efficiency"], color="C2", ls=":", lw=1, label="machine bound")
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_ylim(0, 1.1)
+        ax.set_title(f"T={result['seq_len']}, cp={result['cp']}, one core per rank")
+        ax.set_ylabel("whole-model parallel efficiency")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per sequence length")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_cp_model.json"))
+    args = parser.parse_args()
+    kept = keep_freed_host_memory()  # forked ranks inherit it
+    results = []
+    for seq_len in args.seq_lens:
+        if seq_len % (2 * args.cp):
+            raise SystemExit(f"--seq-lens {seq_len} is not divisible by 2*cp = {2 * args.cp}")
+        result = run(seq_len, args.cp, args)
+        report(result)
+        results.append(result)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"results": results, "freed_host_memory_kept": kept, "target_efficiency": TARGET}
+        args.out.write_text(json.dumps(payload, indent=2))  # after every length: a long run keeps its numbers
+    png = args.out.with_suffix(".png")
+    plot(results, png)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -22,7 +22,8 @@ Public API (loaded on first use, so ``import hyperpar_gdn.ops`` stays light):
 - ``shard_for_context_parallel``, ``ContextParallelBatch``: a whole batch cut into this rank's
   shard with labels shifted on the whole sequence; ``context_parallel_loss``: this rank's term of
   the global mean loss; ``sync_context_parallel_grads``: the gradient shares summed over the CP
-  group (averaged over a DP axis).
+  group (averaged over a DP axis); ``context_parallel_lm_loss``: the same loss term from the
+  hidden states and the LM head's weight, in token chunks, without ever holding the logits.
 - ``prefill_context_parallel``: read a prompt under CP; the last token's logits and the decoding
   state (transformers' ``DynamicCache``) for one device to continue from (docs/inference.md).
 - ``DTensor``, ``Shard``, ``Replicate``: a small DTensor; ``get_platform``: the framework layer

@@ -57,8 +57,9 @@ def _torchrun(tmp: Path, *args: str) -> str:
 
 def test_header_and_resume_warning(tmp_path: Path) -> None:
     first = _torchrun(tmp_path, "--steps", "2", "--fsdp", "--ac", "--save", "ckpt")
-    assert "(--cp-mode ulysses, --fsdp, --ac)" in first, first
+    assert "(--cp-mode ulysses, --cp-layout head_tail, --fsdp, --ac)" in first, first
+    assert "--dtype fp32" in first, first
     resumed = _torchrun(tmp_path, "--steps", "3", "--lr", "0.002", "--resume", "ckpt")
-    assert "(--cp-mode ulysses)" in resumed, resumed
+    assert "(--cp-mode ulysses, --cp-layout head_tail)" in resumed, resumed
     assert resumed.count("resuming with changed options") == 1, resumed
     assert "--lr 0.001 (now 0.002)" in resumed

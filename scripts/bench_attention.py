@@ -4,7 +4,7 @@ Two parts, each a case of the shared harness of ``bench_ops.py`` (alternating ro
 
 - ``torch``: one process, ``--threads`` threads (1), q ``[1, 6, T, 256]``, k and v ``[1, 1, T, 256]``
   (6 query heads over 1 KV head), fp32, T = ``--T`` (8192), forward+backward (gradients of q, k,
-  v for a fixed cotangent). ``ours`` is :func:`hyperpar_gdn.ops.attention.attention` on the
+  v for a fixed cotangent). ``ours`` is :func:`hyperpar_gdn.ops.attention.softmax.attention` on the
   automatic path (torch CPU: the flash kernel per rectangle, merged by log-sum-exp); ``sdpa`` is
   ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``. They take turns for
   ``--repeats`` rounds after a warm-up; the target is ours / sdpa <= 1.1 (ratio of medians).
@@ -47,8 +47,8 @@ def torch_case(seq_len: int, repeats: int, warmup: int, threads: int, blockwise:
     import torch.nn.functional as F
     from bench_ops import round_robin_times
 
-    from hyperpar_gdn.ops.attention import attention
-    from hyperpar_gdn.ops.attention_plan import Tokens
+    from hyperpar_gdn.ops.attention.plan import Tokens
+    from hyperpar_gdn.ops.attention.softmax import attention
     from hyperpar_gdn.platform import ops_for
 
     torch.set_num_threads(threads)

@@ -94,9 +94,9 @@ def _measure_step(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
+    from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
     from hyperpar_gdn.ops.lm_loss import lm_loss_sum
     from hyperpar_gdn.platform import get_platform
-    from hyperpar_gdn.train.lm_head import hidden_and_head
     from hyperpar_gdn.train.sharding import apply_activation_checkpointing
 
     platform = get_platform("cpu")

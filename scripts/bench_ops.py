@@ -96,8 +96,8 @@ class BenchConfig:
 
 def chunk_gdn_flops(cfg: BenchConfig) -> dict[str, Any]:
     """Matmul-class FLOPs of one forward and one backward of the chunked algorithm in
-    ``hyperpar_gdn/ops/chunk.py`` (preparation, with the explicit unit-lower inverse Tinv) and
-    ``hyperpar_gdn/ops/recurrence.py`` (state recurrence), q/k heads already at H.
+    ``hyperpar_gdn/ops/gdn/chunk.py`` (preparation, with the explicit unit-lower inverse Tinv) and
+    ``hyperpar_gdn/ops/gdn/recurrence.py`` (state recurrence), q/k heads already at H.
 
     A matmul [m, k] x [k, n] counts 2mkn; the unit-lower triangular solve against I (C right-hand
     sides) counts C^3 (C(C-1)/2 multiply-adds per column). Elementwise work (gates, masks, l2norm)

@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def prompt_ids(args: argparse.Namespace) -> np.ndarray:
-    from hyperpar_gdn.train.transformers_model import load_tokenizer
+    from hyperpar_gdn.integrations.transformers.model_dir import load_tokenizer
 
     ids = load_tokenizer(args.model)(args.prompt_file.read_text())["input_ids"]
     if not ids:
@@ -83,7 +83,7 @@ class Engine:
 
             self.model = Qwen3_5ForCausalLM.from_pretrained(path)
         else:
-            from hyperpar_gdn.train.transformers_model import load_model_dir
+            from hyperpar_gdn.integrations.transformers.model_dir import load_model_dir
 
             self.model = load_model_dir(path)[0].eval()
         self.cache: Any = None
@@ -93,7 +93,7 @@ class Engine:
 
     def one_device_prefill(self, ids: Any) -> Any:
         if self.mindspore:
-            from hyperpar_gdn.models.decoding import prefill
+            from hyperpar_gdn.inference.decoding import prefill
 
             return prefill(self.model, ids)
         import torch
@@ -106,7 +106,7 @@ class Engine:
         """Logits ``[B, V]`` (numpy) after one more token per row ``[B, 1]``."""
         ids = self.tensor(token)
         if self.mindspore:
-            from hyperpar_gdn.models.decoding import decode_step
+            from hyperpar_gdn.inference.decoding import decode_step
 
             logits, self.cache = decode_step(self.model, self.cache, ids)
             return self.platform.to_numpy(logits)
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             if i + 1 < args.max_new_tokens:
                 last = engine.step(token)
         decode_s = time.perf_counter() - start
-        from hyperpar_gdn.train.transformers_model import load_tokenizer
+        from hyperpar_gdn.integrations.transformers.model_dir import load_tokenizer
 
         text = load_tokenizer(args.model).decode(tokens)
         t, cp = ids_np.shape[1], platform.world_size()

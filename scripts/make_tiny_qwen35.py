@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weights")
     args = parser.parse_args(argv)
 
-    from hyperpar_gdn.train.transformers_model import write_tiny_qwen35
+    from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35
 
     out = write_tiny_qwen35(args.out, moe=args.moe, seed=args.seed)
     print(f"wrote {'Qwen3.5-MoE' if args.moe else 'Qwen3.5'} model directory {out}")

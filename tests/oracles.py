@@ -316,3 +316,56 @@ def transformers_gdn_layer(*, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
         layer.A_log.copy_(torch.log(torch.empty_like(layer.A_log).uniform_(0.05, 0.5)))
         layer.dt_bias.add_(-4.0)
     return layer
+
+
+def tiny_config(*, moe: bool, num_k_heads: int = 2) -> object:
+    """A 4-layer transformers Qwen3.5 text config (3 GDN + 1 attention), dense or MoE."""
+    import transformers
+
+    common = dict(
+        vocab_size=61,
+        hidden_size=32,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=num_k_heads,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False,
+    )
+    if moe:
+        config = transformers.Qwen3_5MoeTextConfig(
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=24,
+        )
+        config._experts_implementation = "eager"  # the grouped matmul refuses float64
+    else:
+        config = transformers.Qwen3_5TextConfig(**common, intermediate_size=48)
+    return config
+
+
+def tiny_model(*, moe: bool, num_k_heads: int = 2) -> torch.nn.Module:
+    """transformers' tiny Qwen3.5 causal LM in float64, parameters moved off their init."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = tiny_config(moe=moe, num_k_heads=num_k_heads)
+    cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    model = cls(config).to(torch.float64)
+    with torch.no_grad():  # move every parameter off its init (zero norms, ones) so each gradient shows
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for layer in model.model.layers:
+            if getattr(layer, "linear_attn", None) is not None:  # slow decay: the entering state matters
+                layer.linear_attn.A_log.copy_(
+                    torch.log(torch.empty_like(layer.linear_attn.A_log).uniform_(0.05, 0.5))
+                )
+                layer.linear_attn.dt_bias.add_(-4.0)
+    return model

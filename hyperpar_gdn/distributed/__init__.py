@@ -5,8 +5,8 @@
 - :mod:`.dtensor`: DTensor-lite: :class:`DTensor` with ``Shard``/``Replicate`` placements.
 """
 
-from .dtensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from .mesh import DeviceMesh, as_cp_mesh, init_device_mesh
+from hyperpar_gdn.distributed.dtensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh, init_device_mesh
 
 __all__ = [
     "DTensor",

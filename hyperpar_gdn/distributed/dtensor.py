@@ -22,9 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.platform import Tensor
-
-from .mesh import DeviceMesh
 
 __all__ = ["DTensor", "Placement", "Replicate", "Shard", "distribute_tensor"]
 

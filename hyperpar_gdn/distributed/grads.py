@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.platform import Tensor
-
-from .mesh import DeviceMesh, as_cp_mesh
 
 __all__ = ["sync_context_parallel_grads"]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -172,3 +173,14 @@ class TokenLayout:
             index[dim] = slice(f.start, f.stop)
             parts.append(x[tuple(index)])
         return parts[0] if len(parts) == 1 else xp.cat(parts, dim)
+
+
+def layout_mismatch(given: Any, layout: str) -> str | None:
+    """Why a batch that says it was cut in layout ``given`` cannot feed a model in ``layout``."""
+    if given is None or given == layout:
+        return None
+    return (
+        f"the batch was cut for cp_layout={given!r} but the model was parallelized with layout={layout!r}: "
+        f"cut it with shard_for_context_parallel(..., layout={layout!r}) or apply context parallelism "
+        f"with layout={given!r}"
+    )

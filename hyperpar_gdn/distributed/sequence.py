@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hyperpar_gdn.distributed.cp.common import CPGroup, shard_lengths
+from hyperpar_gdn.distributed.layout import TokenLayout
+from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.platform import Tensor
-
-from .cp.common import CPGroup, shard_lengths
-from .layout import TokenLayout
-from .mesh import DeviceMesh
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.platform import Platform
-
-from .layout import TokenLayout
 
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:

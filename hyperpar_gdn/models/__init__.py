@@ -1,8 +1,8 @@
 """Model code for one device; parallelism is applied from outside (hyperpar_gdn.distributed)."""
 
-from .attention import CausalSelfAttention
-from .gated_deltanet import GatedDeltaNet, GatedRMSNorm
-from .lm import HybridLM, HybridLMConfig
-from .norm import RMSNorm
+from hyperpar_gdn.models.attention import CausalSelfAttention
+from hyperpar_gdn.models.gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from hyperpar_gdn.models.lm import HybridLM, HybridLMConfig
+from hyperpar_gdn.models.norm import RMSNorm
 
 __all__ = ["CausalSelfAttention", "GatedDeltaNet", "GatedRMSNorm", "HybridLM", "HybridLMConfig", "RMSNorm"]

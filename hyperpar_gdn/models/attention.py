@@ -1,8 +1,8 @@
 """Causal softmax attention with RoPE, as in the full-attention layers of Qwen3.5.
 
 Written for one device, as three stages that a context-parallel style can reuse with global
-positions (see ``hyperpar_gdn.distributed.attention_style``); the maths of each is in
-``hyperpar_gdn.ops.attention``:
+positions (see ``hyperpar_gdn.distributed.softmax_attention_style``); the maths of each is in
+``hyperpar_gdn.ops.attention.softmax``:
 
 1. :meth:`CausalSelfAttention.project`: q (with its output gate), k, v, per-head RMSNorm on q and
    k, RoPE at positions ``position_offset + t``.
@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hyperpar_gdn.ops.attention import (
+from hyperpar_gdn.inference.states import active_prefill_states
+from hyperpar_gdn.models.norm import RMSNorm
+from hyperpar_gdn.ops.attention.softmax import (
     causal_attention,
     finish_attention,
     init_attention_dims,
@@ -27,10 +29,7 @@ from hyperpar_gdn.ops.attention import (
     rope_cos_sin,
     self_attention,
 )
-from hyperpar_gdn.ops.prefill_states import active_prefill_states
 from hyperpar_gdn.platform import ops_for
-
-from .norm import RMSNorm
 
 _TORCH = ops_for(torch.empty(0))
 

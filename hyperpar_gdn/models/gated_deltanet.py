@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyperpar_gdn.ops.layer import init_layer_dims, layer_forward
+from hyperpar_gdn.ops.gdn.layer import init_layer_dims, layer_forward
 
 
 class GatedRMSNorm(nn.Module):

@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyperpar_gdn.models.attention import CausalSelfAttention
+from hyperpar_gdn.models.block_config import DecoderSizes
+from hyperpar_gdn.models.gated_deltanet import GatedDeltaNet
+from hyperpar_gdn.models.norm import RMSNorm
 from hyperpar_gdn.ops.blocks import decoder_block, lm_logits, swiglu
 from hyperpar_gdn.platform import ops_for
-
-from .attention import CausalSelfAttention
-from .block_config import DecoderSizes
-from .gated_deltanet import GatedDeltaNet
-from .norm import RMSNorm
 
 LINEAR, FULL = "linear_attention", "full_attention"
 _TORCH = ops_for(torch.empty(0))

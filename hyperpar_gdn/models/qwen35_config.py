@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .block_config import DecoderSizes
+from hyperpar_gdn.models.block_config import DecoderSizes
 
 __all__ = ["Qwen35Config"]
 

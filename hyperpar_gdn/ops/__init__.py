@@ -1,14 +1,29 @@
-"""Gated delta rule functions, written once against the platform's tensor functions.
+"""The operators, each in its own package, written once against the platform's tensor functions.
 
-Layout ``[B, T, H, D]``, state ``[B, H, K, V]``; q is scaled by K^-0.5 inside; q/k heads are
-repeated (interleaved) to the value heads when fewer. Packed documents: keyword ``cu_seqlens``
-(fla's contract, B = 1; see :mod:`hyperpar_gdn.ops.varlen`).
+- :mod:`.gdn`: the gated delta rule (reference, chunked fast path, summaries, packed documents,
+  the whole GDN layer as stages, its one-token step);
+- :mod:`.attention`: causal softmax attention (the dense reference, the blockwise path, fused
+  kernels per rectangle, the block plan);
+- :mod:`.lm_loss`: the LM loss in token chunks, without the logits;
+- :mod:`.blocks`: norms, MLPs and the LM head (the non-mixer parts of a decoder).
+
+The gated delta rule's public functions are re-exported here.
 """
 
-from .chunk import ChunkPrep, chunk_gated_delta_rule, outputs_from, prepare_chunks
-from .naive import recurrent_gated_delta_rule
-from .summary import Summary, apply_summary, compose_summaries, gdn_state_summary, summary_from
-from .varlen import check_cu_seqlens, cu_seqlens_from_position_ids
+from hyperpar_gdn.ops.gdn import (
+    ChunkPrep,
+    Summary,
+    apply_summary,
+    check_cu_seqlens,
+    chunk_gated_delta_rule,
+    compose_summaries,
+    cu_seqlens_from_position_ids,
+    gdn_state_summary,
+    outputs_from,
+    prepare_chunks,
+    recurrent_gated_delta_rule,
+    summary_from,
+)
 
 __all__ = [
     "ChunkPrep",

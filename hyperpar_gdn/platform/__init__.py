@@ -23,7 +23,15 @@ import os
 import sys
 from functools import cache
 
-from .base import AttentionKernel, CollectiveError, Collectives, Group, Platform, Tensor, TensorOps
+from hyperpar_gdn.platform.base import (
+    AttentionKernel,
+    CollectiveError,
+    Collectives,
+    Group,
+    Platform,
+    Tensor,
+    TensorOps,
+)
 
 PLATFORMS = ("cpu", "cuda", "npu", "mindspore")
 
@@ -72,11 +80,11 @@ def _make_platform(name: str, device_target: str | None = None) -> Platform:
     platform = _INSTANCES.get(name)
     if platform is None:
         if name == "mindspore":
-            from .mindspore_platform import MindSporePlatform
+            from hyperpar_gdn.platform.mindspore_platform import MindSporePlatform
 
             platform = MindSporePlatform(device_target)
         else:
-            from .torch_platform import TorchPlatform
+            from hyperpar_gdn.platform.torch_platform import TorchPlatform
 
             platform = TorchPlatform(name)
         _INSTANCES[name] = platform
@@ -139,14 +147,14 @@ def platform_for_device(device_type: str) -> Platform:
 
 @cache
 def _torch_ops() -> TensorOps:
-    from .torch_ops import TorchOps
+    from hyperpar_gdn.platform.torch_ops import TorchOps
 
     return TorchOps()
 
 
 @cache
 def _mindspore_ops() -> TensorOps:
-    from .mindspore_ops import MindSporeOps
+    from hyperpar_gdn.platform.mindspore_ops import MindSporeOps
 
     return MindSporeOps()
 

@@ -24,7 +24,7 @@ class TensorOps(ABC):
     name: str
     # True where each call costs far more than its arithmetic at the loops' sizes (MindSpore
     # PyNative on CPU): hand-written loops then take the work that does not depend on the carried
-    # state out of the loop, batched over chunks (see hyperpar_gdn/ops/recurrence_batched.py).
+    # state out of the loop, batched over chunks (see hyperpar_gdn/ops/gdn/recurrence_batched.py).
     prefers_batched_loops: bool = False
 
     @abstractmethod
@@ -185,7 +185,7 @@ class TensorOps(ABC):
 
     def attention_kernel(self, q: Tensor) -> AttentionKernel | None:
         """The fused attention kernel that serves tensors like ``q`` (its device and dtype), or
-        None where the framework has none (then :mod:`hyperpar_gdn.ops.attention` walks blocks
+        None where the framework has none (then :mod:`hyperpar_gdn.ops.attention.softmax` walks blocks
         with the functions above)."""
         return None
 
@@ -221,7 +221,7 @@ class AttentionKernel(ABC):
     0..i. Scores are ``scale * q k^T``; key/value head j serves query heads ``j*G .. j*G+G-1``.
 
     q ``[B, H, Tq, D]``, k and v ``[B, Hkv, Tk, D]``; lse ``[B, H, Tq]`` (fp32, fp64 for fp64).
-    :mod:`hyperpar_gdn.ops.attention` merges rectangles through their log-sum-exp and calls
+    :mod:`hyperpar_gdn.ops.attention.softmax` merges rectangles through their log-sum-exp and calls
     :meth:`backward` per rectangle with the merged output and log-sum-exp, which gives that
     rectangle's exact share of the gradients."""
 

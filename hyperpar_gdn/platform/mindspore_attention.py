@@ -5,7 +5,7 @@ Causal squares use sparse mode 2 (top-left causal) with the 2048 x 2048 compress
 hidden). The log-sum-exp is ``softmax_max + log(softmax_sum)`` of the kernel's outputs; the
 backward gets the merged log-sum-exp as softmax_max with softmax_sum = 1. Written from the
 operators' documentation in MindSpore 2.10; not run (no Ascend device here). MindSpore on CPU has
-no such kernel: the blockwise path of :mod:`hyperpar_gdn.ops.attention` serves it.
+no such kernel: the blockwise path of :mod:`hyperpar_gdn.ops.attention.softmax` serves it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from functools import cache
 import mindspore as ms
 from mindspore import ops
 
-from .base import AttentionKernel
+from hyperpar_gdn.platform.base import AttentionKernel
 
 _NO_LIMIT = 2147483647  # pre/next tokens: no sliding window
 

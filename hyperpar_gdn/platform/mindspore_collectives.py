@@ -40,7 +40,7 @@ import mindspore.ops.communication as comm_ops
 import numpy as np
 from mindspore import nn, ops
 
-from .base import CollectiveError, Collectives, Group, check_all_to_all_splits
+from hyperpar_gdn.platform.base import CollectiveError, Collectives, Group, check_all_to_all_splits
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import mindspore.scipy.linalg as ms_linalg
 import numpy as np
 from mindspore import mint, nn, ops
 
-from .base import AttentionKernel, TensorOps
+from hyperpar_gdn.platform.base import AttentionKernel, TensorOps
 
 __all__ = ["MindSporeOps", "enable_launch_blocking"]
 
@@ -355,7 +355,7 @@ class MindSporeOps(TensorOps):
     def attention_kernel(self, q: ms.Tensor) -> AttentionKernel | None:
         """Ascend: ``FlashAttentionScore`` for fp16/bf16 (not run here); CPU: none."""
         if self._ascend and q.dtype in (ms.float16, ms.bfloat16):
-            from .mindspore_attention import ascend_kernel
+            from hyperpar_gdn.platform.mindspore_attention import ascend_kernel
 
             return ascend_kernel()
         return None

@@ -38,9 +38,9 @@ import mindspore as ms
 import mindspore.communication as ms_comm
 import numpy as np
 
-from .base import Group, Platform
-from .mindspore_collectives import MindSporeCollectives, MindSporeGroup
-from .mindspore_ops import MindSporeOps, enable_launch_blocking
+from hyperpar_gdn.platform.base import Group, Platform
+from hyperpar_gdn.platform.mindspore_collectives import MindSporeCollectives, MindSporeGroup
+from hyperpar_gdn.platform.mindspore_ops import MindSporeOps, enable_launch_blocking
 
 __all__ = ["MindSporeGroup", "MindSporePlatform"]
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import CollectiveError, Collectives, Group, check_all_to_all_splits
+from hyperpar_gdn.platform.base import CollectiveError, Collectives, Group, check_all_to_all_splits
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older builds (the
 # torch that a torch-npu release pins) may have only the old name.

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionKernel, TensorOps
-from .torch_attention import attention_kernel_for
+from hyperpar_gdn.platform.base import AttentionKernel, TensorOps
+from hyperpar_gdn.platform.torch_attention import attention_kernel_for
 
 
 class _CustomVJP(torch.autograd.Function):

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import Group, Platform
-from .torch_collectives import TorchCollectives
-from .torch_ops import TorchOps
+from hyperpar_gdn.platform.base import Group, Platform
+from hyperpar_gdn.platform.torch_collectives import TorchCollectives
+from hyperpar_gdn.platform.torch_ops import TorchOps
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE")

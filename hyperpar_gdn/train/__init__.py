@@ -6,9 +6,9 @@
 - :mod:`.loop`: :class:`Trainer` (build, train, close).
 """
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .config import MODEL_SIZES, TrainConfig, UsageError, parse_args
-from .loop import Trainer, TrainResult
+from hyperpar_gdn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from hyperpar_gdn.train.config import MODEL_SIZES, TrainConfig, UsageError, parse_args
+from hyperpar_gdn.train.loop import Trainer, TrainResult
 
 # What a user can fix (an option, a file, a directory): scripts/train.py reports these in one line.
 USER_ERRORS = (

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.distributed.layout import LAYOUTS
-from hyperpar_gdn.distributed.style import MODES
+from hyperpar_gdn.distributed.linear_attention_style import MODES
 from hyperpar_gdn.models.lm import HybridLMConfig
 
 DTYPES = ("fp32", "bf16")
@@ -188,7 +188,7 @@ class TrainConfig:
     def gdn_dims(self) -> tuple[int, int, int]:
         """(key heads, value heads, conv width) of the GDN layers of the model to train."""
         if self.model_dir is not None:
-            from .transformers_model import gdn_dims
+            from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
 
             return gdn_dims(self.model_dir)
         m = self.model
@@ -200,7 +200,7 @@ class TrainConfig:
         if self.cp_layout is not None:
             return self.cp_layout
         if self.model_dir is not None:
-            from .transformers_model import has_softmax_attention
+            from hyperpar_gdn.integrations.transformers.model_dir import has_softmax_attention
 
             softmax = has_softmax_attention(self.model_dir)
         else:

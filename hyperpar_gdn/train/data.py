@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
+from hyperpar_gdn.corpus import BUILTIN_CORPUS
 from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
-
-from .corpus import BUILTIN_CORPUS
 
 VOCAB_SIZE = 256  # bytes
 

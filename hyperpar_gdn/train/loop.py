@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
+from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_model_dir
 from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 from hyperpar_gdn.platform import get_platform, platform_name
-
-from .checkpoint import (
+from hyperpar_gdn.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -41,18 +42,16 @@ from .checkpoint import (
     save_checkpoint,
     write_atomic,
 )
-from .config import TrainConfig
-from .data import Batch, BatchSampler, RankBatch, load_stream, rank_batch
-from .lm_head import hidden_and_head
-from .log import logger, setup_logging
-from .sharding import (
+from hyperpar_gdn.train.config import TrainConfig
+from hyperpar_gdn.train.data import Batch, BatchSampler, RankBatch, load_stream, rank_batch
+from hyperpar_gdn.train.log import logger, setup_logging
+from hyperpar_gdn.train.sharding import (
     apply_activation_checkpointing,
     apply_fsdp,
     full_model_state_dict,
     full_state_dicts,
     load_full_state_dicts,
 )
-from .transformers_model import export_model_dir, load_model_dir
 
 SUPPORTED_PLATFORMS = ("cpu", "cuda", "npu")
 # Options a resumed run must share with its checkpoint to draw the same batches and shapes.

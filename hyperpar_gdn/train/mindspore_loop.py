@@ -32,16 +32,15 @@ import numpy as np
 import torch
 from mindspore import ops
 
+from hyperpar_gdn.distributed.decoder_layers import text_model_of
 from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
-from hyperpar_gdn.distributed.parallelize import text_model_of
+from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_tokenizer
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
-
-from .config import TrainConfig
-from .data import Batch, RankBatch, rank_batch
-from .loop import Trainer
-from .transformers_model import export_model_dir, load_tokenizer
+from hyperpar_gdn.train.config import TrainConfig
+from hyperpar_gdn.train.data import Batch, RankBatch, rank_batch
+from hyperpar_gdn.train.loop import Trainer
 
 __all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm", "library_adamw_class"]
 

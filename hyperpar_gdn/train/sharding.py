@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from hyperpar_gdn.distributed.parallelize import text_model_of
+from hyperpar_gdn.distributed.decoder_layers import text_model_of
 
 __all__ = [
     "apply_activation_checkpointing",

@@ -12,13 +12,13 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
   shard, input-gradient shard, parameter gradients summed over ranks);
 - ``packed``: packed documents (global ``cu_seqlens``), every mode, against the torch layer run on
   each document alone (float64);
-- ``attention`` (tests/distributed/test_attention_style_mindspore.py): the MindSpore
+- ``attention`` (tests/distributed/test_softmax_attention_style_mindspore.py): the MindSpore
   ``CausalSelfAttention`` under ``SoftmaxAttentionContextParallel`` with uneven shards and packed
   documents against the torch layer (float64);
 - ``bad_input``: the (type, message) of each bad call on every rank, compared with torch's;
 - ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
   ``hyperpar_gdn.distributed.verify.compare_with_reference``;
-- ``prefill`` (tests/distributed/test_prefill_mindspore.py): the MindSpore Qwen3.5 model (dense
+- ``prefill`` (tests/inference/test_prefill_mindspore.py): the MindSpore Qwen3.5 model (dense
   and MoE) reads a prompt under every mode; the states equal the single-device prefill's and the
   greedy continuation from them equals its continuation (every mode for dense, p2p for MoE);
 - ``lm_loss`` (tests/distributed/test_batch.py): ``context_parallel_lm_loss`` on each rank's
@@ -710,7 +710,7 @@ def section_prefill(platform: Platform, world: int) -> dict[str, Any]:
     import mindspore as ms
 
     from hyperpar_gdn import apply_context_parallel, prefill_context_parallel, undo_context_parallel
-    from hyperpar_gdn.models.decoding import greedy_continue, prefill
+    from hyperpar_gdn.inference.decoding import greedy_continue, prefill
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     ids = ms.Tensor(np.random.default_rng(3).integers(1, 97, (2, PREFILL_T)).astype(np.int64))

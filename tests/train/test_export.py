@@ -12,8 +12,8 @@ import pytest
 import torch
 from distributed_harness import launch_ranks, run_ranks
 
+from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35
 from hyperpar_gdn.train import TrainConfig, Trainer
-from hyperpar_gdn.train.transformers_model import write_tiny_qwen35
 
 transformers = pytest.importorskip("transformers")
 

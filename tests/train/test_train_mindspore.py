@@ -26,10 +26,10 @@ pytest.importorskip("mindspore")
 from msrun_harness import MsrunOutcome, run_msrun  # noqa: E402
 from msrun_train_worker import lm_config  # noqa: E402  (tests/train is on sys.path under pytest)
 
+from hyperpar_gdn.corpus import BUILTIN_CORPUS  # noqa: E402
+from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35  # noqa: E402
 from hyperpar_gdn.models.lm import HybridLM  # noqa: E402
 from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, load_checkpoint  # noqa: E402
-from hyperpar_gdn.train.corpus import BUILTIN_CORPUS  # noqa: E402
-from hyperpar_gdn.train.transformers_model import write_tiny_qwen35  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "msrun_train_worker.py"
 MSRUN_SCRIPT = Path(__file__).resolve().parent / "msrun_train_script.py"

@@ -11,7 +11,7 @@ import pytest
 from distributed_harness import run_ranks
 from test_train import _train  # tests/train is on sys.path under pytest
 
-from hyperpar_gdn.train.corpus import BUILTIN_CORPUS
+from hyperpar_gdn.corpus import BUILTIN_CORPUS
 
 STEPS = 8
 PARITY_TOL = 1e-4  # fp32, per step

@@ -9,11 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.ops.layer import LayerDims, LayerWeights, conv_silu
-from hyperpar_gdn.ops.varlen import doc_starts_from_cu_seqlens
+from hyperpar_gdn.distributed.layout import TokenLayout
+from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, conv_silu
+from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.platform import Collectives, Group, Tensor, TensorOps
-
-from ..layout import TokenLayout
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The conv state of a whole sequence split over the CP ranks (an inference prefill).
 
 A GDN layer's decoding conv state is the last W pre-conv inputs of the whole prompt ``[B, C, W]``
-(:mod:`hyperpar_gdn.ops.prefill_states`). With contiguous shards they sit at the end of the last
+(:mod:`hyperpar_gdn.inference.states`). With contiguous shards they sit at the end of the last
 rank's shard, or, when that shard holds fewer than W tokens, at the ends of the last few shards.
 Every rank contributes the last ``min(W, T_r)`` inputs of its shard (one all-gather of
 ``[B, W, C]``), and every rank assembles the same state from them.
@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hyperpar_gdn.ops.layer import LayerWeights, mask_padding
-from hyperpar_gdn.ops.prefill_states import conv_state_of
+from hyperpar_gdn.distributed.cp.common import CPGroup
+from hyperpar_gdn.inference.states import conv_state_of
+from hyperpar_gdn.ops.gdn.layer import LayerWeights, mask_padding
 from hyperpar_gdn.platform import Tensor
-
-from .common import CPGroup
 
 
 def shard_conv_tail(cp: CPGroup, w: LayerWeights, x: Tensor, attention_mask: Tensor | None) -> Tensor:

@@ -7,7 +7,7 @@ Both run the same pipeline on the local shard; they differ only in how rank r ob
 - all_gather: every rank gathers the packed summaries [S_ext | M] of all ranks and folds those of
   ranks < r; backward reduce-scatters the summaries' gradients to their owners.
 
-One pass, no second output pass (docs/maths.md, :func:`hyperpar_gdn.ops.onepass.shard_outputs`):
+One pass, no second output pass (docs/maths.md, :func:`hyperpar_gdn.ops.gdn.onepass.shard_outputs`):
 before any communication each rank runs its chunks once on the widened state [S | M], which gives
 its summary (S_ext, M) and the map Q_eff from the entering state to its outputs. The exchange (a
 :class:`P2PExchange` or :class:`AllGatherExchange`, called from inside the shard's autograd step)
@@ -29,13 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
+from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops import prepare_chunks
-from hyperpar_gdn.ops.layer import finish, gates, head_dims, mask_padding, project, split_heads
-from hyperpar_gdn.ops.onepass import shard_outputs
+from hyperpar_gdn.ops.gdn.layer import finish, gates, head_dims, mask_padding, project, split_heads
+from hyperpar_gdn.ops.gdn.onepass import shard_outputs
 from hyperpar_gdn.platform import Tensor
-
-from ..layout import TokenLayout
-from .common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
 
 
 def _t(xp, x: Tensor) -> Tensor:

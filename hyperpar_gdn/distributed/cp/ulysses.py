@@ -30,8 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs
+from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops import chunk_gated_delta_rule, outputs_from, prepare_chunks
-from hyperpar_gdn.ops.layer import (
+from hyperpar_gdn.ops.gdn.layer import (
     LayerDims,
     conv_silu,
     finish,
@@ -42,9 +44,6 @@ from hyperpar_gdn.ops.layer import (
     split_heads,
 )
 from hyperpar_gdn.platform import Tensor, TensorOps
-
-from ..layout import TokenLayout
-from .common import CPGroup, LayerCall, ShardDocs
 
 
 def ulysses_head_error(dims: LayerDims, cp: int) -> str | None:

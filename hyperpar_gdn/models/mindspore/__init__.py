@@ -5,13 +5,13 @@
 ``Qwen3_5ForCausalLM.from_pretrained(DIR)`` builds transformers' Qwen3.5 (dense or MoE) from a
 transformers model directory; ``save_pretrained(DIR)`` writes one back."""
 
-from .attention import CausalSelfAttention
-from .gated_deltanet import CausalDepthwiseConv1d, GatedDeltaNet, GatedRMSNorm
-from .lm import HybridLM, HybridLMConfig
-from .moe import SparseMoeBlock
-from .norm import RMSNorm
-from .qwen35 import Qwen3_5ForCausalLM, Qwen35Config, Qwen35TextModel
-from .weights import load_torch_state_dict
+from hyperpar_gdn.models.mindspore.attention import CausalSelfAttention
+from hyperpar_gdn.models.mindspore.gated_deltanet import CausalDepthwiseConv1d, GatedDeltaNet, GatedRMSNorm
+from hyperpar_gdn.models.mindspore.lm import HybridLM, HybridLMConfig
+from hyperpar_gdn.models.mindspore.moe import SparseMoeBlock
+from hyperpar_gdn.models.mindspore.norm import RMSNorm
+from hyperpar_gdn.models.mindspore.qwen35 import Qwen3_5ForCausalLM, Qwen35Config, Qwen35TextModel
+from hyperpar_gdn.models.mindspore.weights import load_torch_state_dict
 
 __all__ = [
     "CausalDepthwiseConv1d",

@@ -1,7 +1,7 @@
 """Causal softmax attention with RoPE as a ``mindspore.nn.Cell``: the MindSpore twin of
 :class:`hyperpar_gdn.models.attention.CausalSelfAttention`, with its constructor, parameter names
 and three stages (``project``, ``attend``, ``finish``), so ``SoftmaxAttentionContextParallel``
-serves both. The maths is ``hyperpar_gdn.ops.attention``'s; RoPE angles are numpy constants.
+serves both. The maths is ``hyperpar_gdn.ops.attention.softmax``'s; RoPE angles are numpy constants.
 
 Legend: B batch, T tokens (Tq queries, Tk keys), H query heads, Hkv key/value heads, D head dim.
 """
@@ -14,7 +14,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 
-from hyperpar_gdn.ops.attention import (
+from hyperpar_gdn.inference.states import active_prefill_states
+from hyperpar_gdn.models.mindspore.norm import RMSNorm
+from hyperpar_gdn.ops.attention.softmax import (
     causal_attention,
     finish_attention,
     init_attention_dims,
@@ -22,10 +24,7 @@ from hyperpar_gdn.ops.attention import (
     rope_cos_sin,
     self_attention,
 )
-from hyperpar_gdn.ops.prefill_states import active_prefill_states
 from hyperpar_gdn.platform import ops_for
-
-from .norm import RMSNorm
 
 __all__ = ["CausalSelfAttention"]
 

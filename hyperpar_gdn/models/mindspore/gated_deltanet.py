@@ -1,6 +1,6 @@
 """A Qwen3.5 Gated DeltaNet layer as a ``mindspore.nn.Cell``, with the torch layer's parameter names.
 
-The maths is :func:`hyperpar_gdn.ops.layer.gdn_layer_forward`, the same code the torch layer and
+The maths is :func:`hyperpar_gdn.ops.gdn.layer.gdn_layer_forward`, the same code the torch layer and
 the context-parallel modes run; only the parameters are MindSpore's. Parameters (shapes as in
 torch and transformers, so weights copy over one to one):
 
@@ -19,10 +19,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn
 
-from hyperpar_gdn.ops.layer import LayerDims, gated_rms_norm, init_layer_dims, layer_forward
+from hyperpar_gdn.models.mindspore.weights import assign_parameters, torch_values
+from hyperpar_gdn.ops.gdn.layer import LayerDims, gated_rms_norm, init_layer_dims, layer_forward
 from hyperpar_gdn.platform import ops_for
-
-from .weights import assign_parameters, torch_values
 
 __all__ = ["CausalDepthwiseConv1d", "GatedDeltaNet", "GatedRMSNorm"]
 

@@ -22,13 +22,12 @@ import numpy as np
 from mindspore import Parameter, nn, ops
 
 from hyperpar_gdn.models.lm import LINEAR, HybridLMConfig, check_layer_type
+from hyperpar_gdn.models.mindspore.attention import CausalSelfAttention
+from hyperpar_gdn.models.mindspore.gated_deltanet import GatedDeltaNet
+from hyperpar_gdn.models.mindspore.norm import RMSNorm
+from hyperpar_gdn.models.mindspore.weights import load_torch_state_dict
 from hyperpar_gdn.ops.blocks import decoder_block, lm_logits, swiglu
 from hyperpar_gdn.platform import ops_for
-
-from .attention import CausalSelfAttention
-from .gated_deltanet import GatedDeltaNet
-from .norm import RMSNorm
-from .weights import load_torch_state_dict
 
 __all__ = [
     "MLP",
@@ -69,7 +68,7 @@ class DecoderBlock(nn.Cell):
             self.self_attn = CausalSelfAttention(**config.attention_kwargs())
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         if config.num_experts:
-            from .moe import SparseMoeBlock
+            from hyperpar_gdn.models.mindspore.moe import SparseMoeBlock
 
             self.mlp = SparseMoeBlock(**config.moe_kwargs())
         else:

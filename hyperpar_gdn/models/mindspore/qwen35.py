@@ -28,14 +28,13 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 
+from hyperpar_gdn.models.mindspore.lm import DecoderBlock, Embedding, check_input_ids, init_normal
+from hyperpar_gdn.models.mindspore.norm import RMSNorm
+from hyperpar_gdn.models.mindspore.weights import DTYPES, assign_parameters
 from hyperpar_gdn.models.qwen35_config import Qwen35Config
 from hyperpar_gdn.models.safetensors_files import read_weights, write_weights
 from hyperpar_gdn.ops.blocks import lm_logits
 from hyperpar_gdn.platform import ops_for
-
-from .lm import DecoderBlock, Embedding, check_input_ids, init_normal
-from .norm import RMSNorm
-from .weights import DTYPES, assign_parameters
 
 __all__ = ["Qwen35Config", "Qwen35TextModel", "Qwen3_5ForCausalLM"]
 

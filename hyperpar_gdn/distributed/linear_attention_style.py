@@ -1,0 +1,294 @@
+"""The GDN layer's parallel style: :class:`LinearAttentionContextParallel` (modes in :mod:`.cp`)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, fragment_docs, shard_lengths
+from hyperpar_gdn.distributed.cp.conv_state import shard_conv_tail, whole_conv_state
+from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
+from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward, ulysses_head_error
+from hyperpar_gdn.distributed.dtensor import DTensor
+from hyperpar_gdn.distributed.layout import TokenLayout, check_layout
+from hyperpar_gdn.distributed.mesh import as_cp_mesh
+from hyperpar_gdn.distributed.parallel_style import ParallelStyle, refuse_unhandled
+from hyperpar_gdn.distributed.sequence import GlobalSequence
+from hyperpar_gdn.inference.states import active_prefill_states
+from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
+from hyperpar_gdn.ops.gdn.varlen import packed_doc_starts
+from hyperpar_gdn.platform import Tensor, ops_for
+
+MODES = ("ulysses", "p2p", "all_gather")
+
+
+def prefill_layout_error(layout: str) -> str | None:
+    """Why a prefill cannot record decoding states in ``layout``: it reads contiguous pieces."""
+    if layout == "contiguous":
+        return None
+    return f"prefill supports layout='contiguous' only; got {layout!r}"
+
+
+class LinearAttentionContextParallel(ParallelStyle):
+    """Context parallelism for a Qwen3.5 Gated DeltaNet layer.
+
+    After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard of the
+    sequence, ``[B, T_r, hidden]`` (rank r of the mesh holds the r-th contiguous piece of the
+    sequence, usually T/cp tokens; the pieces may differ in length), and gives exactly the
+    single-device result. Parameters are untouched (state dict and optimizer
+    as before); their gradients are this rank's share: sum them over the CP ranks with
+    :func:`~hyperpar_gdn.sync_context_parallel_grads` (FSDP2 does it in its reduce-scatter).
+    ``undo(module)`` restores the original forward.
+
+    Works on ``hyperpar_gdn.models.GatedDeltaNet``, on transformers' ``Qwen3_5GatedDeltaNet``
+    (without a cache) and on the MindSpore layer.
+
+    Args:
+        mode: ``"ulysses"`` (head parallel, two all-to-alls; num_v_heads divisible by cp),
+            ``"p2p"`` (state passing along a chain) or ``"all_gather"`` (one all-gather of
+            fp32 state summaries). See docs/modes.md.
+        chunk_size: tokens per chunk of the gated delta rule.
+        layout: which tokens a rank holds (:mod:`hyperpar_gdn.distributed.layout`):
+            ``"contiguous"`` (the r-th piece) or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp,
+            concatenated: the layout that balances causal softmax attention).
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+        LinearAttentionContextParallel(mode="p2p").apply(layer, mesh)
+        y_local = layer(x_local)        # x_local: [B, T/4, hidden]
+    """
+
+    def __init__(self, mode: str = "ulysses", *, chunk_size: int = 64, layout: str = "contiguous") -> None:
+        if mode not in MODES:
+            raise ValueError(
+                f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}"
+            )
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+        self.mode = mode
+        self.chunk_size = chunk_size
+        self.layout = check_layout(layout)
+
+    def apply(self, module: Any, mesh: Any) -> Any:
+        """Make ``module``'s forward take and return this rank's shard; returns ``module``.
+
+        Args:
+            module: a GDN layer (ours, transformers' ``Qwen3_5GatedDeltaNet`` or the MindSpore
+                layer), changed in place; its parameters are untouched.
+            mesh: the 1-D CP mesh (ours, e.g. ``mesh["cp"]``, or a 1-D torch ``DeviceMesh``).
+
+        Raises ``ValueError`` before any change when ``ulysses`` cannot split the layer's heads
+        over the mesh, or when context parallelism is already applied.
+        """
+        cp_mesh = as_cp_mesh(mesh)
+        dims = LayerDims.of(module)
+        cp = cp_mesh.size()
+        head_error = ulysses_head_error(dims, cp) if self.mode == "ulysses" else None
+        if head_error is not None:
+            raise ValueError(head_error)
+        group = CPGroup.of(cp_mesh)
+
+        def make_forward(original: Callable) -> Callable:
+            bind = _signature_binder(original)
+
+            def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+                return self._forward(module, group, hidden_states, bind(hidden_states, *args, **kwargs))
+
+            return forward
+
+        return self._install(module, make_forward, layout=self.layout)
+
+    def _forward(self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs) -> Any:
+        attention_mask, cu_seqlens = call_args.attention_mask, call_args.cu_seqlens
+        known = None  # the shard lengths, when the model's forward already exchanged them
+        if isinstance(attention_mask, GlobalSequence):
+            if attention_mask.layout != self.layout:
+                raise ValueError(
+                    f"the model's forward passed a sequence in layout={attention_mask.layout!r} to a GDN "
+                    f"layer parallelized with layout={self.layout!r}"
+                )
+            known, attention_mask = _from_global_sequence(attention_mask, cp.rank)
+        placements = None
+        if isinstance(x, DTensor):
+            placements, mesh, x = x.placements, x.device_mesh, x.to_local()
+        if isinstance(attention_mask, DTensor):
+            attention_mask = attention_mask.to_local()
+        dims = LayerDims.of(module)
+        error = _shard_error(dims, x, attention_mask)
+        call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
+        states = active_prefill_states()  # None unless an inference prefill records them
+        if states is not None and prefill_layout_error(self.layout):  # the same on every rank
+            raise ValueError(prefill_layout_error(self.layout))
+        if (
+            states is not None
+            and error is None
+            and (cu_seqlens is not None or call_args.position_ids is not None)
+        ):
+            error = "recording prefill states (a decoder's cache) is not supported with packed documents"
+        if cp.size == 1:
+            if error is not None:
+                raise ValueError(error)
+            doc_starts = packed_doc_starts(
+                batch_size=x.shape[0],
+                seq_len=x.shape[1],
+                cu_seqlens=cu_seqlens,
+                position_ids=call_args.position_ids,
+            )
+            y = gdn_layer_forward(
+                cp.xp,
+                call.weights,
+                dims,
+                x,
+                attention_mask,
+                chunk_size=self.chunk_size,
+                doc_starts=doc_starts,
+                output_final_state=states is not None,
+            )
+            if states is not None:
+                y, (conv, s) = y
+                states.keep_gdn(module, conv, s)
+        else:
+            error = error or _packing_error(x, call_args)
+            if known is None:
+                lengths = shard_lengths(cp, 0 if error else x.shape[1], error)  # raises on every rank
+            else:
+                lengths = _check_known(known, cp.rank, x, error)
+            tokens = TokenLayout.of(
+                self.layout, lengths
+            )  # the same lengths, so the same error, on every rank
+            _check_lengths(self.mode, dims, tokens)
+            layout = None if tokens.is_contiguous else tokens
+            docs = None
+            if cu_seqlens is not None:
+                width = dims.conv_kernel_size
+                docs = (
+                    ShardDocs.of(cu_seqlens, lengths, cp.rank, width)
+                    if layout is None or self.mode == "ulysses"
+                    else fragment_docs(cu_seqlens, tokens, cp.rank, width)
+                )
+            final = {"final_state": True} if states is not None else {}
+            if self.mode == "ulysses":
+                y = ulysses_forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
+            else:
+                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout, **final)
+            if states is not None:
+                y, s = y
+                tail = shard_conv_tail(cp, call.weights, x, attention_mask)
+                states.keep_gdn(module, whole_conv_state(cp, tail, lengths), s)
+        return y if placements is None else DTensor.from_local(y, mesh, placements)
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """What a GDN layer's forward call passes besides the hidden states.
+
+    ``cu_seqlens``: packed documents, int ``[N+1]`` over the WHOLE sequence, the same tensor on
+    every rank (fla's ``cu_seqlens`` or transformers' ``cu_seq_lens_q``). ``position_ids``
+    (transformers' packed convention) only on one device: a shard's position_ids cannot say
+    where the documents of other shards start."""
+
+    attention_mask: Tensor | None
+    cu_seqlens: Any
+    position_ids: Any
+
+
+def _signature_binder(forward: Callable) -> Callable[..., CallArgs]:
+    """Bind a call as the original forward would; refuse every other argument that is set (a
+    cache, other packed-sequence keywords: none is handled here)."""
+    signature = inspect.signature(forward)
+    owner = getattr(forward, "__self__", forward).__class__.__name__
+
+    def bind(hidden_states: Any, *args: Any, **kwargs: Any) -> CallArgs:
+        bound = dict(signature.bind(hidden_states, *args, **kwargs).arguments)
+        for name, parameter in signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                bound.update(bound.pop(name, {}))
+        bound.pop("hidden_states", None)
+        cu, cu_q = bound.pop("cu_seqlens", None), bound.pop("cu_seq_lens_q", None)
+        if cu is not None and cu_q is not None:
+            raise ValueError(f"{owner}: pass cu_seqlens or cu_seq_lens_q, not both")
+        call = CallArgs(
+            attention_mask=bound.pop("attention_mask", None),
+            cu_seqlens=cu if cu is not None else cu_q,
+            position_ids=bound.pop("position_ids", None),
+        )
+        refuse_unhandled(owner, bound)
+        return call
+
+    return bind
+
+
+def _from_global_sequence(seq: GlobalSequence, rank: int) -> tuple[list[int], Tensor | None]:
+    """The shard lengths and this rank's piece of the padding mask from the
+    :class:`GlobalSequence` a whole model computed once per forward (it gives the GDN layers the
+    same object as the softmax-attention layers)."""
+    lengths = list(seq.lengths)
+    if seq.key_mask is None:
+        return lengths, None
+    return lengths, seq.token_layout().local(ops_for(seq.key_mask), seq.key_mask, rank, 1)
+
+
+def _check_known(lengths: list[int], rank: int, x: Tensor, error: str | None) -> list[int]:
+    """Lengths exchanged by the model's forward for all of its layers: no exchange here. The model
+    checked its inputs on every rank before that exchange, so what is checked here holds on every
+    rank unless the model itself is wrong."""
+    if error is None and x.shape[1] != lengths[rank]:
+        error = (
+            f"the hidden states hold {x.shape[1]} tokens but the model's forward exchanged "
+            f"T_r={lengths[rank]} for CP rank {rank}"
+        )
+    if error is not None:
+        raise ValueError(error)
+    return lengths
+
+
+def _packing_error(x: Tensor, call: CallArgs) -> str | None:
+    """What is wrong with this rank's packed-document keywords under CP, or None."""
+    if call.position_ids is not None:
+        return (
+            "position_ids (packed documents) cannot be used under context parallelism: a shard's "
+            "position_ids do not say where other shards' documents start; pass the global cu_seqlens "
+            "(hyperpar_gdn.ops.cu_seqlens_from_position_ids on the whole sequence's position_ids)"
+        )
+    if call.cu_seqlens is not None and x.shape[0] != 1:
+        return f"packed documents (cu_seqlens) need batch size B=1; got B={x.shape[0]}"
+    return None
+
+
+def _shard_error(dims: LayerDims, x: Tensor, attention_mask: Tensor | None) -> str | None:
+    """What is wrong with this rank's own input, or None (checked before any communication)."""
+    shape = tuple(x.shape)
+    if len(shape) != 3 or shape[-1] != dims.hidden_size:
+        return f"the local shard must be [B, T/cp, hidden_size={dims.hidden_size}]; got {shape}"
+    if attention_mask is not None and tuple(attention_mask.shape) != shape[:2]:
+        return f"attention_mask must be this rank's shard [B, T/cp] = {shape[:2]}; got {tuple(attention_mask.shape)}"
+    return None
+
+
+def _check_lengths(mode: str, dims: LayerDims, tokens: TokenLayout) -> None:
+    """Rules on every rank's token count (every fragment's, for a layout of several per rank);
+    the same ValueError on every rank (all know the counts)."""
+    halo = dims.conv_kernel_size - 1
+    need = 1 if mode == "ulysses" else max(halo, 1)
+    for rank in range(tokens.size):
+        t = min(f.length for f in tokens.mine(rank))
+        if t >= need:
+            continue
+        if mode == "ulysses":
+            raise ValueError(
+                f"mode='ulysses': the shard of CP rank {rank} is empty; every shard needs a token"
+            )
+        raise ValueError(
+            f"mode={mode!r}: the shard of CP rank {rank} has "
+            + (
+                f"T/cp={t} tokens"
+                if tokens.is_contiguous
+                else f"pieces of {t} tokens (layout={tokens.kind!r})"
+            )
+            + f", fewer than the conv halo "
+            f"W-1={halo} (conv_kernel_size={dims.conv_kernel_size}); every shard needs at least {need}: "
+            "use fewer ranks or a longer sequence"
+        )

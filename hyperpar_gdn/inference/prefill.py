@@ -1,0 +1,154 @@
+"""Prefill under context parallelism: read a long prompt on the CP ranks, hand its state to a
+decoder on one device (docs/inference.md).
+
+    apply_context_parallel(model, mesh, mode="p2p")
+    logits, cache = prefill_context_parallel(model, mesh, prompt_ids, attention_mask=mask)
+    undo_context_parallel(model)
+    out = model.generate(torch.cat([prompt_ids, logits.argmax(-1, keepdim=True)], 1),
+                         attention_mask=..., cache=cache, max_new_tokens=15)
+
+Every rank passes the whole prompt; rank r reads the r-th contiguous piece (the pieces differ by
+at most one token, the longer ones first). While the prompt runs, every mixer hands its state of
+the whole prompt to every rank (:mod:`hyperpar_gdn.inference.states`): a GDN layer's recurrent
+state (p2p: the last rank's leaving state, summed with zeros from the others; all_gather: the fold
+of the gathered summaries carried to the end, no communication; ulysses: each rank's heads ran
+the whole prompt, one all-gather over heads) and its conv state (the last W pre-conv inputs, which
+may span ranks, one small all-gather); an attention layer's K and V (the all-gather it does anyway,
+of every rank's keys instead of the earlier ones). The logits of the last token come from the
+last rank (only that token's row goes through the LM head).
+
+Left padding (transformers' batched generation): ``attention_mask`` ``[B, T]``; positions are
+``cumsum(mask) - 1`` (0 on padding), as ``generate`` makes them; the GDN layers zero the padded
+inputs and the attention layers mask the padded keys, as transformers' own prefill does. The last
+token of every row must be a token (no right padding).
+
+Legend: B batch, T prompt tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
+from hyperpar_gdn.distributed.linear_attention_style import prefill_layout_error
+from hyperpar_gdn.distributed.mesh import as_cp_mesh
+from hyperpar_gdn.distributed.parallel_style import applied_layout, from_transformers, is_parallelized
+from hyperpar_gdn.inference.decoding import (
+    check_prompt,
+    inference_mode,
+    last_hidden,
+    lm_parts,
+    state_from_prefill,
+)
+from hyperpar_gdn.inference.states import record_prefill_states
+from hyperpar_gdn.ops.blocks import lm_logits
+from hyperpar_gdn.platform import Tensor, ops_for
+
+__all__ = ["prefill_context_parallel", "prompt_lengths"]
+
+
+def prompt_lengths(seq_len: int, cp: int) -> list[int]:
+    """How a prompt of ``seq_len`` tokens is cut over ``cp`` ranks: contiguous pieces differing
+    by at most one token, the longer ones first (so the last piece is the shortest)."""
+    if seq_len < cp:
+        raise ValueError(f"a prompt of T={seq_len} tokens cannot give each of cp={cp} ranks a token")
+    base, extra = divmod(seq_len, cp)
+    return [base + (1 if r < extra else 0) for r in range(cp)]
+
+
+def prefill_context_parallel(
+    model: Any,
+    mesh: Any,
+    input_ids: Tensor,
+    *,
+    attention_mask: Tensor | None = None,
+    lengths: Sequence[int] | None = None,
+) -> tuple[Tensor, Any]:
+    """Read a prompt under context parallelism; no gradients are kept.
+
+    Args:
+        model: under :func:`~hyperpar_gdn.apply_context_parallel` (any mode): transformers'
+            ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``, or ``HybridLM`` (torch or
+            MindSpore) or the MindSpore ``Qwen3_5ForCausalLM``.
+        mesh: the CP mesh the model was parallelized over.
+        input_ids: the whole prompt ``[B, T]``, the same on every rank.
+        attention_mask: ``[B, T]`` (1 = token, 0 = left padding), the same on every rank;
+            transformers' models only.
+        lengths: the tokens of each rank (contiguous, in rank order, summing to T); None:
+            :func:`prompt_lengths`. p2p and all_gather need at least W-1 (the conv halo) per rank.
+
+    Returns, on every rank, ``(logits, cache)``: the logits of the last prompt token ``[B, V]``
+    (fp32 at least) and, for transformers' models, their ``DynamicCache`` filled as their own
+    prefill fills it (after ``undo_context_parallel(model)`` one device continues with
+    ``model(input_ids=next_ids, cache=cache, ...)`` or ``model.generate``); for ours a
+    :class:`~hyperpar_gdn.inference.decoding.DecodingState` (continue with
+    :func:`~hyperpar_gdn.inference.decoding.greedy_continue` or ``decode_step``).
+    """
+    cp_mesh = as_cp_mesh(mesh)
+    check_prompt(input_ids)
+    text_model = text_model_of(model)
+    transformers_model = from_transformers(model)
+    if transformers_model:
+        from hyperpar_gdn.integrations.transformers import cache as hf
+
+        hf.check_causal_lm(model)
+    for i, block in enumerate(text_model.layers):
+        if not is_parallelized(mixer_of(i, block)[1]):
+            raise ValueError(
+                f"layer {i} of {type(model).__name__} is not under context parallelism: call "
+                "apply_context_parallel(model, mesh, mode=...) first"
+            )
+    for i, block in enumerate(text_model.layers):
+        error = prefill_layout_error(applied_layout(mixer_of(i, block)[1]) or "contiguous")
+        if error is not None:
+            raise ValueError(
+                f"{error} (layer {i}): apply_context_parallel(model, mesh, mode=...) without layout="
+            )
+    b, t = (int(n) for n in input_ids.shape)
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    lengths = prompt_lengths(t, cp) if lengths is None else _check_lengths(lengths, t, cp)
+    start, stop = sum(lengths[:rank]), sum(lengths[: rank + 1])
+    xp = ops_for(input_ids)
+    mask_np = None
+    if attention_mask is not None:
+        if not transformers_model:
+            raise NotImplementedError(
+                f"{type(model).__name__} takes no attention mask: pass prompts without padding"
+            )
+        if tuple(attention_mask.shape) != (b, t):
+            raise ValueError(f"attention_mask must be [B, T] = {(b, t)}; got {tuple(attention_mask.shape)}")
+        mask_np = xp.to_numpy(attention_mask) != 0
+        if not mask_np[:, -1].all():
+            rows = np.flatnonzero(~mask_np[:, -1]).tolist()
+            raise ValueError(
+                f"rows {rows} end in padding: a prompt is left-padded (its last token must be a token)"
+            )
+    with inference_mode(model), record_prefill_states() as states:
+        if transformers_model:
+            hidden = hf.prefill_hidden(text_model, input_ids, mask_np, start, stop)
+            head = model.lm_head.weight
+        else:
+            parts = lm_parts(model)
+            hidden = last_hidden(parts, input_ids[:, start:stop])
+            head = parts.head
+        hx = ops_for(hidden)
+        last = lm_logits(hx, hidden[:, stop - start - 1 :], head)[:, 0]  # [B, V]
+        if rank != cp - 1:
+            last = hx.zeros(tuple(last.shape), like=last)
+        if cp > 1:
+            last = cp_mesh.platform.collectives.all_reduce_sum(last, cp_mesh.get_group())
+    if transformers_model:
+        return last, hf.dynamic_cache(model, text_model, states)
+    return last, state_from_prefill(model, states, t)
+
+
+def _check_lengths(lengths: Sequence[int], seq_len: int, cp: int) -> list[int]:
+    lengths = [int(n) for n in lengths]
+    if len(lengths) != cp or sum(lengths) != seq_len or min(lengths) < 1:
+        raise ValueError(
+            f"lengths={lengths} must give each of cp={cp} ranks at least one token and sum to T={seq_len}"
+        )
+    return lengths

@@ -1,0 +1,1 @@
+"""Integrations with other libraries; the core (ops, distributed, models) names none of them."""

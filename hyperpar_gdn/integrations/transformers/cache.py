@@ -1,0 +1,61 @@
+"""A CP prefill of a transformers Qwen3.5 causal LM: its text model's hidden states for a shard,
+and transformers' own ``DynamicCache`` filled with the recorded states
+(:func:`~hyperpar_gdn.prefill_context_parallel` calls these)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hyperpar_gdn.distributed.decoder_layers import mixer_of
+from hyperpar_gdn.inference.states import PrefillStates
+from hyperpar_gdn.integrations.transformers.discovery import CAUSAL_LMS
+from hyperpar_gdn.platform import Tensor, ops_for
+
+__all__ = ["check_causal_lm", "dynamic_cache", "prefill_hidden"]
+
+
+def check_causal_lm(model: Any) -> None:
+    if type(model).__name__ not in CAUSAL_LMS:
+        raise NotImplementedError(
+            f"prefill_context_parallel serves transformers' {' / '.join(CAUSAL_LMS)}; got {type(model).__name__}"
+        )
+
+
+def prefill_hidden(
+    text_model: Any, input_ids: Tensor, mask_np: np.ndarray | None, start: int, stop: int
+) -> Tensor:
+    """This rank's final hidden states ``[B, T_r, C]`` through transformers' text model, with the
+    global positions ``generate`` would give (from the padding mask when there is one)."""
+    xp = ops_for(input_ids)
+    b, t = input_ids.shape
+    if mask_np is None:
+        positions = np.tile(np.arange(t), (b, 1))
+    else:
+        positions = np.where(mask_np, np.cumsum(mask_np, 1) - 1, 0)
+    inputs = {
+        "input_ids": input_ids[:, start:stop],
+        "position_ids": xp.constant(np.ascontiguousarray(positions[:, start:stop]), like=input_ids),
+    }
+    if mask_np is not None:
+        inputs["attention_mask"] = xp.constant(mask_np[:, start:stop].astype(np.int64), like=input_ids)
+    return text_model(**inputs).last_hidden_state
+
+
+def dynamic_cache(model: Any, text_model: Any, states: PrefillStates) -> Any:
+    """transformers' ``DynamicCache`` for ``model`` holding the recorded states, filled through
+    its own update methods as its prefill fills it."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, block in enumerate(text_model.layers):
+        kind, module = mixer_of(i, block)
+        if kind == "linear_attn":
+            conv, s = states.gdn[id(module)]
+            cache.update_conv_state(conv.to(module.conv1d.weight.dtype), i, conv_kernel_size=conv.shape[-1])
+            cache.update_recurrent_state(s, i)
+        else:
+            k, v = states.kv[id(module)]
+            cache.update(k, v, i)
+    return cache

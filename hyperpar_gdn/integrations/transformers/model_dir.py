@@ -1,0 +1,184 @@
+"""transformers model directories: load one for training, export the trained model, make a tiny one.
+
+A model directory is what ``save_pretrained`` writes: ``config.json``, safetensors weights and
+the tokenizer files. The model is built with transformers' own classes (``Qwen3_5ForCausalLM`` or
+``Qwen3_5MoeForCausalLM``; a multimodal Qwen3.5 directory loads its language model), so what is
+trained and exported is exactly what transformers loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hyperpar_gdn.corpus import BUILTIN_CORPUS
+
+EOS = "<|endoftext|>"
+TEXT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+__all__ = ["export_model_dir", "gdn_dims", "load_model_dir", "load_tokenizer", "write_tiny_qwen35"]
+
+
+def _text_config(path: str | Path) -> dict[str, Any]:
+    """The text part of ``path/config.json`` (checked), without importing transformers."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"--model {path}: no config.json there (expected a transformers model directory)"
+        )
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--model {path}: config.json is not valid JSON ({err})") from None
+    model_type = config.get("model_type")
+    if model_type not in TEXT_MODEL_TYPES:
+        raise ValueError(
+            f"--model {path}: model_type {model_type!r} is not a Qwen3.5 model; supported: {', '.join(TEXT_MODEL_TYPES)}"
+        )
+    return config.get("text_config", config)
+
+
+def gdn_dims(path: str | Path) -> tuple[int, int, int]:
+    """(linear_num_key_heads, linear_num_value_heads, linear_conv_kernel_dim) of a model directory."""
+    text = _text_config(path)
+    return (
+        int(text["linear_num_key_heads"]),
+        int(text["linear_num_value_heads"]),
+        int(text["linear_conv_kernel_dim"]),
+    )
+
+
+def has_softmax_attention(path: str | Path) -> bool:
+    """Whether a model directory's decoder has softmax-attention (``full_attention``) layers."""
+    text = _text_config(path)
+    if "layer_types" in text:
+        return "full_attention" in text["layer_types"]
+    interval, layers = text.get("full_attention_interval", 4), int(text["num_hidden_layers"])
+    return layers >= interval  # transformers' default: every interval-th layer
+
+
+def _require_transformers(path: str | Path) -> None:
+    if importlib.util.find_spec("transformers") is None:
+        raise ModuleNotFoundError(
+            f"--model {path} needs transformers, which is not installed: pip install -e '.[transformers]'"
+        )
+
+
+def load_model_dir(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
+    """(model, tokenizer) from a transformers model directory, the model in ``dtype``."""
+    _require_transformers(path)
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    text = _text_config(path)
+    if text.get("output_router_logits"):
+        raise NotImplementedError(
+            f"--model {path}: output_router_logits=true (the MoE load-balancing loss) is not supported "
+            "under context parallelism; set it to false in config.json"
+        )
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model, tokenizer
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a model directory (transformers' ``AutoTokenizer``); it must have an EOS token."""
+    _require_transformers(path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"--model {path}: the tokenizer has no EOS token (documents are joined with it)")
+    return tokenizer
+
+
+def export_model_dir(
+    model: Any, tokenizer: Any, out: str | Path, *, state_dict: dict[str, Any] | None = None
+) -> Path:
+    """Write ``model`` (transformers' torch model, or the MindSpore ``Qwen3_5ForCausalLM``) and
+    ``tokenizer`` as a transformers directory that ``from_pretrained`` loads.
+
+    ``state_dict``: the weights to write instead of the model's own (a sharded model's gathered
+    full state dict). The directory appears whole or not at all: it is written into a temporary
+    directory beside ``out`` and renamed to ``out`` at the end (an existing ``out`` is replaced
+    only then); a failure removes the temporary directory and leaves ``out`` as it was.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        model.save_pretrained(temp, **({} if state_dict is None else {"state_dict": state_dict}))
+        tokenizer.save_pretrained(temp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(temp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(temp, out)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return out
+
+
+def train_tokenizer(vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer trained on the built-in corpus (offline), with an EOS token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(BUILTIN_CORPUS.splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS)
+
+
+def write_tiny_qwen35(out: str | Path, *, moe: bool = False, seed: int = 0) -> Path:
+    """A small random Qwen3.5 model directory (3 GDN layers and 1 attention layer per 4) with a
+    tokenizer trained on the built-in corpus; no downloads."""
+    import transformers
+
+    tokenizer = train_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    if moe:
+        config = transformers.Qwen3_5MoeTextConfig(
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        )
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(
+            transformers.Qwen3_5TextConfig(**common, intermediate_size=192)
+        )
+    return export_model_dir(model, tokenizer, out)

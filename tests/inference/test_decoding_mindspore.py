@@ -1,0 +1,102 @@
+"""Greedy generation of the MindSpore Qwen3.5 model (dense and MoE, fp32) from a transformers
+directory equals transformers' ``generate(do_sample=False)`` token for token; its steps' logits
+equal transformers' cached steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+ms = pytest.importorskip("mindspore")
+transformers = pytest.importorskip("transformers")
+
+from hyperpar_gdn.inference.decoding import decode_step, greedy_generate, prefill  # noqa: E402
+from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM  # noqa: E402
+from hyperpar_gdn.platform.mindspore_ops import enable_launch_blocking  # noqa: E402
+
+NEW_TOKENS = 16
+LOGIT_TOL = 1e-4  # two frameworks' fp32 kernels (as the model's own logit test)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pynative() -> Any:
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    enable_launch_blocking()
+    yield
+    ms.set_context(mode=previous)
+
+
+def write_tiny_model(moe: bool, out: Path) -> Path:
+    common = dict(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    if moe:
+        config = transformers.Qwen3_5MoeTextConfig(
+            **common,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=24,
+        )
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(
+            transformers.Qwen3_5TextConfig(**common, intermediate_size=48)
+        )
+    with torch.no_grad():  # peaked logits: no near ties between the frameworks' argmax
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_greedy_generate_equals_transformers(moe: bool, tmp_path: Path) -> None:
+    path = write_tiny_model(moe, tmp_path / "model")
+    ids = np.random.default_rng(1).integers(1, 97, (2, 21)).astype(np.int64)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = reference.generate(torch.from_numpy(ids), max_new_tokens=NEW_TOKENS, do_sample=False).numpy()
+    model = Qwen3_5ForCausalLM.from_pretrained(path)
+    got = greedy_generate(model, ms.Tensor(ids), max_new_tokens=NEW_TOKENS).asnumpy()
+    assert got.shape == expected.shape == (2, 21 + NEW_TOKENS)
+    np.testing.assert_array_equal(got, expected)
+    assert len(set(got[0, 21:].tolist())) > 1, "a constant continuation would not test the steps"
+
+    # the logits of the prompt's last token and of two steps, against transformers' cached forward
+    logits, state = prefill(model, ms.Tensor(ids))
+    with torch.no_grad():
+        out = reference(input_ids=torch.from_numpy(ids), use_cache=True)
+        ref_logits, cache = [out.logits[:, -1].numpy()], out.cache
+        for t in range(2):
+            step = torch.from_numpy(expected[:, 21 + t : 22 + t])
+            out = reference(input_ids=step, cache=cache, use_cache=True)
+            ref_logits.append(out.logits[:, -1].numpy())
+            cache = out.cache
+    ours = [logits.asnumpy()]
+    for t in range(2):
+        logits, state = decode_step(model, state, ms.Tensor(expected[:, 21 + t : 22 + t]))
+        ours.append(logits.asnumpy())
+    for i, (a, b) in enumerate(zip(ours, ref_logits, strict=True)):
+        err = float(np.abs(a - b).max() / np.abs(b).max())
+        assert err <= LOGIT_TOL, f"step {i}: relative logit error {err:.2e}"

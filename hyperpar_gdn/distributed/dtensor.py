@@ -1,9 +1,15 @@
 """DTensor-lite: a local tensor plus how it is laid out over a :class:`DeviceMesh`.
 
 One placement per mesh dim: ``Shard(d)`` (tensor dim ``d`` is split evenly across that mesh dim,
-in mesh order) or ``Replicate()`` (every rank of that mesh dim holds the same tensor). Uneven
-shards are not supported: the global size along a sharded dim is ``local size * mesh size``, and
-:func:`distribute_tensor` refuses sizes that do not divide.
+in mesh order), ``Shard(d, layout="head_tail")`` (split into 2n pieces, rank r holding pieces r
+and 2n-1-r: :mod:`hyperpar_gdn.distributed.layout`) or ``Replicate()`` (every rank of that mesh dim
+holds the same tensor). Uneven shards are not supported: the global size along a sharded dim is
+``local size * mesh size``, and :func:`distribute_tensor` refuses sizes that do not divide.
+
+The context-parallel styles read the placements: a GDN or attention layer takes a DTensor that
+is a sequence shard (``Shard(1, layout=...)`` of ``[B, T, hidden]`` on the 1-D CP mesh, in the
+style's layout), refuses any other, and returns its output with the same placement
+(:func:`as_sequence_shard`).
 
 Framework-agnostic: communication goes through the mesh's platform, slicing through Python
 indexing and its tensor functions. Gathering is differentiable.
@@ -18,21 +24,36 @@ Example (a 1-D cp mesh of 4 ranks, a sequence split over cp)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hyperpar_gdn.distributed.layout import TokenLayout, check_layout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.platform import Tensor
 
-__all__ = ["DTensor", "Placement", "Replicate", "Shard", "distribute_tensor"]
+__all__ = ["DTensor", "Placement", "Replicate", "Shard", "as_sequence_shard", "distribute_tensor"]
 
 
 @dataclass(frozen=True)
 class Shard:
-    """Tensor dim ``dim`` is split evenly over a mesh dim (negative dims count from the end)."""
+    """Tensor dim ``dim`` is split evenly over a mesh dim (negative dims count from the end), in
+    ``layout``: ``"contiguous"`` (rank r holds the r-th piece) or ``"head_tail"`` (pieces r and
+    2n-1-r of 2n)."""
 
     dim: int
+    layout: str = "contiguous"
+
+    def __post_init__(self) -> None:
+        check_layout(self.layout)
+
+    def __repr__(self) -> str:
+        extra = "" if self.layout == "contiguous" else f", layout={self.layout!r}"
+        return f"Shard(dim={self.dim}{extra})"
+
+    def pieces(self, local_length: int, size: int) -> TokenLayout:
+        """Which global positions each rank holds along ``dim``."""
+        return TokenLayout.of(self.layout, [local_length] * size)
 
 
 @dataclass(frozen=True)
@@ -91,8 +112,9 @@ class DTensor:
             placement = self._placements[axis]
             if isinstance(placement, Shard):
                 gathered = platform.collectives.all_gather(x, self._mesh.get_group(axis))
-                size = self._mesh.size(axis)
+                size, length = self._mesh.size(axis), x.shape[placement.dim]
                 x = platform.ops.cat([gathered[i] for i in range(size)], placement.dim)
+                x = placement.pieces(length, size).to_global(platform.ops, x, placement.dim)
         return x
 
     def __repr__(self) -> str:
@@ -115,12 +137,31 @@ def distribute_tensor(full: Tensor, device_mesh: DeviceMesh, placements: Sequenc
                 f"tensor dim {placement.dim} of size {length} (global shape {tuple(full.shape)}) does not "
                 f"split evenly over mesh dim {axis} of size {size}; uneven shards are not supported"
             )
-        step = length // size
-        index_tuple: tuple[Any, ...] = (slice(None),) * placement.dim + (
-            slice(index * step, (index + 1) * step),
-        )
-        local = local[index_tuple]
+        pieces = placement.pieces(length // size, size)
+        local = pieces.local(device_mesh.platform.ops, local, index, placement.dim)
     return DTensor(local, device_mesh, placements)
+
+
+def as_sequence_shard(x: Any, *, owner: str, layout: str, dim: int = 1) -> tuple[Any, Callable[[Any], Any]]:
+    """What a context-parallel style takes from ``x``: this rank's sequence shard, and how to give
+    its output the same placement.
+
+    A plain tensor is the shard itself (returned as is, output unwrapped). A :class:`DTensor` must
+    be a sequence shard in the style's ``layout``: one placement, ``Shard(dim, layout=layout)``
+    (``dim`` 1, the T of ``[B, T, ...]``); the output is wrapped with that placement on the same
+    mesh. Any other DTensor (replicated, sharded on another dim or in another layout) is refused
+    with a ValueError naming its placements, before any communication (placements are the same on
+    every rank)."""
+    if not isinstance(x, DTensor):
+        return x, lambda y: y
+    expected = (Shard(dim, layout),)
+    if x.placements != expected:
+        raise ValueError(
+            f"{owner} takes a DTensor that is a sequence shard, placements={expected} on the 1-D CP "
+            f"mesh; got placements={x.placements}"
+        )
+    mesh = x.device_mesh
+    return x.to_local(), lambda y: DTensor.from_local(y, mesh, expected)
 
 
 def _normalize(placements: Sequence[Placement], mesh: DeviceMesh, ndim: int) -> tuple[Placement, ...]:
@@ -134,7 +175,7 @@ def _normalize(placements: Sequence[Placement], mesh: DeviceMesh, ndim: int) -> 
         if isinstance(placement, Shard):
             if not -ndim <= placement.dim < ndim:
                 raise ValueError(f"{placement} is out of range for a tensor with {ndim} dims")
-            normalized.append(Shard(placement.dim % ndim))
+            normalized.append(Shard(placement.dim % ndim, placement.layout))
         elif isinstance(placement, Replicate):
             normalized.append(placement)
         else:

@@ -11,7 +11,7 @@ from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, fr
 from hyperpar_gdn.distributed.cp.conv_state import shard_conv_tail, whole_conv_state
 from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
 from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward, ulysses_head_error
-from hyperpar_gdn.distributed.dtensor import DTensor
+from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.layout import TokenLayout, check_layout
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, refuse_unhandled
@@ -102,20 +102,15 @@ class LinearAttentionContextParallel(ParallelStyle):
         return self._install(module, make_forward, layout=self.layout)
 
     def _forward(self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs) -> Any:
-        attention_mask, cu_seqlens = call_args.attention_mask, call_args.cu_seqlens
+        owner = type(self).__name__
+        x, wrap = as_sequence_shard(x, owner=owner, layout=self.layout)
+        seq, attention_mask = _whole_sequence(call_args, self.layout)
         known = None  # the shard lengths, when the model's forward already exchanged them
-        if isinstance(attention_mask, GlobalSequence):
-            if attention_mask.layout != self.layout:
-                raise ValueError(
-                    f"the model's forward passed a sequence in layout={attention_mask.layout!r} to a GDN "
-                    f"layer parallelized with layout={self.layout!r}"
-                )
-            known, attention_mask = _from_global_sequence(attention_mask, cp.rank)
-        placements = None
-        if isinstance(x, DTensor):
-            placements, mesh, x = x.placements, x.device_mesh, x.to_local()
-        if isinstance(attention_mask, DTensor):
-            attention_mask = attention_mask.to_local()
+        cu_seqlens = call_args.cu_seqlens
+        if seq is not None:
+            known, attention_mask = _from_global_sequence(seq, cp.rank)
+            cu_seqlens = seq.cu_seqlens  # host ints: no copy to the host in this layer
+        attention_mask, _ = as_sequence_shard(attention_mask, owner=owner, layout=self.layout)
         dims = LayerDims.of(module)
         error = _shard_error(dims, x, attention_mask)
         call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
@@ -151,7 +146,7 @@ class LinearAttentionContextParallel(ParallelStyle):
                 y, (conv, s) = y
                 states.keep_gdn(module, conv, s)
         else:
-            error = error or _packing_error(x, call_args)
+            error = error or _packing_error(x, cu_seqlens, call_args.position_ids)
             if known is None:
                 lengths = shard_lengths(cp, 0 if error else x.shape[1], error)  # raises on every rank
             else:
@@ -178,7 +173,7 @@ class LinearAttentionContextParallel(ParallelStyle):
                 y, s = y
                 tail = shard_conv_tail(cp, call.weights, x, attention_mask)
                 states.keep_gdn(module, whole_conv_state(cp, tail, lengths), s)
-        return y if placements is None else DTensor.from_local(y, mesh, placements)
+        return wrap(y)
 
 
 @dataclass(frozen=True)
@@ -221,6 +216,29 @@ def _signature_binder(forward: Callable) -> Callable[..., CallArgs]:
     return bind
 
 
+def _whole_sequence(call: CallArgs, layout: str) -> tuple[GlobalSequence | None, Any]:
+    """The :class:`GlobalSequence` a whole model's forward built once for all its layers (passed
+    as ``attention_mask``, transformers, or ``cu_seqlens``, HybridLM), or None; and the
+    attention_mask argument when it is not that object."""
+    given = [v for v in (call.attention_mask, call.cu_seqlens) if isinstance(v, GlobalSequence)]
+    if not given:
+        return None, call.attention_mask
+    seq = given[0]
+    if seq.layout != layout:
+        raise ValueError(
+            f"the model's forward passed a sequence in layout={seq.layout!r} to a GDN "
+            f"layer parallelized with layout={layout!r}"
+        )
+    others = {"attention_mask": call.attention_mask, "cu_seqlens": call.cu_seqlens}
+    extra = sorted(k for k, v in others.items() if v is not None and not isinstance(v, GlobalSequence))
+    if extra or len(given) > 1:
+        raise ValueError(
+            f"the model's forward describes the whole sequence (its padding and documents) once; "
+            f"the layer got {', '.join(extra) or 'it twice'} as well"
+        )
+    return seq, None
+
+
 def _from_global_sequence(seq: GlobalSequence, rank: int) -> tuple[list[int], Tensor | None]:
     """The shard lengths and this rank's piece of the padding mask from the
     :class:`GlobalSequence` a whole model computed once per forward (it gives the GDN layers the
@@ -245,15 +263,15 @@ def _check_known(lengths: list[int], rank: int, x: Tensor, error: str | None) ->
     return lengths
 
 
-def _packing_error(x: Tensor, call: CallArgs) -> str | None:
+def _packing_error(x: Tensor, cu_seqlens: Any, position_ids: Any) -> str | None:
     """What is wrong with this rank's packed-document keywords under CP, or None."""
-    if call.position_ids is not None:
+    if position_ids is not None:
         return (
             "position_ids (packed documents) cannot be used under context parallelism: a shard's "
             "position_ids do not say where other shards' documents start; pass the global cu_seqlens "
             "(hyperpar_gdn.ops.cu_seqlens_from_position_ids on the whole sequence's position_ids)"
         )
-    if call.cu_seqlens is not None and x.shape[0] != 1:
+    if cu_seqlens is not None and x.shape[0] != 1:
         return f"packed documents (cu_seqlens) need batch size B=1; got B={x.shape[0]}"
     return None
 

@@ -13,14 +13,16 @@ A transformers model also gets forward pre-hooks that make its inputs right for 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from hyperpar_gdn.distributed.cp.ulysses import ulysses_head_error
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, text_model_of
 from hyperpar_gdn.distributed.layout import check_layout, layout_mismatch
 from hyperpar_gdn.distributed.linear_attention_style import MODES, LinearAttentionContextParallel
-from hyperpar_gdn.distributed.mesh import as_cp_mesh
+from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
+from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 
@@ -77,7 +79,7 @@ def apply_context_parallel(
     else:
         installed = False
     if not installed:  # HybridLM: its forward takes cp_layout= and checks it
-        ParallelStyle._install(model, lambda original: _checking_layout(original, layout))
+        ParallelStyle._install(model, lambda original: _per_forward(original, cp_mesh, layout))
     linear_style = LinearAttentionContextParallel(mode, chunk_size=chunk_size, layout=layout)
     softmax_style = SoftmaxAttentionContextParallel(layout=layout)
     for kind, module in mixers:
@@ -102,13 +104,23 @@ def undo_context_parallel(model: Any) -> Any:
     return model
 
 
-def _checking_layout(original: Any, layout: str) -> Any:
-    """HybridLM's forward with a ``cp_layout`` keyword, refused when it is not the model's."""
+def _per_forward(original: Any, mesh: DeviceMesh, layout: str) -> Any:
+    """HybridLM's forward under context parallelism: it takes a ``cp_layout`` keyword (refused when
+    it is not the model's) and describes the whole sequence once per forward for every mixer: one
+    exchange of the shard lengths (every rank stops on any rank's bad input) and one host copy of
+    ``cu_seqlens``, in a :class:`GlobalSequence` passed to the blocks as their ``cu_seqlens``."""
+    signature = inspect.signature(original)
 
     def forward(*args: Any, cp_layout: str | None = None, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        input_ids, cu_seqlens = bound.arguments.get("input_ids"), bound.arguments.get("cu_seqlens")
         error = layout_mismatch(cp_layout, layout)
-        if error is not None:
-            raise ValueError(error)
-        return original(*args, **kwargs)
+        if error is None and (input_ids is None or len(input_ids.shape) != 2):
+            error = f"input_ids must be this rank's shard [B, T/cp]; got {None if input_ids is None else tuple(input_ids.shape)}"
+        if error is None and cu_seqlens is not None and input_ids.shape[0] != 1:
+            error = f"packed documents (cu_seqlens) need batch size B=1; got B={input_ids.shape[0]}"
+        lengths = exchange_lengths(mesh, None if error else input_ids.shape[1], error)
+        bound.arguments["cu_seqlens"] = GlobalSequence.build(lengths, layout=layout, cu_seqlens=cu_seqlens)
+        return original(*bound.args, **bound.kwargs)
 
     return forward

@@ -5,7 +5,10 @@ or, in the head_tail layout, pieces r and 2cp-1-r of 2*cp (:mod:`.layout`).
 An attention layer needs, besides its own queries, the keys of every earlier piece, where the
 padding is and, for packed documents, which document each key belongs to. A model computes this
 :class:`GlobalSequence` once per forward (one exchange of lengths, one small all-gather) and
-hands it to every attention layer.
+hands it to every mixer. It also carries every host-side description of the sequence (the
+piece lengths, the padding mask and the packed documents' boundaries as numpy arrays), so that no
+layer copies a device tensor to the host: on a GPU or NPU each such copy is a synchronisation
+that stalls the launch queue, and it would be paid once per layer.
 
 Legend: B batch, T whole sequence, T_r rank r's piece.
 """
@@ -14,27 +17,60 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from hyperpar_gdn.distributed.cp.common import CPGroup, shard_lengths
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
+from hyperpar_gdn.ops.gdn.varlen import check_cu_seqlens
 from hyperpar_gdn.platform import Tensor
 
 
 @dataclass(frozen=True)
 class GlobalSequence:
-    """Attributes:
-    lengths: every rank's piece length T_r, in rank order.
-    key_mask: ``[B, T]`` padding mask of the whole sequence (1 = token, 0 = padding), or None.
-    doc_ids: ``[1, T]`` int, the document of every token (packed documents, B = 1), or None.
-    layout: the token layout (``"contiguous"`` or ``"head_tail"``); key_mask and doc_ids are in
-        global order whatever it is.
+    """Build one with :meth:`build` (it validates the host-side parts).
+
+    Attributes:
+        lengths: every rank's piece length T_r, in rank order.
+        key_mask: ``[B, T]`` padding mask of the whole sequence on the device (1 = token,
+            0 = padding), or None: the GDN layers zero their padded rows with it.
+        host_key_mask: the same mask on the host, bool ``[B, T]``, or None: what the attention
+            plans read.
+        cu_seqlens: packed documents (B = 1), host int64 ``[N+1]`` over the whole sequence
+            (validated against ``sum(lengths)``), or None.
+        layout: the token layout (``"contiguous"`` or ``"head_tail"``); masks and documents are in
+            global order whatever it is.
     """
 
     lengths: tuple[int, ...]
     key_mask: Tensor | None = None
-    doc_ids: Tensor | None = None
+    host_key_mask: np.ndarray | None = None
+    cu_seqlens: np.ndarray | None = None
     layout: str = "contiguous"
+
+    @classmethod
+    def build(
+        cls,
+        lengths: Sequence[int],
+        *,
+        layout: str = "contiguous",
+        key_mask: Tensor | None = None,
+        host_key_mask: Any = None,
+        cu_seqlens: Any = None,
+    ) -> GlobalSequence:
+        """Validate and gather the per-forward description. ``cu_seqlens``: a host array or
+        sequence of ints (a device tensor is copied once, here). ``host_key_mask`` must be given
+        with ``key_mask`` (the caller has both: it built the device mask from host values)."""
+        lengths = tuple(int(t) for t in lengths)
+        if (key_mask is None) != (host_key_mask is None):
+            raise ValueError("GlobalSequence.build: give key_mask and host_key_mask together, or neither")
+        cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
+        host = None if host_key_mask is None else np.asarray(host_key_mask) != 0
+        seq = cls(lengths, key_mask=key_mask, host_key_mask=host, cu_seqlens=cu, layout=layout)
+        seq.token_layout()  # head_tail: every rank holds two equal pieces (the same error on every rank)
+        return seq
 
     def offset(self, rank: int) -> int:
         """Global position of rank ``rank``'s first token (contiguous layout)."""
@@ -42,6 +78,12 @@ class GlobalSequence:
 
     def token_layout(self) -> TokenLayout:
         return TokenLayout.of(self.layout, self.lengths)
+
+    def doc_ids(self) -> np.ndarray | None:
+        """int64 ``[T]``: the document of every token (packed documents), or None."""
+        if self.cu_seqlens is None:
+            return None
+        return np.repeat(np.arange(len(self.cu_seqlens) - 1), np.diff(self.cu_seqlens))
 
 
 def gather_pieces(

@@ -30,15 +30,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
+from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.layout import check_layout
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
 from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths, gather_pieces
 from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.ops.attention.plan import Tokens
-from hyperpar_gdn.ops.attention.softmax import attention, doc_ids_tensor
+from hyperpar_gdn.ops.attention.softmax import attention
 from hyperpar_gdn.platform import Tensor
 
 
@@ -80,10 +79,11 @@ def attention_forward(
         k_BHTD, v_BHTD = k_BHTD[:, :, :visible], v_BHTD[:, :, :visible]
     # Queries and keys by their global positions (and documents): the attention skips what
     # no query sees and never builds a [T_r, T] mask.
-    docs = None if seq.doc_ids is None else np.asarray(xp.to_numpy(seq.doc_ids)).reshape(-1)[:visible]
+    docs = seq.doc_ids()  # host arrays, built once per forward: no copy to the host here
+    docs = None if docs is None else docs[:visible]
     queries = Tokens.span(offset, visible, None if docs is None else docs[offset:])
     keys = Tokens.span(0, visible, docs)
-    key_mask = None if seq.key_mask is None else seq.key_mask[:, :visible]
+    key_mask = None if seq.host_key_mask is None else seq.host_key_mask[:, :visible]
     o_BHTD = attention(xp, q_BHTD, k_BHTD, v_BHTD, queries=queries, keys=keys, key_mask=key_mask)
     b, h, t, d = o_BHTD.shape
     o_BTX = xp.swapaxes(o_BHTD, 1, 2).reshape(b, t, h * d)
@@ -110,11 +110,11 @@ def _fragments_attention(
     hkv = k_BHTD.shape[1]
     kv_BHTD = tokens.to_global(xp, gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2), 2)
     positions = tokens.positions(rank)
-    docs = None if seq.doc_ids is None else np.asarray(xp.to_numpy(seq.doc_ids)).reshape(-1)
+    docs = seq.doc_ids()
     queries = Tokens(positions, None if docs is None else docs[positions])
     keys = Tokens.span(0, tokens.seq_len, docs)
     o_BHTD = attention(
-        xp, q_BHTD, kv_BHTD[:, :hkv], kv_BHTD[:, hkv:], queries=queries, keys=keys, key_mask=seq.key_mask
+        xp, q_BHTD, kv_BHTD[:, :hkv], kv_BHTD[:, hkv:], queries=queries, keys=keys, key_mask=seq.host_key_mask
     )
     b, h, t, d = o_BHTD.shape
     return adapter.finish(xp.swapaxes(o_BHTD, 1, 2).reshape(b, t, h * d), gate)
@@ -170,20 +170,47 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
                 )
         adapter = OwnAttention(module)
 
-        def forward(hidden_states: Tensor, *, cu_seqlens: Any = None) -> Tensor:
-            error = shard_error(hidden_states, module.hidden_size)
-            if error is None and cu_seqlens is not None and hidden_states.shape[0] != 1:
-                error = f"packed documents (cu_seqlens) need batch size B=1; got B={hidden_states.shape[0]}"
-            lengths = exchange_lengths(cp_mesh, None if error else hidden_states.shape[1], error)
-            doc_ids = None
-            if cu_seqlens is not None:
-                xp = cp_mesh.platform.ops
-                doc_ids = doc_ids_tensor(xp, cu_seqlens, seq_len=sum(lengths), like=hidden_states)
-            seq = GlobalSequence(lengths, doc_ids=doc_ids, layout=self.layout)
-            seq.token_layout()  # head_tail: every rank holds two equal pieces (the same error on every rank)
-            return attention_forward(adapter, cp_mesh, hidden_states, seq)
+        def forward(hidden_states: Any, *, cu_seqlens: Any = None) -> Any:
+            x_BTC, wrap = as_sequence_shard(hidden_states, owner=type(self).__name__, layout=self.layout)
+            if isinstance(cu_seqlens, GlobalSequence):  # a whole model's forward built it once
+                return wrap(
+                    attention_forward(
+                        adapter,
+                        cp_mesh,
+                        x_BTC,
+                        _checked(
+                            cu_seqlens, self.layout, x_BTC, module.hidden_size, cp_mesh.get_local_rank()
+                        ),
+                    )
+                )
+            error = shard_error(x_BTC, module.hidden_size)
+            if error is None and cu_seqlens is not None and x_BTC.shape[0] != 1:
+                error = f"packed documents (cu_seqlens) need batch size B=1; got B={x_BTC.shape[0]}"
+            lengths = exchange_lengths(cp_mesh, None if error else x_BTC.shape[1], error)
+            seq = GlobalSequence.build(lengths, layout=self.layout, cu_seqlens=cu_seqlens)
+            return wrap(attention_forward(adapter, cp_mesh, x_BTC, seq))
 
         return self._install(module, lambda original: forward, layout=self.layout)
+
+
+def _checked(seq: GlobalSequence, layout: str, x_BTC: Tensor, hidden_size: int, rank: int) -> GlobalSequence:
+    """The model's per-forward sequence, if it fits this layer and this rank's shard. The model
+    checked its input on every rank before it exchanged the lengths, so these hold on every rank
+    unless the model itself is wrong."""
+    error = shard_error(x_BTC, hidden_size)
+    if seq.layout != layout:
+        error = (
+            f"the model's forward passed a sequence in layout={seq.layout!r} to an attention "
+            f"layer parallelized with layout={layout!r}"
+        )
+    elif error is None and x_BTC.shape[1] != seq.lengths[rank]:
+        error = (
+            f"the hidden states hold {x_BTC.shape[1]} tokens but the model's forward exchanged "
+            f"T_r={seq.lengths[rank]} for CP rank {rank}"
+        )
+    if error is not None:
+        raise ValueError(error)
+    return seq
 
 
 def shard_error(x_BTC: Tensor, hidden_size: int) -> str | None:

@@ -14,7 +14,8 @@ import torch
 from distributed_harness import launch_ranks, run_ranks
 from oracles import transformers_gdn_layer
 
-from hyperpar_gdn import DTensor, LinearAttentionContextParallel, Shard, init_device_mesh
+from hyperpar_gdn import DTensor, LinearAttentionContextParallel, Replicate, Shard, init_device_mesh
+from hyperpar_gdn.distributed.dtensor import distribute_tensor
 from hyperpar_gdn.distributed.verify import compare_with_reference
 from hyperpar_gdn.models import GatedDeltaNet
 from hyperpar_gdn.platform import get_platform
@@ -66,9 +67,27 @@ def _dtensor_undo_worker(rank: int, world: int) -> dict[str, object]:
     except ValueError as err:
         twice = str(err)
     patched_forward = "forward" in vars(layer)
+    refused = {}
+    for name, placement in {"replicated": Replicate(), "head_tail": Shard(1, layout="head_tail")}.items():
+        try:
+            layer(DTensor.from_local(x, mesh, [placement]))
+            refused[name] = ""
+        except ValueError as err:
+            refused[name] = str(err)
     LinearAttentionContextParallel.undo(layer)
     after = layer.state_dict()
+    # a head_tail style takes a head_tail sequence shard and returns one: its full tensor is the
+    # single-device output
+    full = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = layer(full)
+        LinearAttentionContextParallel(mode="all_gather", layout="head_tail").apply(layer, mesh)
+        y = layer(distribute_tensor(full, mesh, [Shard(1, layout="head_tail")]))
+        LinearAttentionContextParallel.undo(layer)
     return {
+        "refused": refused,
+        "head_tail_placements": y.placements,
+        "head_tail_error": float((y.full_tensor() - expected).abs().max() / expected.abs().max()),
         "dtensor_type": type(dt_out).__name__,
         "dtensor_placements": [str(p) for p in dt_out.placements],
         "dtensor_shape": tuple(dt_out.shape),
@@ -88,6 +107,11 @@ def test_dtensor_input_apply_twice_and_undo() -> None:
         assert result["dtensor_placements"] == [str(Shard(1))]
         assert "already has context parallelism" in result["twice"]
         assert result["patched"] and result["restored"] and result["state_dict_same"]
+        assert "placements=(Shard(dim=1),)" in result["refused"]["replicated"], result["refused"]
+        assert "got placements=(Replicate(),)" in result["refused"]["replicated"]
+        assert "got placements=(Shard(dim=1, layout='head_tail'),)" in result["refused"]["head_tail"]
+        assert result["head_tail_placements"] == (Shard(1, layout="head_tail"),)
+        assert result["head_tail_error"] <= 1e-5, result["head_tail_error"]
 
 
 BAD_INPUTS = {

@@ -32,7 +32,6 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
 from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths, gather_pieces
 from hyperpar_gdn.integrations.transformers.discovery import is_text_model
-from hyperpar_gdn.ops.attention.softmax import doc_ids_tensor
 from hyperpar_gdn.ops.gdn.varlen import check_cu_seqlens
 
 __all__ = ["install_hooks", "remove_hooks"]
@@ -145,7 +144,8 @@ def _global_sequence(
 ) -> tuple[GlobalSequence, int | None]:
     """Everything a forward's mixers need about the whole sequence, from one length exchange and
     one small all-gather (positions, padding, tokens and, with ``count_labels``, which positions
-    carry a label). Sets ``arguments``' position_ids and packed-document keywords for the layers.
+    carry a label). Sets ``arguments``' position_ids and removes the packed-document keywords: the
+    :class:`GlobalSequence` carries the documents (host cu_seqlens) to every layer.
 
     Returns the :class:`GlobalSequence` and, with ``count_labels``, the labelled tokens of the
     whole CP group (None when no rank passed labels)."""
@@ -170,14 +170,19 @@ def _global_sequence(
     _warn_if_whole_sequence_everywhere(by_rank, lengths)
     whole = tokens_layout.to_global(xp, whole, 2)  # global order (head_tail: pieces reordered)
     on_host = by_rank if tokens_layout.is_contiguous else xp.to_numpy(whole)
-    key_mask = whole[1] if bool((on_host[1] == 0).any()) else None  # the same choice on every rank
+    padded = bool((on_host[1] == 0).any())  # the same choice on every rank
     cu = _packed_cu_seqlens(arguments, on_host[0], on_host[1] != 0)
-    doc_ids = None
-    if cu is not None:
-        doc_ids = doc_ids_tensor(xp, cu, seq_len=sum(lengths), like=positions)
-        arguments["cu_seq_lens_q"] = xp.constant(cu, like=positions)  # for the GDN layers
     count = _labelled_tokens(by_rank[3], lengths) if count_labels else None
-    return GlobalSequence(lengths, key_mask=key_mask, doc_ids=doc_ids, layout=layout), count
+    # The mixers read the documents and the padding from this object (host arrays), not from
+    # keywords: no layer copies a device tensor to the host.
+    sequence = GlobalSequence.build(
+        lengths,
+        layout=layout,
+        key_mask=whole[1] if padded else None,
+        host_key_mask=on_host[1] if padded else None,
+        cu_seqlens=cu,
+    )
+    return sequence, count
 
 
 def _labelled_tokens(labelled: np.ndarray, lengths: tuple[int, ...]) -> int | None:

@@ -10,32 +10,5 @@
 The gated delta rule's public functions are re-exported here.
 """
 
-from hyperpar_gdn.ops.gdn import (
-    ChunkPrep,
-    Summary,
-    apply_summary,
-    check_cu_seqlens,
-    chunk_gated_delta_rule,
-    compose_summaries,
-    cu_seqlens_from_position_ids,
-    gdn_state_summary,
-    outputs_from,
-    prepare_chunks,
-    recurrent_gated_delta_rule,
-    summary_from,
-)
-
-__all__ = [
-    "ChunkPrep",
-    "Summary",
-    "apply_summary",
-    "check_cu_seqlens",
-    "chunk_gated_delta_rule",
-    "compose_summaries",
-    "cu_seqlens_from_position_ids",
-    "gdn_state_summary",
-    "outputs_from",
-    "prepare_chunks",
-    "recurrent_gated_delta_rule",
-    "summary_from",
-]
+from hyperpar_gdn.ops.gdn import *  # noqa: F403 (the gated delta rule's public names)
+from hyperpar_gdn.ops.gdn import __all__ as __all__

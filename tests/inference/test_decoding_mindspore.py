@@ -5,7 +5,6 @@ equal transformers' cached steps."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,19 +15,12 @@ transformers = pytest.importorskip("transformers")
 
 from hyperpar_gdn.inference.decoding import decode_step, greedy_generate, prefill  # noqa: E402
 from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM  # noqa: E402
-from hyperpar_gdn.platform.mindspore_ops import enable_launch_blocking  # noqa: E402
 
 NEW_TOKENS = 16
 LOGIT_TOL = 1e-4  # two frameworks' fp32 kernels (as the model's own logit test)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pynative() -> Any:
-    previous = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    enable_launch_blocking()
-    yield
-    ms.set_context(mode=previous)
+pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 
 
 def write_tiny_model(moe: bool, out: Path) -> Path:

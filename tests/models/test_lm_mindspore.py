@@ -17,7 +17,6 @@ from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM  # noqa: E402
 from hyperpar_gdn.models.lm import HybridLMConfig  # noqa: E402
 from hyperpar_gdn.models.mindspore import HybridLM, load_torch_state_dict  # noqa: E402
 from hyperpar_gdn.platform import ops_for  # noqa: E402
-from hyperpar_gdn.platform.mindspore_ops import enable_launch_blocking  # noqa: E402
 from hyperpar_gdn.train.mindspore_loop import AdamW, clip_grad_norm  # noqa: E402
 
 LM = HybridLMConfig(
@@ -39,13 +38,7 @@ LM = HybridLMConfig(
 TOL = {"float32": 1e-4, "float64": 2e-5}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pynative() -> Any:
-    previous = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    enable_launch_blocking()
-    yield
-    ms.set_context(mode=previous)
+pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 
 
 def _torch_model(dtype: torch.dtype) -> TorchHybridLM:

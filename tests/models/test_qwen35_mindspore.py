@@ -19,7 +19,6 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM, Qwen35Config  # noqa: E402
 from hyperpar_gdn.models.safetensors_files import read_weights  # noqa: E402
-from hyperpar_gdn.platform.mindspore_ops import enable_launch_blocking  # noqa: E402
 
 # Relative to the largest logit. DESIGN.md's fp32 bound is 1e-4; measured 1.1e-5 to 1.2e-5 (two
 # frameworks' fp32 kernels through 4 blocks).
@@ -27,13 +26,7 @@ LOGIT_TOL = 1e-4
 KINDS = ("dense", "dense-tied-bf16", "moe")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pynative() -> Any:
-    previous = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    enable_launch_blocking()
-    yield
-    ms.set_context(mode=previous)
+pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 
 
 def tiny_transformers_model(kind: str, *, seed: int = 0) -> torch.nn.Module:

@@ -27,7 +27,7 @@ from hyperpar_gdn.ops import (  # noqa: E402
     recurrent_gated_delta_rule,
 )
 from hyperpar_gdn.platform import TensorOps, ops_for  # noqa: E402
-from hyperpar_gdn.platform.mindspore_ops import MindSporeOps, enable_launch_blocking  # noqa: E402
+from hyperpar_gdn.platform.mindspore_ops import MindSporeOps  # noqa: E402
 from hyperpar_gdn.platform.torch_ops import TorchOps  # noqa: E402
 
 DTYPES = ("float32", "float64")
@@ -41,13 +41,7 @@ MS_OPS = MindSporeOps()
 TORCH_OPS = TorchOps()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pynative() -> Any:
-    previous = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    enable_launch_blocking()  # one-way, performance only: small-op workloads run many times faster
-    yield
-    ms.set_context(mode=previous)
+pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 
 
 # --- helpers ------------------------------------------------------------------------------------

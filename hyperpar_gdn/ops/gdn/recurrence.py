@@ -24,7 +24,7 @@ at a chunk, where the loop replaces the carried state by that document's initial
 from __future__ import annotations
 
 from hyperpar_gdn.ops.gdn.common import from_chunks, subnormal_keeper, to_chunks
-from hyperpar_gdn.ops.gdn.recurrence_batched import backward_states_batched
+from hyperpar_gdn.ops.gdn.recurrence_batched import backward_states_batched, reverse_state_loop
 from hyperpar_gdn.platform.base import Tensor, TensorOps
 
 
@@ -101,35 +101,25 @@ def backward_states(
             xp, states, vn, w, kd, gl, d_exits, outputs, entry_chunks=entry_chunks, flush=flush
         )
     n = w.shape[0]
-    w_t = _t(xp, w)
     gl = gl.reshape(gl.shape + (1, 1))
-    keep = subnormal_keeper(xp, flush)
-    entry_of = {c: e for e, c in enumerate(entry_chunks, 1)}
-    ds = d_exits[len(entry_chunks)]
-    d_entries: list[Tensor] = [None] * (len(entry_chunks) + 1)  # type: ignore[list-item]
-    dvns: list[Tensor] = [None] * n  # type: ignore[list-item]
     dkds: list[Tensor] = [None] * n  # type: ignore[list-item]
     dgls: list[Tensor] = [None] * n  # type: ignore[list-item]
+
+    def leaving(i: int, ds: Tensor) -> None:  # the gradients of kd_i and gl_i need this ds
+        dkds[i] = xp.matmul(vn[i], _t(xp, ds))
+        dgls[i] = xp.sum(states[i] * ds, (-2, -1))
+
+    extra = {"dvn_extra": None, "ds_extra": None}
     if outputs is not None:
         qg, p, do = outputs
         qg_t, p_t = _t(xp, qg), _t(xp, p)
-    for i in range(n - 1, -1, -1):
-        # ds is the gradient of the state leaving chunk i.
-        dkds[i] = xp.matmul(vn[i], _t(xp, ds))
-        dgls[i] = xp.sum(states[i] * ds, (-2, -1))
-        dvn = xp.matmul(kd[i], ds)
-        if outputs is not None:
-            dvn = dvn + xp.matmul(p_t[i], do[i])
-        dvn = keep(dvn, i)
-        ds = gl[i] * ds - xp.matmul(w_t[i], dvn)
-        if outputs is not None:
-            ds = ds + xp.matmul(qg_t[i], do[i])
-        ds = keep(ds, i)
-        dvns[i] = dvn
-        if i in entry_of:  # the state entering chunk i was an entry, not the one leaving chunk i - 1
-            e = entry_of[i]
-            d_entries[e], ds = ds, d_exits[e - 1]
-    d_entries[0] = ds
+        extra = {
+            "dvn_extra": lambda i: xp.matmul(p_t[i], do[i]),
+            "ds_extra": lambda i: xp.matmul(qg_t[i], do[i]),
+        }
+    dvns, d_entries = reverse_state_loop(
+        xp, w, kd, gl, d_exits, on_leaving=leaving, entry_chunks=entry_chunks, flush=flush, **extra
+    )
     dvn = xp.stack(dvns, 0)
     dw = -xp.matmul(dvn, _t(xp, states))
     return dvn, dw, xp.stack(dkds, 0), xp.stack(dgls, 0), xp.stack(d_entries, 0)

@@ -18,7 +18,6 @@ from hyperpar_gdn.models.mindspore import CausalSelfAttention, load_torch_state_
 from hyperpar_gdn.ops.attention.plan import Tokens  # noqa: E402
 from hyperpar_gdn.ops.attention.softmax import attention  # noqa: E402
 from hyperpar_gdn.platform import ops_for  # noqa: E402
-from hyperpar_gdn.platform.mindspore_ops import enable_launch_blocking  # noqa: E402
 
 TOL = 1e-12  # fp64
 DOCS = np.array([0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 3, 3, 3, 3, 4, 4, 4, 4])
@@ -27,13 +26,7 @@ MASK[:, :3] = 0
 MASK[1, :7] = 0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pynative() -> Any:
-    previous = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    enable_launch_blocking()
-    yield
-    ms.set_context(mode=previous)
+pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 
 
 def _fragments() -> tuple[Tokens, Tokens]:

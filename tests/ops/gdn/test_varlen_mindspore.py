@@ -18,7 +18,7 @@ ms = pytest.importorskip("mindspore")
 from hyperpar_gdn.models import GatedDeltaNet as TorchGatedDeltaNet  # noqa: E402
 from hyperpar_gdn.models.mindspore import GatedDeltaNet  # noqa: E402
 from hyperpar_gdn.ops import chunk_gated_delta_rule, gdn_state_summary  # noqa: E402
-from hyperpar_gdn.platform.mindspore_ops import MindSporeOps, enable_launch_blocking  # noqa: E402
+from hyperpar_gdn.platform.mindspore_ops import MindSporeOps  # noqa: E402
 from hyperpar_gdn.platform.torch_ops import TorchOps  # noqa: E402
 
 DTYPES = ("float32", "float64")
@@ -32,13 +32,7 @@ MS_DTYPE = {"float32": ms.float32, "float64": ms.float64}
 CU = (0, 1, 5, 16, 30, 31, 50)  # one-token document, a cut at a chunk start (C=16), T not a multiple
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pynative() -> Any:
-    previous = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    enable_launch_blocking()
-    yield
-    ms.set_context(mode=previous)
+pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 
 
 def _np(x: Any) -> np.ndarray:

@@ -1,29 +1,10 @@
-"""Context parallelism for causal softmax attention: all-gather K and V, keep Q local.
+"""The parallel style for causal softmax attention layers: :class:`SoftmaxAttentionContextParallel`.
 
-Rank r of the CP axis holds tokens ``[r*T/cp, (r+1)*T/cp)``. It projects its queries, keys and
-values with RoPE at those global positions, all-gathers the keys and values of the whole
-sequence (differentiable: the gradient is reduce-scattered back to each shard's owner) and runs
-causal attention of its queries over keys ``0 .. (r+1)*T/cp - 1`` (later shards are invisible to
-it, so they are dropped before the matmuls), described by their global positions
-(:func:`hyperpar_gdn.ops.attention.softmax.attention`: blocks or kernel calls that no query sees are
-skipped, no ``[T/cp, T]`` mask is built). The result equals the single-device layer's rows.
-Shards may differ in length (they are padded to the longest for the all-gather); padding and
-packed documents mask the keys (:class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`).
-
-The algorithm is written once (:func:`attention_forward`); per layer class a small adapter says
-how the layer projects its shard and finishes the output:
-
-- :class:`OwnAttention`: ``hyperpar_gdn``'s ``CausalSelfAttention`` (torch and MindSpore), which
-  computes RoPE itself from the shard's position offset;
-- ``TransformersAttention`` (:mod:`hyperpar_gdn.integrations.transformers.attention`): transformers' ``Qwen3_5Attention`` / ``Qwen3_5MoeAttention``,
-  which take the cos/sin that the model computed from the shard's global ``position_ids``.
-
-Traffic per rank and forward: ``2 * B * Hkv * T/cp * D * (cp-1)`` elements (as much again in the
-backward). With contiguous shards the work is unbalanced (the last rank attends over the whole
-sequence). In the head_tail layout (:mod:`.layout`) rank r holds pieces r and 2cp-1-r of 2*cp:
-it gathers all keys, and each of its fragments attends its queries over the keys before the
-fragment's end, so every rank does the same work (pieces r and 2cp-1-r see r+1 and 2cp-r pieces
-of keys: 2cp+1 in all).
+The algorithm (all-gathered K and V, local queries at their global positions, the head_tail
+layout) is :mod:`.softmax_attention`; this file installs it on a layer: ours
+(``hyperpar_gdn``'s ``CausalSelfAttention``, torch and MindSpore, through :class:`OwnAttention`)
+or transformers' ``Qwen3_5Attention`` / ``Qwen3_5MoeAttention``
+(:mod:`hyperpar_gdn.integrations.transformers.attention`).
 """
 
 from __future__ import annotations
@@ -32,12 +13,10 @@ from typing import Any
 
 from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.layout import check_layout
-from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
+from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
-from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths, gather_pieces
-from hyperpar_gdn.inference.states import active_prefill_states
-from hyperpar_gdn.ops.attention.plan import Tokens
-from hyperpar_gdn.ops.attention.softmax import attention
+from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths
+from hyperpar_gdn.distributed.softmax_attention import attention_forward, shard_error
 from hyperpar_gdn.platform import Tensor
 
 
@@ -52,72 +31,6 @@ class OwnAttention:
 
     def finish(self, o_BTX: Tensor, gate_BTX: Tensor) -> Tensor:
         return self.module.finish(o_BTX, gate_BTX)
-
-
-def attention_forward(
-    adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
-) -> Tensor:
-    """x ``[B, T_r, hidden]`` (this rank's piece of the sequence ``seq``) -> ``[B, T_r, hidden]``.
-
-    While an inference prefill records the decoding states
-    (:func:`~hyperpar_gdn.inference.states.record_prefill_states`), every rank gathers the keys
-    and values of the whole sequence (the same one all-gather) and keeps them."""
-    if seq.layout != "contiguous" and mesh.size() > 1:
-        return _fragments_attention(adapter, mesh, x_BTC, seq, cos_sin=cos_sin)
-    rank = mesh.get_local_rank()
-    offset, visible = seq.offset(rank), seq.offset(rank + 1)  # keys [0, visible) can be seen
-    xp = mesh.platform.ops
-    states = active_prefill_states()
-    q_BHTD, k_BHTD, v_BHTD, gate = adapter.project(x_BTC, position_offset=offset, cos_sin=cos_sin)
-    if mesh.size() > 1:
-        hkv = k_BHTD.shape[1]
-        upto = rank + 1 if states is None else mesh.size()
-        kv_BHTD = gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2, upto=upto)
-        k_BHTD, v_BHTD = kv_BHTD[:, :hkv], kv_BHTD[:, hkv:]
-    if states is not None:
-        states.keep_kv(adapter.module, k_BHTD, v_BHTD)
-        k_BHTD, v_BHTD = k_BHTD[:, :, :visible], v_BHTD[:, :, :visible]
-    # Queries and keys by their global positions (and documents): the attention skips what
-    # no query sees and never builds a [T_r, T] mask.
-    docs = seq.doc_ids()  # host arrays, built once per forward: no copy to the host here
-    docs = None if docs is None else docs[:visible]
-    queries = Tokens.span(offset, visible, None if docs is None else docs[offset:])
-    keys = Tokens.span(0, visible, docs)
-    key_mask = None if seq.host_key_mask is None else seq.host_key_mask[:, :visible]
-    o_BHTD = attention(xp, q_BHTD, k_BHTD, v_BHTD, queries=queries, keys=keys, key_mask=key_mask)
-    b, h, t, d = o_BHTD.shape
-    o_BTX = xp.swapaxes(o_BHTD, 1, 2).reshape(b, t, h * d)
-    return adapter.finish(o_BTX, gate)
-
-
-def _fragments_attention(
-    adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
-) -> Tensor:
-    """:func:`attention_forward` for a shard of several fragments (head_tail): all keys are
-    gathered and put in global order; the rank's queries, at their global positions, attend over
-    them in one call (each fragment sees the keys before its end; the rest is skipped)."""
-    xp = mesh.platform.ops
-    tokens = seq.token_layout()
-    rank = mesh.get_local_rank()
-    mine = tokens.mine(rank)
-    if cos_sin is not None:  # transformers: RoPE from the cos/sin of the shard's global positions
-        q_BHTD, k_BHTD, v_BHTD, gate = adapter.project(x_BTC, position_offset=0, cos_sin=cos_sin)
-    else:  # ours: RoPE from each fragment's first position
-        pieces = xp.split(x_BTC, [f.length for f in mine], 1)
-        parts = [adapter.project(x, position_offset=f.start) for x, f in zip(pieces, mine, strict=True)]
-        q_BHTD, k_BHTD, v_BHTD = (xp.cat([p[i] for p in parts], 2) for i in range(3))
-        gate = xp.cat([p[3] for p in parts], 1)
-    hkv = k_BHTD.shape[1]
-    kv_BHTD = tokens.to_global(xp, gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2), 2)
-    positions = tokens.positions(rank)
-    docs = seq.doc_ids()
-    queries = Tokens(positions, None if docs is None else docs[positions])
-    keys = Tokens.span(0, tokens.seq_len, docs)
-    o_BHTD = attention(
-        xp, q_BHTD, kv_BHTD[:, :hkv], kv_BHTD[:, hkv:], queries=queries, keys=keys, key_mask=seq.host_key_mask
-    )
-    b, h, t, d = o_BHTD.shape
-    return adapter.finish(xp.swapaxes(o_BHTD, 1, 2).reshape(b, t, h * d), gate)
 
 
 class SoftmaxAttentionContextParallel(ParallelStyle):
@@ -211,10 +124,3 @@ def _checked(seq: GlobalSequence, layout: str, x_BTC: Tensor, hidden_size: int, 
     if error is not None:
         raise ValueError(error)
     return seq
-
-
-def shard_error(x_BTC: Tensor, hidden_size: int) -> str | None:
-    shape = tuple(x_BTC.shape)
-    if len(shape) != 3 or shape[-1] != hidden_size:
-        return f"the local shard must be [B, T/cp, hidden_size={hidden_size}]; got {shape}"
-    return None

@@ -21,10 +21,10 @@ from torch import nn
 
 from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.models.norm import RMSNorm
+from hyperpar_gdn.models.shells import AttentionShell
 from hyperpar_gdn.ops.attention.softmax import (
     causal_attention,
     finish_attention,
-    init_attention_dims,
     project_attention,
     rope_cos_sin,
     self_attention,
@@ -34,22 +34,9 @@ from hyperpar_gdn.platform import ops_for
 _TORCH = ops_for(torch.empty(0))
 
 
-class CausalSelfAttention(nn.Module):
-    """Causal multi-head softmax attention with grouped KV heads, q/k RMSNorm, RoPE and a sigmoid
-    output gate (Qwen3.5's full-attention layer, without a KV cache).
-
-    Args:
-        hidden_size: model width.
-        num_heads: query heads H.
-        num_kv_heads: key/value heads Hkv (H must be a multiple).
-        head_dim: per-head dim D (even, for RoPE).
-        rope_theta: RoPE base.
-        norm_eps: epsilon of the q/k RMSNorms.
-        rotary_dim: the leading dims of each head that RoPE rotates (None: all D; Qwen3.5 rotates
-            ``partial_rotary_factor * D``).
-        zero_centred_norms: q/k norms are Qwen3.5's ``x / rms(x) * (1 + weight)``.
-
-    forward(hidden_states ``[B, T, hidden]``) -> ``[B, T, hidden]``; token t sits at position t.
+class CausalSelfAttention(AttentionShell, nn.Module):
+    """Qwen3.5's full-attention layer for PyTorch: constructor and arguments in
+    :class:`~hyperpar_gdn.models.shells.AttentionShell`.
 
     Example:
         >>> attn = CausalSelfAttention(32, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -57,34 +44,11 @@ class CausalSelfAttention(nn.Module):
         (2, 10, 32)
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        rope_theta: float = 10000.0,
-        norm_eps: float = 1e-6,
-        rotary_dim: int | None = None,
-        zero_centred_norms: bool = False,
-    ) -> None:
-        super().__init__()
-        init_attention_dims(
-            self,
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rope_theta=rope_theta,
-            rotary_dim=rotary_dim,
-        )
-        self.q_proj = nn.Linear(hidden_size, 2 * num_heads * head_dim, bias=False)  # query and gate
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps=norm_eps, zero_centred=zero_centred_norms)
-        self.k_norm = RMSNorm(head_dim, eps=norm_eps, zero_centred=zero_centred_norms)
+    def _linear(self, in_features: int, out_features: int) -> nn.Module:
+        return nn.Linear(in_features, out_features, bias=False)
+
+    def _rms_norm(self, dim: int, eps: float, zero_centred: bool) -> nn.Module:
+        return RMSNorm(dim, eps=eps, zero_centred=zero_centred)
 
     def project(
         self, x_BTC: torch.Tensor, *, position_offset: int = 0

@@ -13,7 +13,7 @@ from typing import Any
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
 from hyperpar_gdn.distributed.sequence import GlobalSequence
-from hyperpar_gdn.distributed.softmax_attention_style import attention_forward, shard_error
+from hyperpar_gdn.distributed.softmax_attention import attention_forward, shard_error
 from hyperpar_gdn.ops.attention.softmax import finish_attention, project_attention
 from hyperpar_gdn.platform import Tensor, ops_for
 

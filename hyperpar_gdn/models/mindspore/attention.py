@@ -16,10 +16,10 @@ from mindspore import nn
 
 from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.models.mindspore.norm import RMSNorm
+from hyperpar_gdn.models.shells import AttentionShell
 from hyperpar_gdn.ops.attention.softmax import (
     causal_attention,
     finish_attention,
-    init_attention_dims,
     project_attention,
     rope_cos_sin,
     self_attention,
@@ -29,12 +29,9 @@ from hyperpar_gdn.platform import ops_for
 __all__ = ["CausalSelfAttention"]
 
 
-class CausalSelfAttention(nn.Cell):
-    """Causal multi-head softmax attention with grouped KV heads, q/k RMSNorm, RoPE (partial with
-    ``rotary_dim``) and a sigmoid output gate; same constructor, parameter names and stages as the
-    torch module (see its docstring for the arguments).
-
-    construct(hidden_states ``[B, T, hidden]``) -> ``[B, T, hidden]``; token t sits at position t.
+class CausalSelfAttention(AttentionShell, nn.Cell):
+    """Qwen3.5's full-attention layer for MindSpore: constructor and arguments in
+    :class:`~hyperpar_gdn.models.shells.AttentionShell`, as the torch module's.
 
     Example:
         >>> attn = CausalSelfAttention(32, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -42,34 +39,11 @@ class CausalSelfAttention(nn.Cell):
         (2, 10, 32)
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        rope_theta: float = 10000.0,
-        norm_eps: float = 1e-6,
-        rotary_dim: int | None = None,
-        zero_centred_norms: bool = False,
-    ) -> None:
-        super().__init__()
-        init_attention_dims(
-            self,
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rope_theta=rope_theta,
-            rotary_dim=rotary_dim,
-        )
-        self.q_proj = nn.Dense(hidden_size, 2 * num_heads * head_dim, has_bias=False)  # query and gate
-        self.k_proj = nn.Dense(hidden_size, num_kv_heads * head_dim, has_bias=False)
-        self.v_proj = nn.Dense(hidden_size, num_kv_heads * head_dim, has_bias=False)
-        self.o_proj = nn.Dense(num_heads * head_dim, hidden_size, has_bias=False)
-        self.q_norm = RMSNorm(head_dim, eps=norm_eps, zero_centred=zero_centred_norms)
-        self.k_norm = RMSNorm(head_dim, eps=norm_eps, zero_centred=zero_centred_norms)
+    def _linear(self, in_features: int, out_features: int) -> nn.Cell:
+        return nn.Dense(in_features, out_features, has_bias=False)
+
+    def _rms_norm(self, dim: int, eps: float, zero_centred: bool) -> nn.Cell:
+        return RMSNorm(dim, eps=eps, zero_centred=zero_centred)
 
     def project(
         self, x_BTC: ms.Tensor, *, position_offset: int = 0

@@ -1,14 +1,8 @@
 """A Qwen3.5 Gated DeltaNet layer as a ``mindspore.nn.Cell``, with the torch layer's parameter names.
 
 The maths is :func:`hyperpar_gdn.ops.gdn.layer.gdn_layer_forward`, the same code the torch layer and
-the context-parallel modes run; only the parameters are MindSpore's. Parameters (shapes as in
-torch and transformers, so weights copy over one to one):
-
-    in_proj_qkv.weight [C, hidden]   in_proj_z.weight [H*Dv, hidden]   in_proj_b.weight [H, hidden]
-    in_proj_a.weight [H, hidden]     conv1d.weight [C, 1, W]           A_log [H]   dt_bias [H]
-    norm.weight [Dv]                 out_proj.weight [hidden, H*Dv]
-
-with C = 2*Hk*Dk + H*Dv.
+the context-parallel modes run; only the parameters are MindSpore's (names and shapes as in torch
+and transformers: :mod:`hyperpar_gdn.models.shells`).
 """
 
 from __future__ import annotations
@@ -20,7 +14,8 @@ import numpy as np
 from mindspore import Parameter, nn
 
 from hyperpar_gdn.models.mindspore.weights import assign_parameters, torch_values
-from hyperpar_gdn.ops.gdn.layer import LayerDims, gated_rms_norm, init_layer_dims, layer_forward
+from hyperpar_gdn.models.shells import GatedDeltaNetShell
+from hyperpar_gdn.ops.gdn.layer import LayerDims, gated_rms_norm
 from hyperpar_gdn.platform import ops_for
 
 __all__ = ["CausalDepthwiseConv1d", "GatedDeltaNet", "GatedRMSNorm"]
@@ -60,20 +55,10 @@ class CausalDepthwiseConv1d(nn.Cell):
         return ops_for(x).depthwise_conv1d(x, self.weight.reshape(channels, width), left_pad=width - 1)
 
 
-class GatedDeltaNet(nn.Cell):
-    """Qwen3.5 GDN layer for MindSpore; same constructor and parameter names as
-    :class:`hyperpar_gdn.models.GatedDeltaNet` (torch) and transformers' ``Qwen3_5GatedDeltaNet``.
-
-    Args:
-        hidden_size: model width.
-        num_k_heads, num_v_heads: query/key heads and value heads (num_v_heads a multiple).
-        head_k_dim, head_v_dim: per-head dims.
-        conv_kernel_size: width W of the causal depthwise conv.
-        norm_eps: epsilon of the gated RMSNorm.
-
-    construct(hidden_states ``[B, T, hidden]``, attention_mask ``[B, T]`` or None, *, cu_seqlens=None,
-    position_ids=None) -> ``[B, T, hidden]``; packed documents as in the torch layer.
-    Runs in PyNative mode (the GDN maths is Python around MindSpore ops).
+class GatedDeltaNet(GatedDeltaNetShell, nn.Cell):
+    """Qwen3.5 GDN layer for MindSpore: constructor, forward (``construct``) and arguments in
+    :class:`~hyperpar_gdn.models.shells.GatedDeltaNetShell`, as the torch layer's. Runs in
+    PyNative mode (the GDN maths is Python around MindSpore ops).
 
     Example:
         >>> layer = GatedDeltaNet(64, 2, 4, 16, 16)
@@ -82,66 +67,22 @@ class GatedDeltaNet(nn.Cell):
         >>> ms_layer = GatedDeltaNet.from_torch(torch_layer)   # same weights as a torch layer
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        num_k_heads: int,
-        num_v_heads: int,
-        head_k_dim: int,
-        head_v_dim: int,
-        conv_kernel_size: int = 4,
-        norm_eps: float = 1e-6,
-    ) -> None:
-        super().__init__()
-        init_layer_dims(
-            self,
-            hidden_size=hidden_size,
-            num_k_heads=num_k_heads,
-            num_v_heads=num_v_heads,
-            head_k_dim=head_k_dim,
-            head_v_dim=head_v_dim,
-            conv_kernel_size=conv_kernel_size,
-            norm_eps=norm_eps,
-        )
+    construct = GatedDeltaNetShell.forward
 
-        self.in_proj_qkv = nn.Dense(hidden_size, self.conv_dim, has_bias=False)
-        self.in_proj_z = nn.Dense(hidden_size, self.value_dim, has_bias=False)
-        self.in_proj_b = nn.Dense(hidden_size, num_v_heads, has_bias=False)
-        self.in_proj_a = nn.Dense(hidden_size, num_v_heads, has_bias=False)
-        self.conv1d = CausalDepthwiseConv1d(self.conv_dim, conv_kernel_size)
-        self.dt_bias = Parameter(ms.Tensor(np.ones(num_v_heads, np.float32)), name="dt_bias")
-        a = np.random.uniform(0.01, 16, num_v_heads)
-        self.A_log = Parameter(ms.Tensor(np.log(a).astype(np.float32)), name="A_log")
-        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
-        self.out_proj = nn.Dense(self.value_dim, hidden_size, has_bias=False)
+    def _linear(self, in_features: int, out_features: int) -> nn.Cell:
+        return nn.Dense(in_features, out_features, has_bias=False)
 
-    def construct(
-        self,
-        hidden_states: ms.Tensor,
-        attention_mask: ms.Tensor | None = None,
-        *,
-        cu_seqlens: ms.Tensor | None = None,
-        position_ids: ms.Tensor | None = None,
-    ) -> ms.Tensor:
-        """The layer on ``hidden_states`` ``[B, T, hidden]`` -> ``[B, T, hidden]``.
+    def _causal_conv(self, channels: int, width: int) -> nn.Cell:
+        return CausalDepthwiseConv1d(channels, width)
 
-        Args:
-            attention_mask: ``[B, T]`` (1 = token, 0 = padding): padded rows are zeroed before the
-                projections, or None.
-            cu_seqlens: packed documents (B = 1), int ``[N+1]``: the state and the causal conv
-                restart at every document. Under context parallelism: the whole sequence's
-                boundaries, the same tensor on every rank.
-            position_ids: ``[B, T]`` restarting at 0 at every document (transformers' packed
-                convention); one device only (a shard's positions cannot say where the documents
-                of other shards start).
+    def _ones(self, name: str, size: int) -> Parameter:
+        return Parameter(ms.Tensor(np.ones(size, np.float32)), name=name)
 
-        After :class:`~hyperpar_gdn.LinearAttentionContextParallel` ``.apply``, ``hidden_states``
-        and the result are this rank's shard ``[B, T_r, hidden]`` (and ``attention_mask`` its
-        ``[B, T_r]`` shard).
-        """
-        return layer_forward(
-            self, hidden_states, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids
-        )
+    def _log_uniform(self, name: str, size: int, low: float, high: float) -> Parameter:
+        return Parameter(ms.Tensor(np.log(np.random.uniform(low, high, size)).astype(np.float32)), name=name)
+
+    def _gated_norm(self, dim: int, eps: float) -> nn.Cell:
+        return GatedRMSNorm(dim, eps=eps)
 
     @classmethod
     def from_torch(cls, module: Any) -> GatedDeltaNet:

@@ -23,7 +23,6 @@ from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.models.norm import RMSNorm
 from hyperpar_gdn.models.shells import AttentionShell
 from hyperpar_gdn.ops.attention.softmax import (
-    causal_attention,
     finish_attention,
     project_attention,
     rope_cos_sin,
@@ -73,13 +72,6 @@ class CausalSelfAttention(AttentionShell, nn.Module):
             cos=cos,
             sin=sin,
         )
-
-    def attend(
-        self, q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, *, q_offset: int
-    ) -> torch.Tensor:
-        """Causal attention -> ``[B, Tq, H*D]``: query i sits at global position ``q_offset + i``
-        and sees keys ``j <= q_offset + i`` (keys are positions ``0 .. Tk-1``)."""
-        return causal_attention(_TORCH, q_BHTD, k_BHTD, v_BHTD, q_offset=q_offset)
 
     def finish(self, o_BTX: torch.Tensor, gate_BTX: torch.Tensor) -> torch.Tensor:
         """Sigmoid output gate, then ``o_proj``: ``[B, T, H*D]`` -> ``[B, T, hidden]``."""

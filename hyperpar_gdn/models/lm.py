@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from hyperpar_gdn.models.attention import CausalSelfAttention
-from hyperpar_gdn.models.block_config import DecoderSizes
+from hyperpar_gdn.models.block_config import FULL, LINEAR, DecoderSizes
 from hyperpar_gdn.models.gated_deltanet import GatedDeltaNet
 from hyperpar_gdn.models.norm import RMSNorm
-from hyperpar_gdn.ops.blocks import decoder_block, lm_logits, swiglu
+from hyperpar_gdn.models.shells import DecoderBlockShell, MLPShell
+from hyperpar_gdn.ops.blocks import lm_logits
 from hyperpar_gdn.platform import ops_for
 
-LINEAR, FULL = "linear_attention", "full_attention"
 _TORCH = ops_for(torch.empty(0))
 
 
@@ -114,55 +114,30 @@ class HybridLMConfig(DecoderSizes):
         return dataclasses.asdict(self)
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+class MLP(MLPShell, nn.Module):
+    """SwiGLU (:class:`~hyperpar_gdn.models.shells.MLPShell`) for PyTorch."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(_TORCH, x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+    def _linear(self, in_features: int, out_features: int) -> nn.Module:
+        return nn.Linear(in_features, out_features, bias=False)
 
 
-class DecoderBlock(nn.Module):
-    """Pre-norm block whose token mixer is ``linear_attn`` (GDN) or ``self_attn`` (softmax)."""
+class DecoderBlock(DecoderBlockShell, nn.Module):
+    """Pre-norm decoder block (:class:`~hyperpar_gdn.models.shells.DecoderBlockShell`) for PyTorch;
+    its MLP is SwiGLU (no mixture of experts)."""
 
-    def __init__(self, config: HybridLMConfig, layer_type: str) -> None:
-        super().__init__()
-        self.layer_type = check_layer_type(layer_type)
+    def _rms_norm(self, config: Any) -> nn.Module:
+        return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centred=config.zero_centred_norms)
+
+    def _gdn(self, config: Any) -> nn.Module:
+        return GatedDeltaNet(**config.gdn_kwargs())
+
+    def _attention(self, config: Any) -> nn.Module:
+        return CausalSelfAttention(**config.attention_kwargs())
+
+    def _mlp(self, config: Any) -> nn.Module:
         if config.num_experts:
             raise NotImplementedError(f"num_experts={config.num_experts}: the torch DecoderBlock has no MoE")
-        norm = {"eps": config.rms_norm_eps, "zero_centred": config.zero_centred_norms}
-        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        if layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(**config.gdn_kwargs())
-        else:
-            self.self_attn = CausalSelfAttention(**config.attention_kwargs())
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
-
-    @property
-    def mixer(self) -> nn.Module:
-        return self.linear_attn if self.layer_type == LINEAR else self.self_attn
-
-    def forward(self, x_BTC: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-        return decoder_block(
-            x_BTC,
-            mixer=lambda h: self.mixer(h, **packed),
-            mlp=self.mlp,
-            input_norm=self.input_layernorm,
-            post_norm=self.post_attention_layernorm,
-        )
-
-
-def check_layer_type(layer_type: str) -> str:
-    if layer_type not in (LINEAR, FULL):
-        raise ValueError(f"layer_type={layer_type!r} is not {LINEAR!r} or {FULL!r}")
-    return layer_type
+        return MLP(config.hidden_size, config.intermediate_size)
 
 
 class HybridLM(nn.Module):

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperpar_gdn.ops.attention.softmax import init_attention_dims
+from hyperpar_gdn.models.block_config import LINEAR, check_layer_type
+from hyperpar_gdn.ops.attention.softmax import causal_attention, init_attention_dims
+from hyperpar_gdn.ops.blocks import decoder_block, swiglu
 from hyperpar_gdn.ops.gdn.layer import init_layer_dims, layer_forward
+from hyperpar_gdn.platform import ops_for
 
-__all__ = ["AttentionShell", "GatedDeltaNetShell"]
+__all__ = ["AttentionShell", "DecoderBlockShell", "GatedDeltaNetShell", "MLPShell"]
 
 
 class GatedDeltaNetShell:
@@ -177,6 +180,11 @@ class AttentionShell:
         self.q_norm = self._rms_norm(head_dim, norm_eps, zero_centred_norms)
         self.k_norm = self._rms_norm(head_dim, norm_eps, zero_centred_norms)
 
+    def attend(self, q_BHTD: Any, k_BHTD: Any, v_BHTD: Any, *, q_offset: int) -> Any:
+        """Causal attention -> ``[B, Tq, H*D]``: query i sits at global position ``q_offset + i``
+        and sees keys ``j <= q_offset + i`` (keys are positions ``0 .. Tk-1``)."""
+        return causal_attention(ops_for(q_BHTD), q_BHTD, k_BHTD, v_BHTD, q_offset=q_offset)
+
     # --- what each framework provides ----------------------------------------------------------
     def _linear(self, in_features: int, out_features: int) -> Any:
         """A linear layer without bias, weight ``[out, in]``."""
@@ -184,4 +192,69 @@ class AttentionShell:
 
     def _rms_norm(self, dim: int, eps: float, zero_centred: bool) -> Any:
         """An RMSNorm over ``dim``."""
+        raise NotImplementedError
+
+
+class MLPShell:
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, ``[..., C]`` -> ``[..., C]`` (parameters
+    ``gate_proj``, ``up_proj`` ``[I, C]``, ``down_proj`` ``[C, I]``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = self._linear(hidden_size, intermediate_size)
+        self.up_proj = self._linear(hidden_size, intermediate_size)
+        self.down_proj = self._linear(intermediate_size, hidden_size)
+
+    def forward(self, x: Any) -> Any:
+        return swiglu(ops_for(x), x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+    def _linear(self, in_features: int, out_features: int) -> Any:
+        """A linear layer without bias, weight ``[out, in]``."""
+        raise NotImplementedError
+
+
+class DecoderBlockShell:
+    """Pre-norm block ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``, whose token mixer is
+    ``linear_attn`` (GDN) or ``self_attn`` (softmax), built from a model config's block-building
+    interface (:class:`~hyperpar_gdn.models.block_config.DecoderSizes`).
+
+    forward(x ``[B, T, C]``, cu_seqlens=None) -> ``[B, T, C]``; ``cu_seqlens`` (packed documents)
+    goes to the mixer."""
+
+    def __init__(self, config: Any, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = check_layer_type(layer_type)
+        self.input_layernorm = self._rms_norm(config)
+        if layer_type == LINEAR:
+            self.linear_attn = self._gdn(config)
+        else:
+            self.self_attn = self._attention(config)
+        self.post_attention_layernorm = self._rms_norm(config)
+        self.mlp = self._mlp(config)
+
+    @property
+    def mixer(self) -> Any:
+        return self.linear_attn if self.layer_type == LINEAR else self.self_attn
+
+    def forward(self, x_BTC: Any, cu_seqlens: Any = None) -> Any:
+        return decoder_block(
+            x_BTC,
+            mixer=self.mixer if cu_seqlens is None else lambda h: self.mixer(h, cu_seqlens=cu_seqlens),
+            mlp=self.mlp,
+            input_norm=self.input_layernorm,
+            post_norm=self.post_attention_layernorm,
+        )
+
+    # --- what each framework provides ----------------------------------------------------------
+    def _rms_norm(self, config: Any) -> Any:
+        """An RMSNorm over the model width, of the config's kind."""
+        raise NotImplementedError
+
+    def _gdn(self, config: Any) -> Any:
+        raise NotImplementedError
+
+    def _attention(self, config: Any) -> Any:
+        raise NotImplementedError
+
+    def _mlp(self, config: Any) -> Any:
         raise NotImplementedError

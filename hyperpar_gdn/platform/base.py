@@ -297,8 +297,17 @@ class Collectives(ABC):
     def all_to_all(
         self, x: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group
     ) -> Tensor:
-        """Split ``x`` along dim 0 by ``send_splits`` (one per rank, zeros allowed), send part j
-        to rank j, return what the ranks sent here concatenated along dim 0 in rank order."""
+        """Split ``x`` ``[N, ...]`` along dim 0 by ``send_splits`` (one per group rank, zeros allowed;
+        they sum to N); part j goes to group rank j. Returns ``[sum(recv_splits), ...]``: the parts
+        the group ranks sent here, in group rank order. ``recv_splits[j]`` must equal what rank j
+        put in its ``send_splits`` for this rank (not checked: that would cost a collective). The
+        gradient is the reverse all-to-all (the splits swapped).
+
+        Example (2 ranks; rank 0 keeps 1 row and sends 2, rank 1 sends 0 and keeps 3)::
+
+            rank 0: all_to_all(x0 [3, D], [1, 2], [1, 0], g) -> [1, D] = x0[:1]
+            rank 1: all_to_all(x1 [3, D], [0, 3], [2, 3], g) -> [5, D] = cat(x0[1:], x1)
+        """
 
     @abstractmethod
     def all_gather(self, x: Tensor, group: Group) -> Tensor:

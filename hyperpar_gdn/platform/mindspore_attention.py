@@ -57,18 +57,8 @@ class AscendFlashKernel(AttentionKernel):
         softmax_max, softmax_sum, _, o = prim(q, k, v, None, None, None, mask)
         return o, softmax_max[..., 0] + ops.log(softmax_sum[..., 0])
 
-    def backward(
-        self,
-        do: ms.Tensor,
-        q: ms.Tensor,
-        k: ms.Tensor,
-        v: ms.Tensor,
-        o: ms.Tensor,
-        lse: ms.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-    ) -> tuple[ms.Tensor, ms.Tensor, ms.Tensor]:
+    def backward(self, do, q, k, v, o, lse, *, causal: bool, scale: float) -> tuple[ms.Tensor, ...]:
+        # arguments as AttentionKernel.backward: do, q, o [B, H, Tq, D], k, v [B, Hkv, Tk, D], lse [B, H, Tq]
         prim = self._prim("backward", q.shape[1], scale, causal)
         mask = self._causal_mask() if causal else None
         softmax_max = ops.tile(lse.reshape(*lse.shape, 1), (1,) * lse.ndim + (self._SUMS,))

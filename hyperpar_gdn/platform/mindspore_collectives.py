@@ -159,16 +159,7 @@ class MindSporeCollectives(Collectives):
     def all_to_all(
         self, x: ms.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: Group | None
     ) -> ms.Tensor:
-        """Split ``x`` ``[N, ...]`` along dim 0 by ``send_splits`` (one per group rank, zeros allowed;
-        they sum to N); part j goes to group rank j. Returns ``[sum(recv_splits), ...]``: the parts
-        the group ranks sent here, in group rank order. ``recv_splits[j]`` must equal what rank j
-        put in its ``send_splits`` for this rank (not checked: that would cost a collective).
-
-        Example (2 ranks; rank 0 keeps 1 row and sends 2, rank 1 sends 0 and keeps 3)::
-
-            rank 0: all_to_all(x0 [3, D], [1, 2], [1, 0], g) -> [1, D] = x0[:1]
-            rank 1: all_to_all(x1 [3, D], [0, 3], [2, 3], g) -> [5, D] = cat(x0[1:], x1)
-        """
+        """:meth:`Collectives.all_to_all` (the contract is written there)."""
         g, _ = self._resolve(group, "all_to_all")
         world = g.size
         send, recv = check_all_to_all_splits(tuple(x.shape), send_splits, recv_splits, world)

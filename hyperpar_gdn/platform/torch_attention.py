@@ -45,18 +45,8 @@ class CpuFlashKernel(AttentionKernel):
         )
         return o, lse
 
-    def backward(
-        self,
-        do: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        o: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, do, q, k, v, o, lse, *, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+        # arguments as AttentionKernel.backward: do, q, o [B, H, Tq, D], k, v [B, Hkv, Tk, D], lse [B, H, Tq]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.contiguous(), q, k, v, o, lse, 0.0, causal, attn_mask=None, scale=scale
         )
@@ -84,18 +74,8 @@ class CudaFlashKernel(AttentionKernel):
         )
         return out[0], out[1][..., : q.shape[2]]  # the kernel pads lse's last dim
 
-    def backward(
-        self,
-        do: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        o: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, do, q, k, v, o, lse, *, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+        # arguments as AttentionKernel.backward: do, q, o [B, H, Tq, D], k, v [B, Hkv, Tk, D], lse [B, H, Tq]
         groups = q.shape[1] // k.shape[1]
         kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
         tq, tk = q.shape[2], k.shape[2]
@@ -150,18 +130,8 @@ class NpuFusionKernel(AttentionKernel):
         o, softmax_max, softmax_sum = out[0], out[1], out[2]
         return o, softmax_max[..., 0] + torch.log(softmax_sum[..., 0])
 
-    def backward(
-        self,
-        do: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        o: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, do, q, k, v, o, lse, *, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+        # arguments as AttentionKernel.backward: do, q, o [B, H, Tq, D], k, v [B, Hkv, Tk, D], lse [B, H, Tq]
         import torch_npu
 
         softmax_max = lse.unsqueeze(-1).expand(*lse.shape, self._SUMS).contiguous()

@@ -18,7 +18,6 @@ from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.models.mindspore.norm import RMSNorm
 from hyperpar_gdn.models.shells import AttentionShell
 from hyperpar_gdn.ops.attention.softmax import (
-    causal_attention,
     finish_attention,
     project_attention,
     rope_cos_sin,
@@ -69,11 +68,6 @@ class CausalSelfAttention(AttentionShell, nn.Cell):
             cos=cos,
             sin=sin,
         )
-
-    def attend(self, q_BHTD: ms.Tensor, k_BHTD: ms.Tensor, v_BHTD: ms.Tensor, *, q_offset: int) -> ms.Tensor:
-        """Causal attention -> ``[B, Tq, H*D]``: query i sits at global position ``q_offset + i``
-        and sees keys ``j <= q_offset + i`` (keys are positions ``0 .. Tk-1``)."""
-        return causal_attention(ops_for(q_BHTD), q_BHTD, k_BHTD, v_BHTD, q_offset=q_offset)
 
     def finish(self, o_BTX: ms.Tensor, gate_BTX: ms.Tensor) -> ms.Tensor:
         """Sigmoid output gate, then ``o_proj``: ``[B, T, H*D]`` -> ``[B, T, hidden]``."""

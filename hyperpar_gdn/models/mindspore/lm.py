@@ -21,14 +21,15 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn, ops
 
-from hyperpar_gdn.models.lm import LINEAR, HybridLMConfig, check_layer_type
+from hyperpar_gdn.models.lm import HybridLMConfig
 from hyperpar_gdn.models.mindspore.attention import CausalSelfAttention
 from hyperpar_gdn.models.mindspore.gated_deltanet import GatedDeltaNet
 from hyperpar_gdn.models.mindspore.mlp import MLP
 from hyperpar_gdn.models.mindspore.moe import SparseMoeBlock
 from hyperpar_gdn.models.mindspore.norm import RMSNorm
 from hyperpar_gdn.models.mindspore.weights import load_torch_state_dict
-from hyperpar_gdn.ops.blocks import decoder_block, lm_logits
+from hyperpar_gdn.models.shells import DecoderBlockShell
+from hyperpar_gdn.ops.blocks import lm_logits
 from hyperpar_gdn.platform import ops_for
 
 __all__ = [
@@ -42,37 +43,26 @@ __all__ = [
 ]
 
 
-class DecoderBlock(nn.Cell):
-    """Pre-norm block whose token mixer is ``linear_attn`` (GDN) or ``self_attn`` (softmax), and
-    whose ``mlp`` is SwiGLU or, for a config with ``num_experts``, Qwen3.5-MoE's sparse block."""
+class DecoderBlock(DecoderBlockShell, nn.Cell):
+    """Pre-norm decoder block (:class:`~hyperpar_gdn.models.shells.DecoderBlockShell`) for
+    MindSpore, whose ``mlp`` is SwiGLU or, for a config with ``num_experts``, Qwen3.5-MoE's sparse
+    block."""
 
-    def __init__(self, config: Any, layer_type: str) -> None:
-        super().__init__()
-        self.layer_type = check_layer_type(layer_type)
-        norm = {"eps": config.rms_norm_eps, "zero_centred": config.zero_centred_norms}
-        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        if layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(**config.gdn_kwargs())
-        else:
-            self.self_attn = CausalSelfAttention(**config.attention_kwargs())
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+    construct = DecoderBlockShell.forward
+
+    def _rms_norm(self, config: Any) -> nn.Cell:
+        return RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centred=config.zero_centred_norms)
+
+    def _gdn(self, config: Any) -> nn.Cell:
+        return GatedDeltaNet(**config.gdn_kwargs())
+
+    def _attention(self, config: Any) -> nn.Cell:
+        return CausalSelfAttention(**config.attention_kwargs())
+
+    def _mlp(self, config: Any) -> nn.Cell:
         if config.num_experts:
-            self.mlp = SparseMoeBlock(**config.moe_kwargs())
-        else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
-
-    @property
-    def mixer(self) -> nn.Cell:
-        return self.linear_attn if self.layer_type == LINEAR else self.self_attn
-
-    def construct(self, x_BTC: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
-        return decoder_block(
-            x_BTC,
-            mixer=self.mixer if cu_seqlens is None else lambda h: self.mixer(h, cu_seqlens=cu_seqlens),
-            mlp=self.mlp,
-            input_norm=self.input_layernorm,
-            post_norm=self.post_attention_layernorm,
-        )
+            return SparseMoeBlock(**config.moe_kwargs())
+        return MLP(config.hidden_size, config.intermediate_size)
 
 
 class Embedding(nn.Cell):

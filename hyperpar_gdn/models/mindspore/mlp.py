@@ -4,23 +4,17 @@ sparse MoE block. The maths is :func:`hyperpar_gdn.ops.blocks.swiglu`."""
 
 from __future__ import annotations
 
-import mindspore as ms
 from mindspore import nn
 
-from hyperpar_gdn.ops.blocks import swiglu
-from hyperpar_gdn.platform import ops_for
+from hyperpar_gdn.models.shells import MLPShell
 
 __all__ = ["MLP"]
 
 
-class MLP(nn.Cell):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+class MLP(MLPShell, nn.Cell):
+    """SwiGLU (:class:`~hyperpar_gdn.models.shells.MLPShell`) for MindSpore."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Dense(hidden_size, intermediate_size, has_bias=False)
-        self.up_proj = nn.Dense(hidden_size, intermediate_size, has_bias=False)
-        self.down_proj = nn.Dense(intermediate_size, hidden_size, has_bias=False)
+    construct = MLPShell.forward
 
-    def construct(self, x: ms.Tensor) -> ms.Tensor:
-        return swiglu(ops_for(x), x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+    def _linear(self, in_features: int, out_features: int) -> nn.Cell:
+        return nn.Dense(in_features, out_features, has_bias=False)

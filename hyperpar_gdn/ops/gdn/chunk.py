@@ -81,6 +81,11 @@ class ChunkPrep:
     out_dtype: Any
 
     @property
+    def pass_inputs(self) -> tuple[Tensor, ...]:
+        """(qg, p, u, w, kd, gl): what a pass over the chunks reads, in that order."""
+        return (self.qg, self.p, self.u, self.w, self.kd, self.gl)
+
+    @property
     def state_shape(self) -> tuple[int, int, int, int]:
         _, b, h, _, dk = self.w.shape
         return (b, h, dk, self.u.shape[-1])
@@ -392,12 +397,7 @@ def outputs_from(prep: ChunkPrep, initial_state: Tensor | None) -> tuple[Tensor,
     xp = prep.xp
     o, exits = chunk_outputs(
         xp,
-        prep.qg,
-        prep.p,
-        prep.u,
-        prep.w,
-        prep.kd,
-        prep.gl,
+        *prep.pass_inputs,
         _entering(prep, initial_state, 1),
         seq_len=prep.seq_len,
     )
@@ -427,12 +427,7 @@ def _per_document(
     num_docs = cu.shape[0] - 1
     o, exits = chunk_outputs(
         xp,
-        prep.qg,
-        prep.p,
-        prep.u,
-        prep.w,
-        prep.kd,
-        prep.gl,
+        *prep.pass_inputs,
         _entering(prep, initial_state, num_docs),
         seq_len=prep.seq_len,
         entry_chunks=layout.entry_chunks,

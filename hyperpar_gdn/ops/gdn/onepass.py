@@ -106,11 +106,6 @@ def shard_outputs(prep: ChunkPrep, exchange: StateExchange, *, widened: bool = T
     (o,) = xp.custom_vjp(
         lambda *a: _forward(xp, exchange, prep.seq_len, *a, widened=widened),
         lambda saved, do: _backward(xp, exchange, saved, do),
-        prep.qg,
-        prep.p,
-        prep.u,
-        prep.w,
-        prep.kd,
-        prep.gl,
+        *prep.pass_inputs,
     )
     return o

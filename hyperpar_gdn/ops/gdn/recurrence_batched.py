@@ -31,23 +31,14 @@ def _t(xp: TensorOps, x: Tensor) -> Tensor:
 
 
 def backward_states_batched(
-    xp: TensorOps,
-    states: Tensor,
-    vn: Tensor,
-    w: Tensor,
-    kd: Tensor,
-    gl: Tensor,
-    d_exits: Tensor,
-    outputs: tuple[Tensor, Tensor, Tensor] | None = None,
-    *,
-    entry_chunks: tuple[int, ...] = (),
-    flush: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    xp, states, vn, w, kd, gl, d_exits, outputs=None, *, entry_chunks=(), flush=False
+) -> tuple[Tensor, ...]:
     """Same arguments and results as :func:`hyperpar_gdn.ops.gdn.recurrence.backward_states`:
     states ``[N, B, H, K, V]`` entering each chunk, vn ``[N, B, H, C, V]``, w and kd
     ``[N, B, H, C, K]``, gl ``[N, B, H]``, d_exits ``[E, B, H, K, V]``, outputs (qg, p, do) or None.
 
-    Returns the gradients of u (= that of vn), w, kd, gl and the entries."""
+    Returns the gradients of u (= that of vn), w, kd, gl and the entries (the types are
+    :func:`~hyperpar_gdn.ops.gdn.recurrence.backward_states`'s)."""
     n = w.shape[0]
     gl = gl.reshape(tuple(gl.shape) + (1, 1))
     dvn_out = ds_out = None

@@ -1,6 +1,6 @@
 """The decoding state a prompt leaves behind, collected from the token mixers while it runs.
 
-A decoder continues a prompt from, per layer (DESIGN.md section 12):
+A decoder continues a prompt from, per layer (docs/inference.md, what each layer hands over):
 
 - a GDN layer: its conv state, the last W pre-conv inputs of the prompt ``[B, C, W]`` (zeros
   before the first token when the prompt is shorter; transformers keeps W of them, the step reads

@@ -26,7 +26,7 @@ from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh  # noq
 from hyperpar_gdn.platform import get_platform  # noqa: E402
 
 WORLDS = (2, 4)
-# DESIGN.md: fp32 max abs error <= 1e-4 relative to each tensor's scale. float64: rounding only
+# docs/maths.md: fp32 max abs error <= 1e-4 relative to each tensor's scale. float64: rounding only
 # (measured <= 2e-13 against MindSpore's single device and torch).
 TOL = {"float32": 1e-4, "float64": 1e-10}
 ERROR_KEYS = {"output", "grad_input", *(f"grad_{name}" for name in worker.PARAMS)}

@@ -1,7 +1,7 @@
 """Packed documents under context parallelism (real gloo ranks), every mode, cp 2 and 4: the GDN
 layer's output shard, input gradient and every parameter gradient (summed over ranks) equal each
 document run alone on one device, through our layer (fp64, exact up to rounding) and through
-transformers' ``Qwen3_5GatedDeltaNet`` (fp32 gates, DESIGN.md section 6)."""
+transformers' ``Qwen3_5GatedDeltaNet`` (fp32 gates, docs/maths.md)."""
 
 from __future__ import annotations
 

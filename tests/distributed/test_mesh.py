@@ -185,7 +185,7 @@ def test_from_group_without_a_process_group() -> None:
         DeviceMesh.from_group(platform, None, [1, 2])
 
 
-# HP_PLATFORM names the framework, device_type the hardware (DESIGN.md section 9). These checks
+# HP_PLATFORM names the framework, device_type the hardware (docs/backends.md, launching). These checks
 # read only the environment: nothing is created or joined.
 @pytest.mark.parametrize(
     ("hp_platform", "device_type", "expected"),

@@ -2,7 +2,7 @@
 logits shard and every parameter gradient (summed over ranks) equal each document run alone on
 one device. Our HybridLM with ``cu_seqlens`` (fp64); transformers' Qwen3.5
 with packed ``position_ids`` (as ``DataCollatorWithFlattening`` emits) or ``cu_seq_lens_q``
-(fp32 gates: DESIGN.md section 6)."""
+(fp32 gates: docs/maths.md)."""
 
 from __future__ import annotations
 

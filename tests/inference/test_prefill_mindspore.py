@@ -14,7 +14,7 @@ pytest.importorskip("mindspore")
 import msrun_cp_worker as worker  # noqa: E402
 from msrun_harness import cp_worker_job, section_data  # noqa: E402
 
-TOL = 1e-4  # fp32 (DESIGN.md): CP against the single-device prefill
+TOL = 1e-4  # fp32 (docs/maths.md): CP against the single-device prefill
 
 
 @pytest.mark.parametrize("mode", worker.MODES)

@@ -14,7 +14,7 @@ from hyperpar_gdn.models import GatedDeltaNet
 # fp64 against fp64 (measured ~1e-15).
 FP64_TOL = 1e-12
 # Against transformers, which computes the gates (and so the whole rule) in fp32 even in a fp64
-# model (DESIGN.md section 6): measured 8e-7 on the output, dx and every parameter gradient.
+# model (docs/maths.md, what the tests hold the code to): measured 8e-7 on the output, dx and every parameter gradient.
 HF_TOL = 1e-5
 
 CASES = {

@@ -31,7 +31,7 @@ LM = HybridLMConfig(
     linear_key_head_dim=8,
     linear_value_head_dim=8,
 )
-# Relative to the tensor's largest entry (gradients: to the largest gradient). fp32: DESIGN.md's
+# Relative to the tensor's largest entry (gradients: to the largest gradient). fp32: docs/maths.md's
 # 1e-4; measured 3.3e-5 (each module agrees to 3e-6, the 4 blocks of perturbed weights amplify it).
 # fp64: RoPE angles are fp32 (numpy) whatever the dtype, on both frameworks (RMSNorm is fp64 since it
 # moved to ops.blocks), so fp32 rounding enters both; measured 2.9e-6 before that move.

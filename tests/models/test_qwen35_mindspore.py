@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM, Qwen35Config  # noqa: E402
 from hyperpar_gdn.models.safetensors_files import read_weights  # noqa: E402
 
-# Relative to the largest logit. DESIGN.md's fp32 bound is 1e-4; measured 1.1e-5 to 1.2e-5 (two
+# Relative to the largest logit. docs/maths.md's fp32 bound is 1e-4; measured 1.1e-5 to 1.2e-5 (two
 # frameworks' fp32 kernels through 4 blocks).
 LOGIT_TOL = 1e-4
 KINDS = ("dense", "dense-tied-bf16", "moe")

@@ -161,11 +161,6 @@ def packed_doc_starts(
     return from_pos
 
 
-def cuts_of(doc_starts: np.ndarray) -> np.ndarray:
-    """Token positions where the state restarts (the Trues of ``doc_starts``)."""
-    return np.flatnonzero(doc_starts)
-
-
 # --- the chunked rule's masks -----------------------------------------------------------------
 
 

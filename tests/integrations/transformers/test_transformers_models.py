@@ -2,8 +2,8 @@
 model: logits shard, loss and every parameter gradient (summed over ranks), on real gloo groups.
 
 The oracle is transformers' own model code run whole in each process. transformers rounds the
-GDN decay inputs (A_log and the decay logits) to float32 even in a float64 model (DESIGN.md
-section 6), while the CP layers compute them in float64, so the float64 comparison is at the
+GDN decay inputs (A_log and the decay logits) to float32 even in a float64 model (docs/maths.md,
+what the tests hold the code to), while the CP layers compute them in float64, so the float64 comparison is at the
 level of float32 rounding (measured: 1e-7 to 2e-6 relative): 1e-5 for logits and most
 gradients, 1e-4 for A_log and dt_bias, whose gradients are sums with heavy cancellation.
 """

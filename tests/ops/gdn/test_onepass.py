@@ -1,4 +1,4 @@
-"""The one-pass shard function (DESIGN.md section 8), with a local stand-in for the peers: the
+"""The one-pass shard function (docs/maths.md, summaries), with a local stand-in for the peers: the
 summary it hands over equals the summary pass, its outputs equal the output pass and the recurrent
 reference from the entering state the peers return, and its gradients (those of the shard's inputs,
 and the dS_in it hands back) equal autograd through the output pass, with packed documents too."""

@@ -24,7 +24,7 @@ from hyperpar_gdn.platform.torch_ops import TorchOps  # noqa: E402
 DTYPES = ("float32", "float64")
 # As tests/platform/test_mindspore_ops.py; measured <= 3e-7 (fp32) and 8e-16 (fp64) on the ops here.
 TOL = {"float32": 2e-6, "float64": 1e-10}
-# The layer: fp32 as DESIGN.md's target for layers (measured 6e-6 on dx, 1e-6 on the output);
+# The layer: fp32 as docs/maths.md's bound for layers (measured 6e-6 on dx, 1e-6 on the output);
 # fp64 (measured ~1e-15).
 LAYER_TOL = {"float32": 1e-4, "float64": 1e-10}
 TORCH_DTYPE = {"float32": torch.float32, "float64": torch.float64}

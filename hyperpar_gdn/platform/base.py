@@ -1,9 +1,9 @@
 """The platform contract: the small interfaces that code above the platform layer may use.
 
-Nothing outside ``hyperpar_gdn.platform`` imports a framework. The maths (``hyperpar_gdn.ops``),
-the layer and the context-parallel algorithms receive a :class:`TensorOps` (tensor functions) and,
-when they communicate, a :class:`Collectives` (differentiable collectives over a process group).
-"""
+The core (``ops``, ``distributed``, ``inference``) names no framework: it receives a
+:class:`TensorOps` (tensor functions) and, when it communicates, a :class:`Collectives`
+(differentiable collectives over a process group). ``models/``, ``train/`` and
+``integrations/`` hold a framework's modules and import it."""
 
 from __future__ import annotations
 
@@ -303,11 +303,9 @@ class Collectives(ABC):
         put in its ``send_splits`` for this rank (not checked: that would cost a collective). The
         gradient is the reverse all-to-all (the splits swapped).
 
-        Example (2 ranks; rank 0 keeps 1 row and sends 2, rank 1 sends 0 and keeps 3)::
-
-            rank 0: all_to_all(x0 [3, D], [1, 2], [1, 0], g) -> [1, D] = x0[:1]
-            rank 1: all_to_all(x1 [3, D], [0, 3], [2, 3], g) -> [5, D] = cat(x0[1:], x1)
-        """
+        Example (2 ranks; rank 0 keeps 1 row and sends 2, rank 1 sends 0 and keeps 3):
+        ``all_to_all(x0 [3, D], [1, 2], [1, 0], g) -> x0[:1]`` on rank 0 and
+        ``all_to_all(x1 [3, D], [0, 3], [2, 3], g) -> cat(x0[1:], x1)`` ``[5, D]`` on rank 1."""
 
     @abstractmethod
     def all_gather(self, x: Tensor, group: Group) -> Tensor:

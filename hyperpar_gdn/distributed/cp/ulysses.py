@@ -179,6 +179,8 @@ def _from_token_blocks(xp: TensorOps, flat: Tensor, bsz: int, lengths: Sequence[
     )
 
 
+# Long on purpose: the mode reads top to bottom as the layer's stages with the two all-to-alls
+# between them (and the head_tail and packed-document variants at the points where they differ).
 def ulysses_forward(
     cp: CPGroup,
     call: LayerCall,

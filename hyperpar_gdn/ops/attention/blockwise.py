@@ -43,6 +43,8 @@ def blockwise_attention(
     return xp.cast(o.reshape(b, h, tq, d), xp.dtype(q_BHTD))
 
 
+# Long on purpose: the forward, the backward and the block-mask cache they share are closures over
+# one plan; split apart they would pass the plan, the sizes and the cache between them.
 def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tuple[Any, Any]:
     """The forward and backward of one call (they share the plan and the block masks)."""
     q_sizes, k_sizes = plan.q_sizes(), plan.k_sizes()

@@ -40,7 +40,9 @@ class LinearAttentionContextParallel(ParallelStyle):
     single-device result. Parameters are untouched (state dict and optimizer
     as before); their gradients are this rank's share: sum them over the CP ranks with
     :func:`~hyperpar_gdn.sync_context_parallel_grads` (FSDP2 does it in its reduce-scatter).
-    ``undo(module)`` restores the original forward.
+    ``undo(module)`` restores the original forward. The shard may be a
+    :class:`~hyperpar_gdn.DTensor` placed ``Shard(1, layout=...)`` in the style's layout (the
+    output then has the same placement); any other placement is refused.
 
     Works on ``hyperpar_gdn.models.GatedDeltaNet``, on transformers' ``Qwen3_5GatedDeltaNet``
     (without a cache) and on the MindSpore layer.

@@ -7,7 +7,11 @@ Everything else in these models (embedding, norms, MLPs and experts, LM head) wo
 token, so once the mixers take a sequence shard the whole model does: ``model(input_ids_local)``
 returns this rank's logits ``[B, T/cp, V]``.
 
-A transformers model also gets forward pre-hooks that make its inputs right for a shard
+Per forward, the whole sequence is described once on the host (the shard lengths, the padding,
+the packed documents' boundaries: a :class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`)
+and carried to every mixer, so no layer exchanges lengths or copies a device tensor to the host:
+HybridLM's forward is wrapped to build it (and passes it to its blocks as their ``cu_seqlens``); a
+transformers model gets forward pre-hooks that build it and make its inputs right for a shard
 (:mod:`hyperpar_gdn.integrations.transformers.hooks`).
 """
 

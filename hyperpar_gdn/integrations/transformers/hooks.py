@@ -8,7 +8,9 @@ A transformers text model also gets a forward pre-hook that makes its inputs rig
   layout: a batch cut for another layout stops every rank;
 - the shard lengths are exchanged and a 2-D ``attention_mask`` (this rank's shard of the padding
   mask) is gathered once per forward, into one :class:`GlobalSequence` that every mixer gets (the
-  softmax-attention layers need the keys of every rank, the GDN layers their own piece);
+  softmax-attention layers need the keys of every rank, the GDN layers their own piece); packed
+  documents (``position_ids`` that restart, or ``cu_seq_lens_q``) are read on the host once, here,
+  and carried in it as host arrays, so no layer copies a device tensor to the host;
 - ``use_cache`` defaults to False; a cache is refused.
 
 On a causal LM (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) a pre-hook builds that layout

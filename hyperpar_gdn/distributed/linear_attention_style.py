@@ -16,19 +16,12 @@ from hyperpar_gdn.distributed.layout import TokenLayout, check_layout
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, refuse_unhandled
 from hyperpar_gdn.distributed.sequence import GlobalSequence
-from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
 from hyperpar_gdn.ops.gdn.varlen import packed_doc_starts
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
 MODES = ("ulysses", "p2p", "all_gather")
-
-
-def prefill_layout_error(layout: str) -> str | None:
-    """Why a prefill cannot record decoding states in ``layout``: it reads contiguous pieces."""
-    if layout == "contiguous":
-        return None
-    return f"prefill supports layout='contiguous' only; got {layout!r}"
 
 
 class LinearAttentionContextParallel(ParallelStyle):
@@ -94,14 +87,21 @@ class LinearAttentionContextParallel(ParallelStyle):
         def make_forward(original: Callable) -> Callable:
             bind = _signature_binder(original)
 
-            def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-                return self._forward(module, group, hidden_states, bind(hidden_states, *args, **kwargs))
+            def forward(
+                hidden_states: Any, *args: Any, prefill_states: PrefillStates | None = None, **kwargs: Any
+            ) -> Any:
+                call_args = bind(hidden_states, *args, **kwargs)
+                return self._forward(module, group, hidden_states, call_args, prefill_states)
 
             return forward
 
         return self._install(module, make_forward, layout=self.layout)
 
-    def _forward(self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs) -> Any:
+    def _forward(
+        self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs, states: PrefillStates | None
+    ) -> Any:
+        """The CP forward of one call; ``states``: an inference prefill's record, handed the
+        layer's decoding state of the whole sequence on every rank (any mode, any layout)."""
         attention_mask, cu_seqlens = call_args.attention_mask, call_args.cu_seqlens
         known = None  # the shard lengths, when the model's forward already exchanged them
         if isinstance(attention_mask, GlobalSequence):
@@ -119,9 +119,6 @@ class LinearAttentionContextParallel(ParallelStyle):
         dims = LayerDims.of(module)
         error = _shard_error(dims, x, attention_mask)
         call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
-        states = active_prefill_states()  # None unless an inference prefill records them
-        if states is not None and prefill_layout_error(self.layout):  # the same on every rank
-            raise ValueError(prefill_layout_error(self.layout))
         if (
             states is not None
             and error is None
@@ -176,8 +173,8 @@ class LinearAttentionContextParallel(ParallelStyle):
                 y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout, **final)
             if states is not None:
                 y, s = y
-                tail = shard_conv_tail(cp, call.weights, x, attention_mask)
-                states.keep_gdn(module, whole_conv_state(cp, tail, lengths), s)
+                tail = shard_conv_tail(cp, call.weights, x, attention_mask, tokens.mine(cp.rank))
+                states.keep_gdn(module, whole_conv_state(cp, tail, tokens), s)
         return y if placements is None else DTensor.from_local(y, mesh, placements)
 
 

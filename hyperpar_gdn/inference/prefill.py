@@ -9,7 +9,7 @@ decoder on one device (docs/inference.md).
 
 Every rank passes the whole prompt; rank r reads the r-th contiguous piece (the pieces differ by
 at most one token, the longer ones first). While the prompt runs, every mixer hands its state of
-the whole prompt to every rank (:mod:`hyperpar_gdn.inference.states`): a GDN layer's recurrent
+the whole prompt to every rank (:mod:`hyperpar_gdn.ops.prefill_states`): a GDN layer's recurrent
 state (p2p: the last rank's leaving state, summed with zeros from the others; all_gather: the fold
 of the gathered summaries carried to the end, no communication; ulysses: each rank's heads ran
 the whole prompt, one all-gather over heads) and its conv state (the last W pre-conv inputs, which
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
-from hyperpar_gdn.distributed.linear_attention_style import prefill_layout_error
+from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import applied_layout, from_transformers, is_parallelized
 from hyperpar_gdn.inference.decoding import (
@@ -43,8 +43,8 @@ from hyperpar_gdn.inference.decoding import (
     lm_parts,
     state_from_prefill,
 )
-from hyperpar_gdn.inference.states import record_prefill_states
 from hyperpar_gdn.ops.blocks import lm_logits
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
 __all__ = ["prefill_context_parallel", "prompt_lengths"]
@@ -70,22 +70,25 @@ def prefill_context_parallel(
     """Read a prompt under context parallelism; no gradients are kept.
 
     Args:
-        model: under :func:`~hyperpar_gdn.apply_context_parallel` (any mode): transformers'
-            ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``, or ``HybridLM`` (torch or
-            MindSpore) or the MindSpore ``Qwen3_5ForCausalLM``.
+        model: under :func:`~hyperpar_gdn.apply_context_parallel` (any mode, either layout):
+            transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``, or ``HybridLM``
+            (torch or MindSpore) or the MindSpore ``Qwen3_5ForCausalLM``.
         mesh: the CP mesh the model was parallelized over.
-        input_ids: the whole prompt ``[B, T]``, the same on every rank.
+        input_ids: the whole prompt ``[B, T]``, the same on every rank (``layout="head_tail"``:
+            T divisible by 2*cp).
         attention_mask: ``[B, T]`` (1 = token, 0 = left padding), the same on every rank;
             transformers' models only.
-        lengths: the tokens of each rank (contiguous, in rank order, summing to T); None:
-            :func:`prompt_lengths`. p2p and all_gather need at least W-1 (the conv halo) per rank.
+        lengths: the tokens of each rank (contiguous layout only; in rank order, summing to T);
+            None: :func:`prompt_lengths`. p2p and all_gather need at least W-1 (the conv halo)
+            per rank (per piece in head_tail).
 
     Returns, on every rank, ``(logits, cache)``: the logits of the last prompt token ``[B, V]``
     (fp32 at least) and, for transformers' models, their ``DynamicCache`` filled as their own
     prefill fills it (after ``undo_context_parallel(model)`` one device continues with
     ``model(input_ids=next_ids, cache=cache, ...)`` or ``model.generate``); for ours a
     :class:`~hyperpar_gdn.inference.decoding.DecodingState` (continue with
-    :func:`~hyperpar_gdn.inference.decoding.greedy_continue` or ``decode_step``).
+    :func:`~hyperpar_gdn.inference.decoding.greedy_continue` or ``decode_step``). The cache is
+    the same whichever layout and mode the model was parallelized with.
     """
     cp_mesh = as_cp_mesh(mesh)
     check_prompt(input_ids)
@@ -95,54 +98,107 @@ def prefill_context_parallel(
         from hyperpar_gdn.integrations.transformers import cache as hf
 
         hf.check_causal_lm(model)
-    for i, block in enumerate(text_model.layers):
-        if not is_parallelized(mixer_of(i, block)[1]):
-            raise ValueError(
-                f"layer {i} of {type(model).__name__} is not under context parallelism: call "
-                "apply_context_parallel(model, mesh, mode=...) first"
-            )
-    for i, block in enumerate(text_model.layers):
-        error = prefill_layout_error(applied_layout(mixer_of(i, block)[1]) or "contiguous")
-        if error is not None:
-            raise ValueError(
-                f"{error} (layer {i}): apply_context_parallel(model, mesh, mode=...) without layout="
-            )
     b, t = (int(n) for n in input_ids.shape)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    lengths = prompt_lengths(t, cp) if lengths is None else _check_lengths(lengths, t, cp)
-    start, stop = sum(lengths[:rank]), sum(lengths[: rank + 1])
+    layout = model_layout(model, text_model)
+    check_position_range(model, t)
+    tokens = prompt_layout(layout, t, cp, lengths)
+    index = tokens.positions(rank)  # this rank's tokens, by global position
     xp = ops_for(input_ids)
-    mask_np = None
-    if attention_mask is not None:
-        if not transformers_model:
-            raise NotImplementedError(
-                f"{type(model).__name__} takes no attention mask: pass prompts without padding"
-            )
-        if tuple(attention_mask.shape) != (b, t):
-            raise ValueError(f"attention_mask must be [B, T] = {(b, t)}; got {tuple(attention_mask.shape)}")
-        mask_np = xp.to_numpy(attention_mask) != 0
-        if not mask_np[:, -1].all():
-            rows = np.flatnonzero(~mask_np[:, -1]).tolist()
-            raise ValueError(
-                f"rows {rows} end in padding: a prompt is left-padded (its last token must be a token)"
-            )
-    with inference_mode(model), record_prefill_states() as states:
+    mask_np = None if attention_mask is None else padding_mask(model, xp, attention_mask, (b, t))
+    if not transformers_model and attention_mask is not None:
+        raise NotImplementedError(
+            f"{type(model).__name__} takes no attention mask: pass prompts without padding"
+        )
+    states = PrefillStates()
+    with inference_mode(model):
         if transformers_model:
-            hidden = hf.prefill_hidden(text_model, input_ids, mask_np, start, stop)
+            hidden = hf.prefill_hidden(text_model, input_ids, mask_np, index, states)
             head = model.lm_head.weight
         else:
             parts = lm_parts(model)
-            hidden = last_hidden(parts, input_ids[:, start:stop])
+            hidden = last_hidden(parts, _take_tokens(xp, input_ids, index), states)
             head = parts.head
         hx = ops_for(hidden)
-        last = lm_logits(hx, hidden[:, stop - start - 1 :], head)[:, 0]  # [B, V]
-        if rank != cp - 1:
+        t_r = hidden.shape[1]
+        last = lm_logits(hx, hidden[:, t_r - 1 :], head)[:, 0]  # [B, V]
+        if rank != tokens.fragments[-1].rank:  # the owner of the last token (its last local one)
             last = hx.zeros(tuple(last.shape), like=last)
         if cp > 1:
             last = cp_mesh.platform.collectives.all_reduce_sum(last, cp_mesh.get_group())
     if transformers_model:
         return last, hf.dynamic_cache(model, text_model, states)
     return last, state_from_prefill(model, states, t)
+
+
+def model_layout(model: Any, text_model: Any) -> str:
+    """The token layout every mixer of ``model`` was parallelized with (a ValueError naming the
+    layer when one is not under context parallelism or the layouts differ)."""
+    layouts = []
+    for i, block in enumerate(text_model.layers):
+        module = mixer_of(i, block)[1]
+        if not is_parallelized(module):
+            raise ValueError(
+                f"layer {i} of {type(model).__name__} is not under context parallelism: call "
+                "apply_context_parallel(model, mesh, mode=...) first"
+            )
+        layouts.append(applied_layout(module) or "contiguous")
+    if len(set(layouts)) > 1:
+        raise ValueError(
+            f"the layers of {type(model).__name__} were parallelized with different layouts {layouts}"
+        )
+    return layouts[0]
+
+
+def check_position_range(model: Any, seq_len: int) -> None:
+    """Refuse a prompt longer than the model's position range (``max_position_embeddings`` of
+    its config, when it has one)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ValueError(
+            f"the prompt has T={seq_len} tokens, more than the model's position range "
+            f"max_position_embeddings={limit}"
+        )
+
+
+def prompt_layout(layout: str, seq_len: int, cp: int, lengths: Sequence[int] | None) -> TokenLayout:
+    """Which tokens of a ``seq_len`` prompt each rank reads (the same ValueError on every rank)."""
+    if layout == "head_tail":
+        if lengths is not None:
+            raise ValueError(
+                f"lengths={list(lengths)} chooses contiguous pieces; a model parallelized with "
+                "layout='head_tail' reads 2*cp equal pieces (pass lengths=None)"
+            )
+        error = layout_error(layout, seq_len, cp)
+        if error is not None:
+            raise ValueError(f"{error}: pad the prompt on the left or apply layout='contiguous'")
+        return TokenLayout.of(layout, [seq_len // cp] * cp)
+    lengths = prompt_lengths(seq_len, cp) if lengths is None else _check_lengths(lengths, seq_len, cp)
+    return TokenLayout.of(layout, lengths)
+
+
+def padding_mask(model: Any, xp: Any, attention_mask: Tensor, shape: tuple[int, int]) -> np.ndarray:
+    """The left-padding mask as bool ``[B, T]`` (ValueError when its shape is not ``shape`` or a
+    row ends in padding)."""
+    if tuple(attention_mask.shape) != shape:
+        raise ValueError(f"attention_mask must be [B, T] = {shape}; got {tuple(attention_mask.shape)}")
+    mask_np = xp.to_numpy(attention_mask) != 0
+    if not mask_np[:, -1].all():
+        rows = np.flatnonzero(~mask_np[:, -1]).tolist()
+        raise ValueError(
+            f"rows {rows} end in padding: a prompt is left-padded (its last token must be a token)"
+        )
+    return mask_np
+
+
+def _take_tokens(xp: Any, ids_BT: Tensor, index: np.ndarray) -> Tensor:
+    """Columns ``index`` of ``ids_BT`` (a slice when they are consecutive)."""
+    start, stop = int(index[0]), int(index[-1]) + 1
+    if stop - start == len(index):
+        return ids_BT[:, start:stop]
+    return xp.take(ids_BT, index, 1)
 
 
 def _check_lengths(lengths: Sequence[int], seq_len: int, cp: int) -> list[int]:

@@ -246,14 +246,12 @@ def state_passing_forward(
     the shard), so the exchange is unchanged; the conv and the local chunks restart at every
     start.
 
-    ``final_state`` (contiguous shards only): also return the state after the whole sequence's
-    last token ``[B, H, K, V]`` (compute dtype) on every rank, from the summaries (an inference
+    ``final_state``: also return the state after the whole sequence's last token (that of the
+    last fragment in global order) ``[B, H, K, V]`` (compute dtype) on every rank, from the summaries (an inference
     prefill; no gradient)."""
     per_fragment = None if docs is None else ((docs,) if isinstance(docs, ShardDocs) else tuple(docs))
     if layout is not None and not layout.is_contiguous:
-        if final_state:
-            raise NotImplementedError(f"final_state needs contiguous shards; got layout {layout.kind!r}")
-        return _fragments_forward(mode, cp, call, x, attention_mask, per_fragment, layout)
+        return _fragments_forward(mode, cp, call, x, attention_mask, per_fragment, layout, final_state)
     docs = None if per_fragment is None else per_fragment[0]
     xp, w, dims = cp.xp, call.weights, call.dims
     x = mask_padding(xp, x, attention_mask)
@@ -284,9 +282,11 @@ def _fragments_forward(
     attention_mask: Tensor | None,
     docs: tuple[ShardDocs, ...] | None,
     layout: TokenLayout,
-) -> Tensor:
+    final_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The shard's n fragments as n rows of one batch; every fragment is widened (the first
-    fragment of the sequence gets a zero S_in from the exchange)."""
+    fragment of the sequence gets a zero S_in from the exchange). ``final_state``: as in
+    :func:`state_passing_forward`."""
     xp, w, dims = cp.xp, call.weights, call.dims
     mine = layout.mine(cp.rank)
     n, lengths = len(mine), [f.length for f in mine]
@@ -310,5 +310,7 @@ def _fragments_forward(
         use_qk_l2norm_in_kernel=True,
         doc_starts=None if docs is None else np.stack([d.local for d in docs]),  # [n, P] (B = 1)
     )
-    o = xp.cast(shard_outputs(prep, EXCHANGES[mode](cp, layout), widened=True), prep.out_dtype)
-    return finish(xp, w, dims, xp.cat(xp.split(o, [o.shape[0] // n] * n, 0), 1), z)
+    exchange = EXCHANGES[mode](cp, layout, keep_final=final_state)
+    o = xp.cast(shard_outputs(prep, exchange, widened=True), prep.out_dtype)
+    y = finish(xp, w, dims, xp.cat(xp.split(o, [o.shape[0] // n] * n, 0), 1), z)
+    return (y, exchange.final_state()) if final_state else y

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn.distributed.decoder_layers import mixer_of
-from hyperpar_gdn.inference.states import PrefillStates
 from hyperpar_gdn.integrations.transformers.discovery import CAUSAL_LMS
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
 __all__ = ["check_causal_lm", "dynamic_cache", "prefill_hidden"]
@@ -24,10 +24,12 @@ def check_causal_lm(model: Any) -> None:
 
 
 def prefill_hidden(
-    text_model: Any, input_ids: Tensor, mask_np: np.ndarray | None, start: int, stop: int
+    text_model: Any, input_ids: Tensor, mask_np: np.ndarray | None, index: np.ndarray, states: PrefillStates
 ) -> Tensor:
-    """This rank's final hidden states ``[B, T_r, C]`` through transformers' text model, with the
-    global positions ``generate`` would give (from the padding mask when there is one)."""
+    """This rank's final hidden states ``[B, T_r, C]`` through transformers' text model: the
+    prompt's tokens at the global positions ``index`` (int ``[T_r]``, this rank's tokens in its
+    layout) with the positions ``generate`` would give them (from the padding mask when there is
+    one); every mixer is handed ``states`` (the decoder layers pass their keywords on)."""
     xp = ops_for(input_ids)
     b, t = input_ids.shape
     if mask_np is None:
@@ -35,11 +37,12 @@ def prefill_hidden(
     else:
         positions = np.where(mask_np, np.cumsum(mask_np, 1) - 1, 0)
     inputs = {
-        "input_ids": input_ids[:, start:stop],
-        "position_ids": xp.constant(np.ascontiguousarray(positions[:, start:stop]), like=input_ids),
+        "input_ids": xp.take(input_ids, index, 1),
+        "position_ids": xp.constant(np.ascontiguousarray(positions[:, index]), like=input_ids),
+        "prefill_states": states,
     }
     if mask_np is not None:
-        inputs["attention_mask"] = xp.constant(mask_np[:, start:stop].astype(np.int64), like=input_ids)
+        inputs["attention_mask"] = xp.constant(mask_np[:, index].astype(np.int64), like=input_ids)
     return text_model(**inputs).last_hidden_state
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, fragment_docs, shard_lengths
 from hyperpar_gdn.distributed.cp.conv_state import shard_conv_tail, whole_conv_state
+from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_conv_states
 from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
 from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward, ulysses_head_error
 from hyperpar_gdn.distributed.dtensor import DTensor
@@ -123,8 +124,12 @@ class LinearAttentionContextParallel(ParallelStyle):
             states is not None
             and error is None
             and (cu_seqlens is not None or call_args.position_ids is not None)
+            and (cp.size == 1 or self.layout != "contiguous")
         ):
-            error = "recording prefill states (a decoder's cache) is not supported with packed documents"
+            error = (
+                "a prefill of packed prompts (a decoder's cache per prompt) needs context parallelism "
+                f"over contiguous shards; got cp={cp.size}, layout={self.layout!r}"
+            )
         if cp.size == 1:
             if error is not None:
                 raise ValueError(error)
@@ -167,15 +172,37 @@ class LinearAttentionContextParallel(ParallelStyle):
                     else fragment_docs(cu_seqlens, tokens, cp.rank, width)
                 )
             final = {"final_state": True} if states is not None else {}
+            pieces = None
+            if states is not None and cu_seqlens is not None:  # packed prompts: a state per prompt
+                pieces = ShardPieces(docs.whole, lengths, cp.rank)
             if self.mode == "ulysses":
                 y = ulysses_forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
             else:
-                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout, **final)
+                packed = {} if pieces is None else {"pieces": pieces}
+                y = state_passing_forward(
+                    self.mode, cp, call, x, attention_mask, docs, layout, **final, **packed
+                )
             if states is not None:
                 y, s = y
-                tail = shard_conv_tail(cp, call.weights, x, attention_mask, tokens.mine(cp.rank))
-                states.keep_gdn(module, whole_conv_state(cp, tail, tokens), s)
+                states.keep_gdn(module, self._conv_state(cp, call, x, attention_mask, tokens, pieces), s)
         return y if placements is None else DTensor.from_local(y, mesh, placements)
+
+    @staticmethod
+    def _conv_state(
+        cp: CPGroup,
+        call: LayerCall,
+        x: Tensor,
+        attention_mask: Tensor | None,
+        tokens: TokenLayout,
+        pieces: ShardPieces | None,
+    ) -> Tensor:
+        """The conv state of the whole sequence ``[B, C, W]`` or, for packed prompts, of every
+        prompt ``[N, C, W]`` (the same on every rank)."""
+        if pieces is not None:
+            mixed = cp.xp.linear(x, call.weights.qkv)
+            return doc_conv_states(cp, pieces, mixed, tokens.lengths, call.dims.conv_kernel_size)
+        tail = shard_conv_tail(cp, call.weights, x, attention_mask, tokens.mine(cp.rank))
+        return whole_conv_state(cp, tail, tokens)
 
 
 @dataclass(frozen=True)

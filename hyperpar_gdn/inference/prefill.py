@@ -43,6 +43,7 @@ from hyperpar_gdn.inference.decoding import (
     lm_parts,
     state_from_prefill,
 )
+from hyperpar_gdn.inference.packed import packed_bounds, packed_positions
 from hyperpar_gdn.ops.blocks import lm_logits
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
@@ -66,8 +67,11 @@ def prefill_context_parallel(
     *,
     attention_mask: Tensor | None = None,
     lengths: Sequence[int] | None = None,
+    cu_seqlens: Any = None,
+    position_ids: Tensor | None = None,
 ) -> tuple[Tensor, Any]:
-    """Read a prompt under context parallelism; no gradients are kept.
+    """Read a prompt (or N prompts packed in one row) under context parallelism; no gradients
+    are kept.
 
     Args:
         model: under :func:`~hyperpar_gdn.apply_context_parallel` (any mode, either layout):
@@ -81,6 +85,11 @@ def prefill_context_parallel(
         lengths: the tokens of each rank (contiguous layout only; in rank order, summing to T);
             None: :func:`prompt_lengths`. p2p and all_gather need at least W-1 (the conv halo)
             per rank (per piece in head_tail).
+        cu_seqlens, position_ids: packed prompts (transformers' models, contiguous layout):
+            ``input_ids`` ``[1, T]`` holds N prompts, prompt n is tokens
+            ``[cu_seqlens[n], cu_seqlens[n+1])`` (int ``[N+1]``), or ``position_ids`` ``[1, T]``
+            count 0, 1, ... within each prompt (:mod:`hyperpar_gdn.inference.packed`). Each prompt
+            is read as if alone.
 
     Returns, on every rank, ``(logits, cache)``: the logits of the last prompt token ``[B, V]``
     (fp32 at least) and, for transformers' models, their ``DynamicCache`` filled as their own
@@ -88,7 +97,9 @@ def prefill_context_parallel(
     ``model(input_ids=next_ids, cache=cache, ...)`` or ``model.generate``); for ours a
     :class:`~hyperpar_gdn.inference.decoding.DecodingState` (continue with
     :func:`~hyperpar_gdn.inference.decoding.greedy_continue` or ``decode_step``). The cache is
-    the same whichever layout and mode the model was parallelized with.
+    the same whichever layout and mode the model was parallelized with. Packed prompts:
+    ``(logits [N, V], caches)``, ``caches[n]`` the ``DynamicCache`` of prompt n alone (continue
+    it with ``generate`` from that prompt, as from the prompt's own prefill).
     """
     cp_mesh = as_cp_mesh(mesh)
     check_prompt(input_ids)
@@ -101,34 +112,79 @@ def prefill_context_parallel(
     b, t = (int(n) for n in input_ids.shape)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     layout = model_layout(model, text_model)
-    check_position_range(model, t)
+    xp = ops_for(input_ids)
+    cu = None
+    if cu_seqlens is not None or position_ids is not None:
+        cu = _check_packed(model, xp, input_ids, layout, attention_mask, cu_seqlens, position_ids)
+    check_position_range(model, t if cu is None else int(np.diff(cu).max()))
     tokens = prompt_layout(layout, t, cp, lengths)
     index = tokens.positions(rank)  # this rank's tokens, by global position
-    xp = ops_for(input_ids)
-    mask_np = None if attention_mask is None else padding_mask(model, xp, attention_mask, (b, t))
+    mask_np = None if attention_mask is None else padding_mask(xp, attention_mask, (b, t))
     if not transformers_model and attention_mask is not None:
         raise NotImplementedError(
             f"{type(model).__name__} takes no attention mask: pass prompts without padding"
         )
+    ends = [t - 1] if cu is None else [int(c) - 1 for c in cu[1:]]  # the tokens whose logits we return
     states = PrefillStates()
     with inference_mode(model):
         if transformers_model:
-            hidden = hf.prefill_hidden(text_model, input_ids, mask_np, index, states)
+            positions = None if cu is None else packed_positions(cu)
+            hidden = hf.prefill_hidden(text_model, input_ids, mask_np, index, states, positions)
             head = model.lm_head.weight
         else:
             parts = lm_parts(model)
             hidden = last_hidden(parts, _take_tokens(xp, input_ids, index), states)
             head = parts.head
-        hx = ops_for(hidden)
-        t_r = hidden.shape[1]
-        last = lm_logits(hx, hidden[:, t_r - 1 :], head)[:, 0]  # [B, V]
-        if rank != tokens.fragments[-1].rank:  # the owner of the last token (its last local one)
-            last = hx.zeros(tuple(last.shape), like=last)
-        if cp > 1:
-            last = cp_mesh.platform.collectives.all_reduce_sum(last, cp_mesh.get_group())
+        logits = _end_logits(cp_mesh, hidden, head, index, ends)  # [B, len(ends), V]
+    if cu is not None:
+        return logits[0], hf.dynamic_caches(model, text_model, states, cu)
     if transformers_model:
-        return last, hf.dynamic_cache(model, text_model, states)
-    return last, state_from_prefill(model, states, t)
+        return logits[:, 0], hf.dynamic_cache(model, text_model, states)
+    return logits[:, 0], state_from_prefill(model, states, t)
+
+
+def _end_logits(cp_mesh: Any, hidden: Tensor, head: Tensor, index: np.ndarray, ends: list[int]) -> Tensor:
+    """The logits ``[B, E, V]`` of the tokens at global positions ``ends`` (E of them) on every
+    rank: each from the rank holding it (``index``: this rank's global positions), zeros from the
+    others, summed."""
+    hx = ops_for(hidden)
+    where = {int(p): i for i, p in enumerate(index)}
+    rows = []
+    for end in ends:
+        i = where.get(end, len(index) - 1)  # any row of ours stands in; it is zeroed below
+        logits = lm_logits(hx, hidden[:, i : i + 1], head)[:, 0]  # [B, V]
+        rows.append(logits if end in where else hx.zeros(tuple(logits.shape), like=logits))
+    out = hx.stack(rows, 1)
+    if cp_mesh.size() > 1:
+        out = cp_mesh.platform.collectives.all_reduce_sum(out, cp_mesh.get_group())
+    return out
+
+
+def _check_packed(
+    model: Any,
+    xp: Any,
+    input_ids: Tensor,
+    layout: str,
+    attention_mask: Tensor | None,
+    cu_seqlens: Any,
+    position_ids: Tensor | None,
+) -> np.ndarray:
+    """The bounds of packed prompts, after the rules only a packed prefill has (the same
+    ValueError or NotImplementedError on every rank, before any communication)."""
+    if not from_transformers(model):
+        raise NotImplementedError(
+            f"packed prompts are supported for transformers' Qwen3.5 models; {type(model).__name__} "
+            "has no per-prompt positions: prefill its prompts one by one"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "packed prompts have no padding: pass cu_seqlens or position_ids, not attention_mask"
+        )
+    if layout != "contiguous":
+        raise ValueError(
+            f"packed prompts need a model parallelized with layout='contiguous'; got layout={layout!r}"
+        )
+    return packed_bounds(xp, input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids)
 
 
 def model_layout(model: Any, text_model: Any) -> str:
@@ -179,7 +235,7 @@ def prompt_layout(layout: str, seq_len: int, cp: int, lengths: Sequence[int] | N
     return TokenLayout.of(layout, lengths)
 
 
-def padding_mask(model: Any, xp: Any, attention_mask: Tensor, shape: tuple[int, int]) -> np.ndarray:
+def padding_mask(xp: Any, attention_mask: Tensor, shape: tuple[int, int]) -> np.ndarray:
     """The left-padding mask as bool ``[B, T]`` (ValueError when its shape is not ``shape`` or a
     row ends in padding)."""
     if tuple(attention_mask.shape) != shape:

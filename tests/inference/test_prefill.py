@@ -294,6 +294,12 @@ def _refusals_worker(rank: int, world: int, base: torch.nn.Module) -> list[str]:
         lambda: prefill_context_parallel(model, mesh, ids, lengths=[6, 6]),
         # on rank 0 alone: a refusal after any collective would hang here instead
         lambda: prefill_context_parallel(model, mesh, ids[:, :10]) if rank == 0 else "not called",
+        lambda: prefill_context_parallel(model, mesh, ids[:1], cu_seqlens=[0, 5, 12]),  # head_tail
+        lambda: prefill_context_parallel(short_range, mesh, ids[:1], cu_seqlens=torch.tensor([0, 5, 5, 12])),
+        lambda: prefill_context_parallel(short_range, mesh, ids, cu_seqlens=[0, 5, 12]),
+        lambda: prefill_context_parallel(
+            short_range, mesh, ids[:1], position_ids=torch.arange(12).reshape(1, 12) % 7
+        ),
     ]
     for call in calls:
         try:
@@ -323,3 +329,12 @@ def test_refuses_bad_input() -> None:
         )
         # rank 0 alone refused without waiting for rank 1
         assert messages[7] == (messages[5] if rank == 0 else "not called")
+        assert messages[8] == (
+            "packed prompts need a model parallelized with layout='contiguous'; got layout='head_tail'"
+        )
+        assert messages[9] == (
+            "the packed row holds an empty prompt: prompts [1] of cu_seqlens=[0, 5, 5, 12] have no tokens"
+        )
+        assert messages[10] == "packed prompts are one row: input_ids must be [1, T]; got B=2"
+        # packed prompts of 7 and 5 tokens: within the position range of 8
+        assert messages[11] == "no error"

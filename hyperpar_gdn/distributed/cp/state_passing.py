@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
+from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_final_states
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops import prepare_chunks
 from hyperpar_gdn.ops.gdn.layer import finish, gates, head_dims, mask_padding, project, split_heads
@@ -117,6 +118,10 @@ class P2PExchange:
         mine = self.s_outs[slot] if cp.rank == owner else xp.zeros(like.shape, like=like)
         return cp.comm.all_reduce_sum(mine, cp.group)
 
+    def entering_state(self) -> Tensor:
+        """The state entering this rank's (first) fragment ``[B, H, K, V]``."""
+        return self.saved[1][0]
+
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
         chain, s_ins, ms = self.saved
@@ -193,6 +198,11 @@ class AllGatherExchange:
             s = xp.matmul(packed[..., dv:], s) + packed[..., :dv]
         return s
 
+    def entering_state(self) -> Tensor:
+        """The state entering this rank's (first) fragment ``[B, H, K, V]``."""
+        chain, _, _, states = self.saved
+        return states[chain.mine[0]]
+
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
         chain, shape, summaries, states = self.saved
@@ -233,6 +243,7 @@ def state_passing_forward(
     layout: TokenLayout | None = None,
     *,
     final_state: bool = False,
+    pieces: ShardPieces | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """x ``[B, T_r, hidden]`` (this rank's shard) -> ``[B, T_r, hidden]``.
 
@@ -248,7 +259,9 @@ def state_passing_forward(
 
     ``final_state``: also return the state after the whole sequence's last token (that of the
     last fragment in global order) ``[B, H, K, V]`` (compute dtype) on every rank, from the summaries (an inference
-    prefill; no gradient)."""
+    prefill; no gradient). With ``pieces`` (packed prompts, contiguous shards): the state after
+    every prompt's last token ``[N, H, K, V]`` instead
+    (:func:`~hyperpar_gdn.distributed.cp.packed_states.doc_final_states`)."""
     per_fragment = None if docs is None else ((docs,) if isinstance(docs, ShardDocs) else tuple(docs))
     if layout is not None and not layout.is_contiguous:
         return _fragments_forward(mode, cp, call, x, attention_mask, per_fragment, layout, final_state)
@@ -271,7 +284,12 @@ def state_passing_forward(
     exchange = EXCHANGES[mode](cp, keep_final=final_state)
     o = xp.cast(shard_outputs(prep, exchange, widened=cp.rank > 0), prep.out_dtype)
     y = finish(xp, w, dims, o, z)
-    return (y, exchange.final_state()) if final_state else y
+    if not final_state:
+        return y
+    if pieces is None:
+        return y, exchange.final_state()
+    s_in = exchange.entering_state()
+    return y, doc_final_states(cp, pieces, q, k, v, g, beta, s_in, chunk_size=call.chunk_size)
 
 
 def _fragments_forward(

@@ -172,6 +172,7 @@ def pick(logits: np.ndarray, args: argparse.Namespace, rng: np.random.Generator)
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Over 80 lines: the run reads top to bottom (set up, timed prefill rounds, decoding, report).
     args = parse_args(argv)
     from hyperpar_gdn import (
         apply_context_parallel,

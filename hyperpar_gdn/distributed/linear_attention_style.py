@@ -34,7 +34,10 @@ class LinearAttentionContextParallel(ParallelStyle):
     single-device result. Parameters are untouched (state dict and optimizer
     as before); their gradients are this rank's share: sum them over the CP ranks with
     :func:`~hyperpar_gdn.sync_context_parallel_grads` (FSDP2 does it in its reduce-scatter).
-    ``undo(module)`` restores the original forward.
+    ``undo(module)`` restores the original forward. The forward also takes ``prefill_states=``
+    (:class:`~hyperpar_gdn.ops.prefill_states.PrefillStates`, an inference prefill's record): the
+    layer then hands it its decoding state of the whole sequence, on every rank, in any mode and
+    layout (with packed documents, one state per document; contiguous layout).
 
     Works on ``hyperpar_gdn.models.GatedDeltaNet``, on transformers' ``Qwen3_5GatedDeltaNet``
     (without a cache) and on the MindSpore layer.
@@ -120,16 +123,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         dims = LayerDims.of(module)
         error = _shard_error(dims, x, attention_mask)
         call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
-        if (
-            states is not None
-            and error is None
-            and (cu_seqlens is not None or call_args.position_ids is not None)
-            and (cp.size == 1 or self.layout != "contiguous")
-        ):
-            error = (
-                "a prefill of packed prompts (a decoder's cache per prompt) needs context parallelism "
-                f"over contiguous shards; got cp={cp.size}, layout={self.layout!r}"
-            )
+        error = error or self._packed_prefill_error(cp, call_args, states)
         if cp.size == 1:
             if error is not None:
                 raise ValueError(error)
@@ -186,6 +180,16 @@ class LinearAttentionContextParallel(ParallelStyle):
                 y, s = y
                 states.keep_gdn(module, self._conv_state(cp, call, x, attention_mask, tokens, pieces), s)
         return y if placements is None else DTensor.from_local(y, mesh, placements)
+
+    def _packed_prefill_error(self, cp: CPGroup, call: CallArgs, states: PrefillStates | None) -> str | None:
+        """Why this layer cannot record a state per packed prompt, or None."""
+        packed = call.cu_seqlens is not None or call.position_ids is not None
+        if states is None or not packed or (cp.size > 1 and self.layout == "contiguous"):
+            return None
+        return (
+            "a prefill of packed prompts (a decoder's cache per prompt) needs context parallelism "
+            f"over contiguous shards; got cp={cp.size}, layout={self.layout!r}"
+        )
 
     @staticmethod
     def _conv_state(

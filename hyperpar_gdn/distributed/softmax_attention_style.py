@@ -141,7 +141,9 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
 
     After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard
     ``[B, T_r, hidden]`` (shards may differ in length) and gives exactly the single-device rows;
-    ours also take ``cu_seqlens=`` (packed documents: the whole sequence's boundaries).
+    ours also take ``cu_seqlens=`` (packed documents: the whole sequence's boundaries). Both take
+    ``prefill_states=`` (an inference prefill's record: handed K and V of the whole sequence in
+    global order, on every rank).
     Parameters are untouched; their gradients are this rank's share (sum them over the CP ranks:
     :func:`~hyperpar_gdn.sync_context_parallel_grads`).
     ``undo(module)`` restores the original forward.

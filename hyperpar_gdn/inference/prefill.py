@@ -101,6 +101,8 @@ def prefill_context_parallel(
     ``(logits [N, V], caches)``, ``caches[n]`` the ``DynamicCache`` of prompt n alone (continue
     it with ``generate`` from that prompt, as from the prompt's own prefill).
     """
+    # Over 80 lines with its docstring: the checks every rank makes before any communication, then
+    # the one forward; each check is a helper below.
     cp_mesh = as_cp_mesh(mesh)
     check_prompt(input_ids)
     text_model = text_model_of(model)

@@ -200,6 +200,8 @@ def ulysses_forward(
     (compute dtype) on every rank: each rank's heads ran the whole sequence; one all-gather puts
     them together (an inference prefill; no gradient). With packed documents (``docs``): the state
     after every document's last token ``[N, H, K, V]``."""
+    # Over 80 lines: the pipeline (all-to-all, conv, rule, all-to-all back, final state) reads in
+    # order in one place; its pieces are the helpers above.
     xp, w, dims, n, r = cp.xp, call.weights, call.dims, cp.size, cp.rank
     shares = [HeadShare.of(dims, n, j) for j in range(n)]
     mine, t_local = shares[r], lengths[r]

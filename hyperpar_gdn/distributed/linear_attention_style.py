@@ -21,7 +21,7 @@ from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forwar
 from hyperpar_gdn.ops.gdn.varlen import packed_doc_starts
 from hyperpar_gdn.platform import Tensor, ops_for
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "p2p", "all_gather", "scan")
 
 
 def prefill_layout_error(layout: str) -> str | None:
@@ -47,8 +47,9 @@ class LinearAttentionContextParallel(ParallelStyle):
 
     Args:
         mode: ``"ulysses"`` (head parallel, two all-to-alls; num_v_heads divisible by cp),
-            ``"p2p"`` (state passing along a chain) or ``"all_gather"`` (one all-gather of
-            fp32 state summaries). See docs/modes.md.
+            ``"p2p"`` (state passing along a chain), ``"all_gather"`` (one all-gather of
+            fp32 state summaries) or ``"scan"`` (a prefix scan of the summaries in
+            ceil(log2 cp) rounds of point-to-point exchange). See docs/modes.md.
         chunk_size: tokens per chunk of the gated delta rule.
         layout: which tokens a rank holds (:mod:`hyperpar_gdn.distributed.layout`):
             ``"contiguous"`` (the r-th piece) or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp,

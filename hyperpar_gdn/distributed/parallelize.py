@@ -46,7 +46,7 @@ def apply_context_parallel(
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
         mesh: the CP axis (e.g. ``mesh["cp"]``).
-        mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"`` for the GDN layers.
+        mode: ``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"scan"`` for the GDN layers.
         chunk_size: chunk of the gated delta rule.
         layout: ``"contiguous"`` (rank r holds tokens ``[r*T/cp, (r+1)*T/cp)``) or ``"head_tail"``
             (pieces r and 2cp-1-r of 2*cp: equal softmax-attention work on every rank). The model

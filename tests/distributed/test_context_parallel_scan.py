@@ -3,7 +3,7 @@ equals one device at cp 2, 3, 4, 5 and 8: output shard, input-gradient shard and
 gradient (summed over the ranks), fp64, real gloo ranks, with shards of different lengths, the
 head_tail layout, no documents and packed documents that cross shards and pieces (references:
 our layer on the whole packed row, and transformers' ``Qwen3_5GatedDeltaNet`` run on each
-document alone). The sends are counted: each rank sends once per round it takes part in, and
+document alone), and a prefill's final state on uneven contiguous shards. The sends are counted: each rank sends once per round it takes part in, and
 the first fragment's owner (forward) and the last one's (backward) in every one of the
 ceil(log2 n) rounds.
 
@@ -23,6 +23,7 @@ from hyperpar_gdn import LinearAttentionContextParallel
 from hyperpar_gdn.distributed.cp.scan import scan_rounds
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
+from hyperpar_gdn.inference.states import record_prefill_states
 from hyperpar_gdn.models import GatedDeltaNet
 from hyperpar_gdn.platform import get_platform
 
@@ -85,13 +86,15 @@ def _references(ours: GatedDeltaNet, hf: torch.nn.Module, x: torch.Tensor, cot: 
 
 
 def _run_case(mesh, ours, hf, layout: str, lengths: list[int], cu) -> dict[str, object]:
-    platform, cp, rank = mesh.platform, mesh.size(), mesh.get_local_rank()
+    platform, rank = mesh.platform, mesh.get_local_rank()
     t = sum(lengths)
     gen = torch.Generator().manual_seed(7)
     x, cot = (torch.randn(1, t, 32, generator=gen, dtype=torch.float64) for _ in range(2))
     refs = _references(ours, hf, x, cot, cu)
     index = torch.as_tensor(TokenLayout.of(layout, lengths).positions(rank))
-    layer = LinearAttentionContextParallel("scan", chunk_size=4, layout=layout).apply(copy.deepcopy(ours), mesh)
+    layer = LinearAttentionContextParallel("scan", chunk_size=4, layout=layout).apply(
+        copy.deepcopy(ours), mesh
+    )
     comm = platform.collectives
     sent: list[tuple[int, ...]] = []
     send = comm.send
@@ -114,7 +117,23 @@ def _run_case(mesh, ours, hf, layout: str, lengths: list[int], cu) -> dict[str, 
             scale = ref[key].abs().max().clamp_min(1e-300)
             worst = max(worst, ((value - expected).abs().max() / scale).item())
         errors[ref_name] = worst
-    return {"errors": errors, "forward_sends": forward_sends, "backward_sends": len(sent) - len(forward_sends)}
+    if layout == "contiguous" and cu is None:  # a prefill's final state (prefill refuses packing)
+        errors["final_state"] = _final_state_error(layer, ours, x, index, cu)
+    return {
+        "errors": errors,
+        "forward_sends": forward_sends,
+        "backward_sends": len(sent) - len(forward_sends),
+    }
+
+
+def _final_state_error(layer, ours, x: torch.Tensor, index: torch.Tensor, cu) -> float:
+    cu_t = None if cu is None else torch.tensor(cu)
+    with torch.no_grad(), record_prefill_states() as got:
+        layer(x[:, index], cu_seqlens=cu_t)
+    with torch.no_grad(), record_prefill_states() as ref:
+        ours(x, cu_seqlens=cu_t)
+    state, expected = got.gdn[id(layer)][1], ref.gdn[id(ours)][1]
+    return ((state - expected).abs().max() / expected.abs().max()).item()
 
 
 def _worker(rank: int, world: int) -> dict[str, dict[str, object]]:
@@ -149,7 +168,7 @@ def test_scan_matches_single_device_in_log_rounds() -> None:
             cp = int(case.split("/")[0][2:])
             layout = "head_tail" if "head_tail" in case else "contiguous"
             for ref_name, err in result["errors"].items():
-                tol = HF_TOL if ref_name == "hf" else TOL
+                tol = HF_TOL if ref_name == "hf" else TOL  # final_state: ours on the whole row
                 assert err <= tol, f"rank {rank} {case} vs {ref_name}: relative error {err:.2e} > {tol:.0e}"
             forward, backward = _expected_sends(cp, layout, rank)
             assert (len(result["forward_sends"]), result["backward_sends"]) == (forward, backward), (

@@ -145,7 +145,9 @@ class ScanExchange:
         xp = self.cp.xp
         chain, ms, _, s_ins = self.saved
         n, last = len(chain.mine), len(chain.order) - 1
-        ds_ins = [xp.zeros(s.shape, like=s) for s in s_ins] if ds_in is None else split_fragments(xp, ds_in, n)
+        ds_ins = (
+            [xp.zeros(s.shape, like=s) for s in s_ins] if ds_in is None else split_fragments(xp, ds_in, n)
+        )
         owners = tuple(rank for rank, _ in reversed(chain.order))
         # element last - i is fragment i; a fragment without M (the first) is never composed
         maps = {

@@ -13,6 +13,7 @@ A transformers model also gets forward pre-hooks that make its inputs right for 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from hyperpar_gdn.distributed.cp.ulysses import ulysses_head_error
@@ -21,14 +22,23 @@ from hyperpar_gdn.distributed.layout import check_layout, layout_mismatch
 from hyperpar_gdn.distributed.linear_attention_style import MODES, LinearAttentionContextParallel
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
+from hyperpar_gdn.distributed.planner import plan_for_model
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 
 __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
 
+logger = logging.getLogger(__name__)
+
 
 def apply_context_parallel(
-    model: Any, mesh: Any, *, mode: str, chunk_size: int = 64, layout: str = "contiguous"
+    model: Any,
+    mesh: Any,
+    *,
+    mode: str,
+    chunk_size: int = 64,
+    layout: str = "contiguous",
+    seq_len: int | None = None,
 ) -> Any:
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
@@ -46,18 +56,31 @@ def apply_context_parallel(
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
         mesh: the CP axis (e.g. ``mesh["cp"]``).
-        mode: ``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"scan"`` for the GDN layers.
+        mode: ``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"scan"`` for the GDN layers, or
+            ``"auto"``: the one :func:`~hyperpar_gdn.plan_context_parallel` predicts fastest for
+            this model, mesh and ``seq_len`` (logged, with why; docs/modes.md).
         chunk_size: chunk of the gated delta rule.
         layout: ``"contiguous"`` (rank r holds tokens ``[r*T/cp, (r+1)*T/cp)``) or ``"head_tail"``
             (pieces r and 2cp-1-r of 2*cp: equal softmax-attention work on every rank). The model
             takes ``cp_layout=`` (a keyword of its forward, which
             ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut for another.
+        seq_len: the whole sequence's tokens, for ``mode="auto"`` only (required there).
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
     check_layout(layout)
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}")
+    if mode not in (*MODES, "auto"):
+        raise ValueError(
+            f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)} or auto"
+        )
+    if (mode == "auto") != (seq_len is not None):
+        raise ValueError(
+            f"seq_len is given with mode='auto' and only then; got mode={mode!r}, seq_len={seq_len!r}"
+        )
+    if mode == "auto":
+        plan = plan_for_model(model, mesh, seq_len=seq_len, layout=layout)
+        logger.info("apply_context_parallel(mode='auto'): %s", plan.why())
+        mode = plan.choice
     cp_mesh = as_cp_mesh(mesh)
     outer, text_model = find_decoder(model)
     mixers = [mixer_of(i, block) for i, block in enumerate(text_model.layers)]

@@ -17,6 +17,7 @@ from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.linear_attention_style import MODES
 from hyperpar_gdn.models.lm import HybridLMConfig
 
+CP_MODES = (*MODES, "auto")
 DTYPES = ("fp32", "bf16")
 
 MODEL_SIZES: dict[str, HybridLMConfig] = {
@@ -67,7 +68,8 @@ class TrainConfig:
     """Every option of ``scripts/train.py`` (its flag is the field name with dashes).
 
     Attributes:
-        cp_mode: context-parallel mode of the GDN layers (softmax layers all-gather K and V).
+        cp_mode: context-parallel mode of the GDN layers (softmax layers all-gather K and V);
+            "auto": the mode the cost model predicts fastest (the run header says which and why).
         cp_layout: which tokens a CP rank holds: "contiguous" or "head_tail" (pieces r and
             2cp-1-r of 2*cp: equal softmax-attention work on every rank). None: head_tail when
             the model has softmax-attention layers, else contiguous (:meth:`token_layout`).
@@ -138,8 +140,8 @@ class TrainConfig:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.cp_mode not in MODES:
-            raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(MODES)}")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(CP_MODES)}")
         if self.cp_layout is not None and self.cp_layout not in LAYOUTS:
             raise ValueError(
                 f"--cp-layout {self.cp_layout!r} is not a token layout; choose one of {', '.join(LAYOUTS)}"
@@ -242,7 +244,7 @@ class TrainConfig:
             raise ValueError(
                 f"--cp-mode ulysses splits the GDN value heads over cp={cp}, but {self.model_name} has "
                 f"{num_k_heads} key and {num_v_heads} value heads; "
-                "use --cp-mode p2p or all_gather, or a smaller --cp-size"
+                "use --cp-mode p2p, all_gather, scan or auto, or a smaller --cp-size"
             )
         return dp, cp
 
@@ -283,7 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     add = parser.add_argument
-    add("--cp-mode", choices=MODES, default=defaults.cp_mode, help="CP mode of the GDN layers")
+    add(
+        "--cp-mode",
+        choices=CP_MODES,
+        default=defaults.cp_mode,
+        help="CP mode of the GDN layers (auto: the cost model's choice, see docs/modes.md)",
+    )
     add(
         "--cp-layout",
         choices=LAYOUTS,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+from hyperpar_gdn.distributed.planner import plan_for_model
 from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_model_dir
 from hyperpar_gdn.models.lm import HybridLM
@@ -133,11 +134,12 @@ class Trainer:
 
         torch.manual_seed(config.seed)  # the initial weights, on every platform
         self._build_model()
+        self._choose_cp_mode()  # again: a subclass's _build_model may not call it
         if (
             self.cp > 1 or self.tokenizer is not None
         ):  # transformers' own layers would drop cu_seqlens on a CPU
             cp_layout = config.token_layout()
-            apply_context_parallel(self.model, self.mesh["cp"], mode=config.cp_mode, layout=cp_layout)
+            apply_context_parallel(self.model, self.mesh["cp"], mode=self.cp_mode, layout=cp_layout)
         self._apply_sharding()
         self.sampler = BatchSampler(
             load_stream(config.data, self.tokenizer),
@@ -168,12 +170,24 @@ class Trainer:
             self.model.to(self.device).train()
         else:
             self.model = HybridLM(config.model).to(self.device)
+        self._choose_cp_mode()  # the reference below takes the same mode
         self.reference = copy.deepcopy(self.model) if config.check_parity and self.rank == 0 else None
         if self.reference is not None and self.tokenizer is not None:  # our layers, on one rank
             solo = DeviceMesh.from_group(self.platform, None, [self.rank], mesh_dim_name="cp")
-            apply_context_parallel(self.reference, solo, mode=config.cp_mode)
+            apply_context_parallel(self.reference, solo, mode=self.cp_mode)
         self.optimizer = _adamw(self.model, config)
         self.ref_optimizer = None if self.reference is None else _adamw(self.reference, config)
+
+    def _choose_cp_mode(self) -> None:
+        """``self.cp_mode``: --cp-mode, or for auto the cost model's choice (``self.cp_plan``)."""
+        config = self.config
+        self.cp_mode, self.cp_plan = config.cp_mode, None
+        if config.cp_mode == "auto":
+            dtype = "bfloat16" if config.dtype == "bf16" else "float32"
+            self.cp_plan = plan_for_model(
+                self.model, self.mesh["cp"], seq_len=config.seq_len, layout=config.token_layout(), dtype=dtype
+            )
+            self.cp_mode = self.cp_plan.choice
 
     # --- training ---------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -187,7 +201,7 @@ class Trainer:
             self.world_size,
             self.dp,
             self.cp,
-            config.cp_mode,
+            config.cp_mode if self.cp_plan is None else f"auto: {self.cp_mode}",
             config.token_layout(),
             "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name)),
             config.model_name,
@@ -197,6 +211,8 @@ class Trainer:
             self.step + 1,
             config.steps,
         )
+        if self.cp_plan is not None:
+            logger.info("--cp-mode auto chose %s: %s", self.cp_mode, self.cp_plan.why())
         start = time.perf_counter()
         while self.step < config.steps:
             batch = self.sampler.next_batch()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
 from hyperpar_gdn.distributed.cp.ulysses import ulysses_head_error
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, text_model_of
 from hyperpar_gdn.distributed.layout import check_layout, layout_mismatch
@@ -39,6 +40,7 @@ def apply_context_parallel(
     chunk_size: int = 64,
     layout: str = "contiguous",
     seq_len: int | None = None,
+    inner_size: int | None = None,
 ) -> Any:
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
@@ -65,13 +67,17 @@ def apply_context_parallel(
             takes ``cp_layout=`` (a keyword of its forward, which
             ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut for another.
         seq_len: the whole sequence's tokens, for ``mode="auto"`` only (required there).
+        inner_size: for the two-level GDN modes (``"ulysses+p2p"``, ``"ulysses+all_gather"``,
+            ``"ulysses+scan"``) only: ranks per inner group (a node); the softmax layers use the
+            whole group.
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
     check_layout(layout)
-    if mode not in (*MODES, "auto"):
+    if mode not in (*MODES, *TWO_LEVEL_MODES, "auto"):
         raise ValueError(
-            f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)} or auto"
+            f"mode={mode!r} is not a context-parallel mode; choose one of "
+            f"{', '.join((*MODES, *TWO_LEVEL_MODES))} or auto"
         )
     if (mode == "auto") != (seq_len is not None):
         raise ValueError(
@@ -85,10 +91,16 @@ def apply_context_parallel(
     outer, text_model = find_decoder(model)
     mixers = [mixer_of(i, block) for i, block in enumerate(text_model.layers)]
     cp = cp_mesh.size()
+    linear_style = LinearAttentionContextParallel(
+        mode, chunk_size=chunk_size, layout=layout, inner_size=inner_size
+    )
+    heads_over = cp if mode == "ulysses" else inner_size  # ranks ulysses splits the heads over
+    if inner_size is not None and cp % inner_size:
+        raise ValueError(f"mode={mode!r}: inner_size={inner_size} does not divide cp={cp}")
     for i, (kind, module) in enumerate(mixers):
         error = (
-            ulysses_head_error(LayerDims.of(module), cp)
-            if mode == "ulysses" and kind == "linear_attn"
+            ulysses_head_error(LayerDims.of(module), heads_over)
+            if heads_over is not None and kind == "linear_attn"
             else None
         )
         if error is not None:
@@ -101,7 +113,6 @@ def apply_context_parallel(
         installed = False
     if not installed:  # HybridLM: its forward takes cp_layout= and checks it
         ParallelStyle._install(model, lambda original: _checking_layout(original, layout))
-    linear_style = LinearAttentionContextParallel(mode, chunk_size=chunk_size, layout=layout)
     softmax_style = SoftmaxAttentionContextParallel(layout=layout)
     for kind, module in mixers:
         (linear_style if kind == "linear_attn" else softmax_style).apply(module, cp_mesh)

@@ -139,7 +139,13 @@ class Trainer:
             self.cp > 1 or self.tokenizer is not None
         ):  # transformers' own layers would drop cu_seqlens on a CPU
             cp_layout = config.token_layout()
-            apply_context_parallel(self.model, self.mesh["cp"], mode=self.cp_mode, layout=cp_layout)
+            apply_context_parallel(
+                self.model,
+                self.mesh["cp"],
+                mode=self.cp_mode,
+                layout=cp_layout,
+                inner_size=config.cp_inner_size,
+            )
         self._apply_sharding()
         self.sampler = BatchSampler(
             load_stream(config.data, self.tokenizer),
@@ -174,7 +180,8 @@ class Trainer:
         self.reference = copy.deepcopy(self.model) if config.check_parity and self.rank == 0 else None
         if self.reference is not None and self.tokenizer is not None:  # our layers, on one rank
             solo = DeviceMesh.from_group(self.platform, None, [self.rank], mesh_dim_name="cp")
-            apply_context_parallel(self.reference, solo, mode=self.cp_mode)
+            # one rank: every mode is the single-device layer (two-level modes need the whole world)
+            apply_context_parallel(self.reference, solo, mode="p2p" if config.cp_inner_size else self.cp_mode)
         self.optimizer = _adamw(self.model, config)
         self.ref_optimizer = None if self.reference is None else _adamw(self.reference, config)
 

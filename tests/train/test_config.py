@@ -33,7 +33,10 @@ ROOT = Path(__file__).resolve().parents[2]
         ),
         ({"cp_mode": "ulysses+scan"}, "--cp-inner-size goes with the two-level modes"),
         ({"cp_mode": "p2p", "cp_inner_size": 2}, "got --cp-mode p2p and --cp-inner-size 2"),
-        ({"cp_mode": "ulysses+p2p", "cp_inner_size": 2}, "--cp-mode ulysses+p2p needs --cp-layout contiguous"),
+        (
+            {"cp_mode": "ulysses+p2p", "cp_inner_size": 2},
+            "--cp-mode ulysses+p2p needs --cp-layout contiguous",
+        ),
     ],
 )
 def test_option_errors_name_the_option(options: dict[str, object], message: str) -> None:

@@ -11,6 +11,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+# The label of a token that has no loss (torch's and transformers' convention); the one definition.
+IGNORE_INDEX = -100
+
 Tensor = Any  # a torch.Tensor or a mindspore.Tensor, depending on the platform
 Group = Any  # a framework process-group handle
 
@@ -190,7 +193,9 @@ class TensorOps(ABC):
         return None
 
     @abstractmethod
-    def cross_entropy_sum(self, logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> Tensor:
+    def cross_entropy_sum(
+        self, logits: Tensor, labels: Tensor, *, ignore_index: int = IGNORE_INDEX
+    ) -> Tensor:
         """The sum of token cross-entropies, computed in fp32 (fp64 for fp64 logits), over the
         tokens whose label is not ``ignore_index``: logits ``[..., V]``, labels ``[...]`` int."""
 

@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ref_loss, ref_grads = loss_and_grads(
         reference, input_ids, lambda h, w: lm_loss_sum_reference(h, w, shifted) / labelled
     )
-    errors = [relative_error(platform.to_numpy(g), platform.to_numpy(r)) for g, r in zip(grads, ref_grads)]
+    errors = [
+        relative_error(platform.to_numpy(g), platform.to_numpy(r))
+        for g, r in zip(grads, ref_grads, strict=True)
+    ]
     worst = max([abs(loss - ref_loss) / abs(ref_loss), *errors])
 
     ms.nn.SGD(model.trainable_params(), learning_rate=args.lr)(tuple(grads))

@@ -12,7 +12,7 @@ shares are summed over the ranks (``sync_context_parallel_grads``) and one SGD s
 Every rank also runs the same step on the whole sequence without parallelism and compares the
 loss and every parameter's gradient (error relative to each tensor's largest value). Rank 0
 prints ``mindspore_cp_step: ok ...``; the exit code is 0 only if every rank matched within
-``--tolerance`` and no rank ever imported torch.
+``--tolerance``, the step moved every parameter by ``-lr * gradient`` and no rank imported torch.
 """
 
 from __future__ import annotations
@@ -105,14 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     ]
     worst = max([abs(loss - ref_loss) / abs(ref_loss), *errors])
 
-    ms.nn.SGD(model.trainable_params(), learning_rate=args.lr)(tuple(grads))
+    params = model.trainable_params()
+    before = [p.asnumpy().copy() for p in params]
+    ms.nn.SGD(params, learning_rate=args.lr)(tuple(grads))
+    expected = [b - args.lr * platform.to_numpy(g) for b, g in zip(before, grads, strict=True)]
+    stepped = all(
+        np.allclose(p.asnumpy(), e, rtol=1e-5, atol=1e-7) for p, e in zip(params, expected, strict=True)
+    )
     torch_loaded = "torch" in sys.modules
-    ok = worst <= args.tolerance and not torch_loaded
+    ok = worst <= args.tolerance and stepped and not torch_loaded
     if rank == 0:
         print(
             f"mindspore_cp_step: {'ok' if ok else 'FAILED'} cp={world} mode={args.cp_mode} loss={loss:.6f} "
             f"one-device={ref_loss:.6f} worst relative error={worst:.2e} over {len(errors)} gradients "
-            f"(tolerance {args.tolerance:g}); torch imported: {torch_loaded}",
+            f"(tolerance {args.tolerance:g}); SGD step applied: {stepped}; torch imported: {torch_loaded}",
             flush=True,
         )
     return 0 if ok else 1

@@ -1,7 +1,8 @@
 """The platform contract: the small interfaces that code above the platform layer may use.
 
-Nothing outside ``hyperpar_gdn.platform`` imports a framework. The maths (``hyperpar_gdn.ops``),
-the layer and the context-parallel algorithms receive a :class:`TensorOps` (tensor functions) and,
+No file here imports a framework, and neither does the core above the platform: the maths
+(``hyperpar_gdn.ops``), the layer, the context-parallel algorithms (``hyperpar_gdn.distributed``)
+and prefill (``hyperpar_gdn.inference``) receive a :class:`TensorOps` (tensor functions) and,
 when they communicate, a :class:`Collectives` (differentiable collectives over a process group).
 """
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.linear_attention_style import MODES
-from hyperpar_gdn.models.lm import HybridLMConfig
+from hyperpar_gdn.models.config import HybridLMConfig
 
 DTYPES = ("fp32", "bf16")
 

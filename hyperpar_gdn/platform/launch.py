@@ -168,24 +168,7 @@ def launch_ranks(
     threads: int = 1,
 ) -> RankOutcome:
     """Like :func:`run_ranks` but returns the :class:`RankOutcome` instead of raising."""
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1")
-    if timeout_s <= 0 or pg_timeout_s <= 0 or grace_s < 0:
-        raise ValueError(
-            f"timeouts must be positive (grace_s may be 0): timeout_s={timeout_s}, "
-            f"pg_timeout_s={pg_timeout_s}, grace_s={grace_s}"
-        )
-    if rendezvous not in ("file", "env"):
-        raise ValueError(f"rendezvous={rendezvous!r} must be 'file' or 'env'")
-    if threads < 1:
-        raise ValueError(f"threads={threads} must be >= 1")
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        raise RuntimeError(
-            "the parent process owns a default process group; forked ranks would inherit a broken "
-            "copy. Run single-process distributed code inside run_ranks(..., 1) instead."
-        )
+    _check_options(world_size, timeout_s, pg_timeout_s, grace_s, rendezvous, threads)
     context = multiprocessing.get_context("fork")
     outcome = RankOutcome(world_size=world_size)
     procs: list[Any] = []
@@ -238,6 +221,30 @@ def launch_ranks(
         shutil.rmtree(job_dir, ignore_errors=True)
         outcome.wall_s = time.monotonic() - start
     return outcome
+
+
+def _check_options(
+    world_size: int, timeout_s: float, pg_timeout_s: float, grace_s: float, rendezvous: str, threads: int
+) -> None:
+    """Refuse bad options, and a parent that owns a process group, before any rank starts."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if timeout_s <= 0 or pg_timeout_s <= 0 or grace_s < 0:
+        raise ValueError(
+            f"timeouts must be positive (grace_s may be 0): timeout_s={timeout_s}, "
+            f"pg_timeout_s={pg_timeout_s}, grace_s={grace_s}"
+        )
+    if rendezvous not in ("file", "env"):
+        raise ValueError(f"rendezvous={rendezvous!r} must be 'file' or 'env'")
+    if threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "the parent process owns a default process group; forked ranks would inherit a broken "
+            "copy. Run single-process distributed code inside run_ranks(..., 1) instead."
+        )
 
 
 def _collect(

@@ -108,6 +108,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _read_result(path: Path) -> dict[str, Any] | None:
+    """A worker's result file, or None if it wrote none."""
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def _tail(path: Path, lines: int) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -178,10 +183,7 @@ def run_msrun(
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _stop(proc)
-        results: list[dict[str, Any] | None] = []
-        for rank in range(world_size):
-            path = out_dir / f"rank{rank}.json"
-            results.append(json.loads(path.read_text()) if path.exists() else None)
+        results = [_read_result(out_dir / f"rank{rank}.json") for rank in range(world_size)]
         logs = {"msrun": _tail(msrun_log, log_lines)}
         for path in sorted(log_dir.glob("*.log")) if log_dir.exists() else []:
             logs[path.name] = _tail(path, log_lines)

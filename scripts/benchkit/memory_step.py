@@ -113,4 +113,4 @@ def measure_loss(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
         loss = F.cross_entropy((hidden @ head.T).reshape(-1, VOCAB), labels.reshape(-1), reduction="sum")
     loss.backward()
     seconds = time.perf_counter() - start
-    return {"growth": peak_rss_bytes() - before, "seconds": [seconds], "loss": float(loss)}
+    return {"growth": peak_rss_bytes() - before, "seconds": [seconds], "loss": float(loss.detach())}

@@ -30,7 +30,7 @@ from hyperpar_gdn.inference.prefill import prompt_lengths
 
 transformers = pytest.importorskip("transformers")
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "p2p", "all_gather", "scan")
 NEW_TOKENS = 16
 EXACT_TOL = 1e-12
 STATE_TOL = 2e-5

@@ -29,6 +29,7 @@ from hyperpar_gdn.platform.base import (
     Collectives,
     Group,
     Platform,
+    PlatformUnavailableError,
     Tensor,
     TensorOps,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "Collectives",
     "Group",
     "Platform",
+    "PlatformUnavailableError",
     "Tensor",
     "TensorOps",
     "get_platform",

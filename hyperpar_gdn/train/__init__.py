@@ -6,6 +6,7 @@
 - :mod:`.loop`: :class:`Trainer` (build, train, close).
 """
 
+from hyperpar_gdn.platform.base import PlatformUnavailableError
 from hyperpar_gdn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hyperpar_gdn.train.config import MODEL_SIZES, TrainConfig, UsageError, parse_args
 from hyperpar_gdn.train.loop import Trainer, TrainResult
@@ -18,6 +19,7 @@ USER_ERRORS = (
     NotImplementedError,
     ModuleNotFoundError,
     CheckpointError,
+    PlatformUnavailableError,
 )
 
 __all__ = [

@@ -1,0 +1,120 @@
+"""What every script under ``scripts/`` shows a user at the command line, in one place.
+
+- :func:`run_script`: runs a script's body; a user error (a bad option, a missing file, a
+  platform this machine does not have) becomes one line on rank 0, ``<script>: error: ...``, and
+  exit code 2; SIGTERM or Ctrl-C becomes one line on rank 0, ``<script>: stopped by SIGTERM ...``
+  (with what the script says about where it stopped), and exit code 128 + the signal's number.
+  No traceback on any rank for either.
+- :class:`Parser`: an ``ArgumentParser`` whose errors raise :class:`UsageError` (reported once,
+  by rank 0, through :func:`run_script`) instead of printing the usage on every rank, and whose
+  ``--help`` shows each option's default.
+
+Under ``torchrun`` the shell sees torchrun's own code, 1, whenever a worker exits non-zero; the
+one line comes first, and torchrun's failure summary that follows repeats it as its root cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import NoReturn
+
+
+class UsageError(ValueError):
+    """A command-line error (unknown option, bad value, options that do not go together)."""
+
+
+class Stopped(Exception):  # noqa: N818 (a request, not a failure)
+    """Raised in the main thread when the process gets SIGTERM (Ctrl-C raises KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def launch_rank() -> int:
+    """This process's global rank as the launcher set it (torchrun ``RANK``, msrun ``RANK_ID``)."""
+    value = os.environ.get("RANK", os.environ.get("RANK_ID", "0"))
+    return int(value) if value.strip().isdigit() else 0
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says it (``default`` in the text,
+    a flag that is off unless given, or a None that the help explains)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text or action.default is None or action.default is False:
+            return help_text
+        return super()._get_help_string(action) or help_text
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse`` with :class:`HelpFormatter`, raising :class:`UsageError` on a bad command line."""
+
+    def __init__(self, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see --help)")
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
+def _write_torchelastic_error(message: str) -> None:
+    """Give torchrun's failure summary our line as the worker's error (it otherwise says "To enable
+    traceback see ..."): torchrun reads the JSON file it names in ``TORCHELASTIC_ERROR_FILE``."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    record = {"message": {"message": message, "extraInfo": info}}
+    try:
+        with open(path, "w") as file:
+            json.dump(record, file)
+    except OSError:
+        pass  # the summary then shows torchrun's generic text; the line was printed already
+
+
+def run_script(
+    name: str,
+    body: Callable[[], int],
+    *,
+    user_errors: tuple[type[BaseException], ...],
+    where: Callable[[], str] | None = None,
+) -> int:
+    """``body()``'s exit code, or 2 after a user error, or 128 + N after signal N.
+
+    Args:
+        name: the script's file name, the prefix of its lines (``"generate.py"``).
+        body: the script's work; it returns the exit code.
+        user_errors: the exception types a user can fix; any other exception keeps its traceback.
+        where: after SIGTERM or Ctrl-C, what to add to the stop line (the step reached, the last
+            checkpoint); it must not communicate (the other ranks are stopping too).
+    """
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    rank = launch_rank()
+    try:
+        return body()
+    except (UsageError, *user_errors) as err:
+        message = f"{name}: error: {err}"
+        if rank == 0:
+            print(message, file=sys.stderr, flush=True)
+            _write_torchelastic_error(message)
+        return 2
+    except (KeyboardInterrupt, Stopped) as stop:
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        if rank == 0:
+            detail = where() if where is not None else ""
+            print(f"{name}: stopped by {signal.Signals(signum).name}{detail}", file=sys.stderr, flush=True)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,10 +79,12 @@ def test_sampling_follows_the_seed(model_dir: Path, tmp_path: Path) -> None:
     ("option", "message"),
     [
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1; got 0"),
-        (["--temperature", "0"], "--temperature=0.0 must be > 0"),
+        (["--sample", "--temperature", "0"], "--temperature=0.0 must be > 0"),
+        (["--top-k", "3"], "--top-k 3 only apply to sampling; add --sample"),
     ],
 )
-def test_bad_options(option: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
+def test_bad_options(option: list[str], message: str) -> None:
+    from hyperpar_gdn.cli import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(message)):
         load_script().parse_args(["--model", "m", "--prompt-file", "p", *option])
-    assert message in capsys.readouterr().err

@@ -268,6 +268,8 @@ def _report(
     times: tuple[list[float], list[float], list[float]],
 ) -> None:
     """Rank 0: decode from the prefill's logits and state, print the continuation and the numbers."""
+    from hyperpar_gdn.distributed.payoff import cp_advice
+
     cp_times, one_times, solo_times = times
     engine.cache = state
     rng = np.random.default_rng(args.seed)
@@ -307,6 +309,16 @@ def _report(
     print(
         f"prefill of {t} tokens at cp={cp} ({args.mode}): {prefill_s:.3f} s median, {t / prefill_s:.1f} tokens/s"
     )
+    advice = cp_advice(
+        platform=platform.name,
+        cp=cp,
+        tokens_per_rank=t // cp,
+        mode=args.mode,
+        layout="contiguous",
+        fewer="fewer ranks (torchrun --nproc-per-node), or one process (python scripts/generate.py)",
+    )
+    if advice is not None:
+        print(advice)
     if one_times:
         one, solo_s = statistics.median(one_times), statistics.median(solo_times)
         print(

@@ -44,6 +44,7 @@ from hyperpar_gdn.train.checkpoint import (
 )
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.data import Batch, BatchSampler, RankBatch, load_stream, rank_batch
+from hyperpar_gdn.train.header import run_header
 from hyperpar_gdn.train.log import logger, setup_logging
 from hyperpar_gdn.train.sharding import (
     apply_activation_checkpointing,
@@ -180,23 +181,16 @@ class Trainer:
         config = self.config
         result = TrainResult(start_step=self.step)
         tokens_per_step = config.batch_size * config.seq_len
-        logger.info(
-            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s, --cp-layout %s%s), model %s: %s parameters, "
-            "--dtype %s, %d tokens per step, steps %d..%d",
-            self.platform.name,
-            self.world_size,
-            self.dp,
-            self.cp,
-            config.cp_mode,
-            config.token_layout(),
-            "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name)),
-            config.model_name,
-            f"{self.model.num_parameters():,}",
-            config.dtype,
-            tokens_per_step,
-            self.step + 1,
-            config.steps,
-        )
+        for line in run_header(
+            config,
+            platform=self.platform.name,
+            world_size=self.world_size,
+            dp=self.dp,
+            cp=self.cp,
+            parameters=self.model.num_parameters(),
+            first_step=self.step + 1,
+        ):
+            logger.info(line)
         start = time.perf_counter()
         while self.step < config.steps:
             batch = self.sampler.next_batch()

@@ -1,0 +1,36 @@
+"""The run header of ``scripts/train.py``: what runs where, and a note when CP cannot pay off."""
+
+from __future__ import annotations
+
+from hyperpar_gdn.distributed.payoff import cp_advice
+from hyperpar_gdn.train.config import TrainConfig
+
+
+def run_header(
+    config: TrainConfig, *, platform: str, world_size: int, dp: int, cp: int, parameters: int, first_step: int
+) -> list[str]:
+    """The header lines: platform, ranks as dp x cp with the CP options (or "no context
+    parallelism" at cp=1), model, dtype, tokens per step, steps; then :func:`cp_advice`'s note."""
+    flags = "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name))
+    if cp > 1:
+        what = f"--cp-mode {config.cp_mode}, --cp-layout {config.token_layout()}{flags}"
+    else:
+        what = f"no context parallelism{flags}"
+    lines = [
+        f"platform {platform}, {world_size} rank{'s' if world_size > 1 else ''} = dp {dp} x cp {cp} ({what}), "
+        f"model {config.model_name}: {parameters:,} parameters, --dtype {config.dtype}, "
+        f"{config.batch_size * config.seq_len} tokens per step, steps {first_step}..{config.steps}"
+    ]
+    if config.batch_size % world_size == 0:
+        fewer = f"--cp-size 1 ({world_size} data-parallel replicas, whole sequences per rank)"
+    else:
+        fewer = "fewer ranks per CP group (--cp-size) or fewer processes"
+    advice = cp_advice(
+        platform=platform,
+        cp=cp,
+        tokens_per_rank=config.seq_len // cp,
+        mode=config.cp_mode,
+        layout=config.token_layout(),
+        fewer=fewer,
+    )
+    return lines if advice is None else [*lines, advice]

@@ -1,6 +1,7 @@
 """The docs cannot drift: every fenced Python block of README.md and docs/*.md whose info string is
 ``python runnable`` runs here, in a fresh process (``python runnable ranks=N``: on N forked gloo
-ranks, as ``torchrun --nproc-per-node N`` would run it), and must finish without an error."""
+ranks, as ``torchrun --nproc-per-node N`` would run it), and must finish without an error; any
+other Python block is marked ``python fragment``."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ def _run(rank: int, world: int, name: str, code: str) -> bool:
 def test_the_docs_have_runnable_blocks() -> None:
     names = {name.split(":")[0] for name, _, _ in BLOCKS}
     assert {"README.md", "training.md"} <= names, names
+
+
+def test_every_python_block_runs_or_says_it_is_a_fragment() -> None:
+    """A reader copies a bare ``python`` block as it is: each one is either run here (``python
+    runnable``) or marked ``python fragment`` (it needs a launcher or inputs the page names)."""
+    bare = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        for match in FENCE.finditer(text):
+            info = match["info"].strip()
+            if info.startswith("python") and not (RUNNABLE.match(info) or info == "python fragment"):
+                bare.append(f"{path.name}:{text.count(chr(10), 0, match.start()) + 1} {info!r}")
+    assert not bare, bare
 
 
 @pytest.mark.parametrize("name, ranks, code", BLOCKS, ids=[b[0] for b in BLOCKS])

@@ -5,6 +5,8 @@
   exit code 2; SIGTERM or Ctrl-C becomes one line on rank 0, ``<script>: stopped by SIGTERM ...``
   (with what the script says about where it stopped), and exit code 128 + the signal's number.
   No traceback on any rank for either.
+- :func:`route_framework_logs`: MindSpore's own log lines go to its log files, not the console
+  (``GLOG_v`` or ``GLOG_logtostderr=1`` brings them back).
 - :class:`Parser`: an ``ArgumentParser`` whose errors raise :class:`UsageError` (reported once,
   by rank 0, through :func:`run_script`) instead of printing the usage on every rank, and whose
   ``--help`` shows each option's default.
@@ -65,6 +67,42 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+def route_framework_logs() -> str | None:
+    """Under ``HP_PLATFORM=mindspore``, send MindSpore's own log lines (its INFO, WARNING and
+    ERROR lines, Python's and C++'s) to files in a log directory instead of the console, unless
+    the user set ``GLOG_v``, ``GLOG_logtostderr`` or ``GLOG_log_dir``.
+
+    The directory is the one of this worker's stdout file (msrun's ``--log_dir``), else
+    ``./mindspore_log``: MindSpore writes ``rank_<R>/logs/`` there, and whatever its C++ code
+    prints to the process's stderr goes to ``rank_<R>/stderr.log`` (file descriptor 2 is
+    redirected; Python's ``sys.stderr`` keeps the console, so this project's lines and tracebacks
+    stay visible). Must run before MindSpore is imported. Returns the directory, or None.
+    """
+    if os.environ.get("HP_PLATFORM", "").strip().lower() != "mindspore":
+        return None
+    if any(name in os.environ for name in ("GLOG_v", "GLOG_logtostderr", "GLOG_log_dir")):
+        return None
+    directory = "mindspore_log"
+    try:
+        stdout = os.readlink("/proc/self/fd/1")
+        if stdout.endswith(".log"):
+            directory = os.path.dirname(stdout) or "."
+    except OSError:
+        pass  # not Linux, or no stdout file: the default directory
+    directory = os.path.abspath(directory)
+    os.environ["GLOG_logtostderr"] = "0"
+    os.environ["GLOG_log_dir"] = directory
+    os.environ.setdefault("GLOG_stderrthreshold", "3")  # its Python logger: ERROR still on the console
+    rank_dir = os.path.join(directory, f"rank_{launch_rank()}")
+    os.makedirs(rank_dir, exist_ok=True)
+    sys.stderr.flush()
+    console = os.dup(2)
+    with open(os.path.join(rank_dir, "stderr.log"), "ab") as log:
+        os.dup2(log.fileno(), 2)
+    sys.stderr = os.fdopen(console, "w", buffering=1)
+    return directory
+
+
 def _raise_stopped(signum: int, frame: object) -> None:
     raise Stopped(signum)
 
@@ -100,6 +138,7 @@ def run_script(
         where: after SIGTERM or Ctrl-C, what to add to the stop line (the step reached, the last
             checkpoint); it must not communicate (the other ranks are stopping too).
     """
+    route_framework_logs()
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     rank = launch_rank()
     try:

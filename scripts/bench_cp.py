@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hyperpar_gdn.cli import HelpFormatter
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 
 MODES = ("ulysses", "p2p", "all_gather")
@@ -599,26 +600,35 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--seq-len", type=int, default=8192, help="total T of the fixed-total sweep")
     parser.add_argument(
         "--local-seq-len", type=int, default=2048, help="T/cp of the fixed-local sweep (0: skip)"
     )
-    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--total-threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2, 4], help="CP sizes of both sweeps")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="CP modes to time")
+    parser.add_argument(
+        "--total-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="threads split over the ranks (default: the machine's cores)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--batch", type=int, default=1, help="sequences B per step")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_cp.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("results/bench_cp.json"), help="JSON file of the results"
+    )
     parser.add_argument(
         "--backend", nargs="+", default=["torch"], choices=BACKENDS, help="frameworks to time, in turn"
     )
     parser.add_argument(
         "--efficiency-cp", type=int, default=2, help="ranks of the one-core-per-rank efficiency run (0: skip)"
     )
-    parser.add_argument("--efficiency-repeats", type=int, default=5)
+    parser.add_argument(
+        "--efficiency-repeats", type=int, default=5, help="timed rounds of the efficiency run"
+    )
     parser.add_argument("--skip-sweeps", action="store_true", help="only the efficiency run")
     parser.add_argument("--worker-job", type=Path, help=argparse.SUPPRESS)  # MindSpore worker mode
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)

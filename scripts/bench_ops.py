@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from hyperpar_gdn.cli import HelpFormatter
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 
 TARGET_REL_ERR = 1e-5
@@ -678,18 +679,20 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--B", type=int, default=1)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--B", type=int, default=1, help="batch size")
     parser.add_argument("--T", type=int, default=None, help=f"tokens (default: {DEFAULT_T} by backend)")
-    parser.add_argument("--H", type=int, default=4)
+    parser.add_argument("--H", type=int, default=4, help="heads")
     parser.add_argument("--K", type=int, default=128, help="key dim; the value dim too unless --V")
-    parser.add_argument("--V", type=int, default=None)
-    parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--V", type=int, default=None, help="value dim (default: --K)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="chunk length C of the kernel")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--matmul-size", type=int, default=2048)
-    parser.add_argument("--backend", choices=sorted(BACKENDS), default="torch")
+    parser.add_argument(
+        "--matmul-size", type=int, default=2048, help="n of the n x n x n matmul that measures the machine"
+    )
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="torch", help="framework to time")
     parser.add_argument("--packed-T", type=int, default=8192, help="tokens of the packed case (torch)")
     parser.add_argument("--packed-docs", type=int, default=8, help="documents of the packed case; 0 skips it")
     parser.add_argument(
@@ -697,7 +700,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
         action="store_true",
         help="leave glibc's malloc settings alone (default: keep_freed_host_memory(), for every implementation)",
     )
-    parser.add_argument("--out", type=Path, default=Path("results/bench_ops.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("results/bench_ops.json"), help="JSON file of the results"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error(f"--repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")

@@ -41,8 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--model", type=Path, required=True, help="a transformers Qwen3.5 model directory (config.json, tokenizer; required)")
-    add("--prompt-file", type=Path, required=True, help="a UTF-8 text file: the prompt to read under CP (required)")
+    add(
+        "--model",
+        type=Path,
+        required=True,
+        help="a transformers Qwen3.5 model directory (config.json, tokenizer; required)",
+    )
+    add(
+        "--prompt-file",
+        type=Path,
+        required=True,
+        help="a UTF-8 text file: the prompt to read under CP (required)",
+    )
     add(
         "--mode",
         default="p2p",
@@ -64,8 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--sample from the k likeliest tokens (default: 0 = all; an error without --sample)",
     )
-    add("--seed", type=int, default=None, help="random seed of --sample (default: 0; an error without --sample)")
-    add("--min-prompt-tokens", type=int, default=0, help="repeat the prompt up to this length (0: as written)")
+    add(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed of --sample (default: 0; an error without --sample)",
+    )
+    add(
+        "--min-prompt-tokens", type=int, default=0, help="repeat the prompt up to this length (0: as written)"
+    )
     add("--repeats", type=int, default=1, help="prefill runs timed (median reported)")
     add(
         "--compare-one-device",
@@ -103,7 +120,9 @@ def check_paths(args: argparse.Namespace) -> None:
     """The model directory and the prompt file, checked on every rank before any communication."""
     model = args.model
     if not model.is_dir():
-        raise FileNotFoundError(f"--model {model}: no such directory (expected a transformers model directory)")
+        raise FileNotFoundError(
+            f"--model {model}: no such directory (expected a transformers model directory)"
+        )
     if (model / "manifest.json").is_file() and not (model / "config.json").is_file():
         raise ValueError(
             f"--model {model} is a training checkpoint (train.py --save); generate.py reads a transformers "
@@ -227,7 +246,12 @@ def _generate(argv: list[str] | None) -> int:
 
 def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids_np: np.ndarray) -> None:
     """The timed prefill rounds on every rank, then decoding and the report on rank 0."""
-    from hyperpar_gdn import apply_context_parallel, init_device_mesh, prefill_context_parallel, undo_context_parallel
+    from hyperpar_gdn import (
+        apply_context_parallel,
+        init_device_mesh,
+        prefill_context_parallel,
+        undo_context_parallel,
+    )
 
     rank, group, comm = platform.rank(), mesh.get_group(), platform.collectives
     ids = engine.tensor(ids_np)
@@ -299,13 +323,9 @@ def _report(
         "cp1_prefill_s": solo_times or None,
         "decode_tokens_per_s": (args.max_new_tokens - 1) / decode_s if args.max_new_tokens > 1 else None,
         "new_tokens": tokens,
-        "loadavg": Path("/proc/loadavg").read_text().split()[:3]
-        if Path("/proc/loadavg").exists()
-        else None,
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else None,
     }
-    print(
-        f"--- continuation ({'sampled' if args.sample else 'greedy'}, {len(tokens)} tokens) ---\n{text}"
-    )
+    print(f"--- continuation ({'sampled' if args.sample else 'greedy'}, {len(tokens)} tokens) ---\n{text}")
     print(
         f"prefill of {t} tokens at cp={cp} ({args.mode}): {prefill_s:.3f} s median, {t / prefill_s:.1f} tokens/s"
     )

@@ -60,6 +60,8 @@ def test_every_python_block_runs_or_says_it_is_a_fragment() -> None:
 
 @pytest.mark.parametrize("name, ranks, code", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_block_runs(name: str, ranks: int, code: str) -> None:
+    if "transformers" in code:  # import once here: the forked ranks inherit it (tens of seconds each)
+        import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
     assert run_ranks(_run, ranks, name, code, timeout_s=120) == [True] * ranks
 
 

@@ -164,8 +164,11 @@ def test_every_option_of_every_script_has_help_and_default() -> None:
             if option in ("-h", "--help"):
                 continue
             words = paragraph.split()
-            takes_value = len(words) > 1 and words[1].isupper() or "{" in words[0] or (
-                len(words) > 1 and words[1].startswith("{")
+            takes_value = (
+                len(words) > 1
+                and words[1].isupper()
+                or "{" in words[0]
+                or (len(words) > 1 and words[1].startswith("{"))
             )
             described = len(words) > (3 if takes_value else 2)
             if not described or (takes_value and "default" not in paragraph):

@@ -21,7 +21,9 @@ from __future__ import annotations
 MIN_TOKENS_PER_RANK = 1024  # measured slower than one device at this shard length (see above)
 
 
-def cp_advice(*, platform: str, cp: int, tokens_per_rank: int, mode: str, layout: str, fewer: str) -> str | None:
+def cp_advice(
+    *, platform: str, cp: int, tokens_per_rank: int, mode: str, layout: str, fewer: str
+) -> str | None:
     """One line for a run header when CP is not expected to pay off, else None.
 
     Args:

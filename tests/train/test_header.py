@@ -9,12 +9,16 @@ from hyperpar_gdn.train.header import run_header
 
 
 def _header(config: TrainConfig, *, platform: str = "cpu", world: int = 2, cp: int = 2) -> list[str]:
-    return run_header(config, platform=platform, world_size=world, dp=world // cp, cp=cp, parameters=1234, first_step=1)
+    return run_header(
+        config, platform=platform, world_size=world, dp=world // cp, cp=cp, parameters=1234, first_step=1
+    )
 
 
 def test_one_rank_claims_no_context_parallelism() -> None:
     (line,) = _header(TrainConfig(), world=1, cp=1)
-    assert line.startswith("platform cpu, 1 rank = dp 1 x cp 1 (no context parallelism), model --model-size tiny")
+    assert line.startswith(
+        "platform cpu, 1 rank = dp 1 x cp 1 (no context parallelism), model --model-size tiny"
+    )
     assert "--cp-mode" not in line and "--cp-layout" not in line and "1,234 parameters, --dtype fp32" in line
 
 

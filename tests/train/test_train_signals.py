@@ -23,11 +23,24 @@ def _run_until_saved(tmp: Path, signum: int, *, ranks: int) -> tuple[int, str]:
     command = [sys.executable, str(ROOT / "scripts" / "train.py")]
     if ranks:
         command[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-    command += ["--steps", "5000", "--seq-len", "32", "--batch-size", "2", "--save", "ckpt", "--save-every", "2"]
+    command += [
+        "--steps",
+        "5000",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--save",
+        "ckpt",
+        "--save-every",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
     log = tmp / "out.txt"
     with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + 150
             while "saved ckpt/step-" not in log.read_text():
@@ -42,7 +55,9 @@ def _run_until_saved(tmp: Path, signum: int, *, ranks: int) -> tuple[int, str]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("signum", "ranks"), [(signal.SIGTERM, 0), (signal.SIGINT, 2)], ids=["SIGTERM-python", "SIGINT-torchrun"])
+@pytest.mark.parametrize(
+    ("signum", "ranks"), [(signal.SIGTERM, 0), (signal.SIGINT, 2)], ids=["SIGTERM-python", "SIGINT-torchrun"]
+)
 def test_stop_is_one_line(tmp_path: Path, signum: int, ranks: int) -> None:
     code, out = _run_until_saved(tmp_path, signum, ranks=ranks)
     lines = [line for line in out.splitlines() if line.startswith("train.py: stopped by")]
@@ -54,6 +69,8 @@ def test_stop_is_one_line(tmp_path: Path, signum: int, ranks: int) -> None:
     )
     assert match, lines[0]
     step, saved = int(match[1]), int(match[2])
-    assert saved % 2 == 0 and saved <= step and (tmp_path / "ckpt" / f"step-{saved}" / "manifest.json").is_file()
+    assert (
+        saved % 2 == 0 and saved <= step and (tmp_path / "ckpt" / f"step-{saved}" / "manifest.json").is_file()
+    )
     assert "hyperpar_gdn" not in out and 'train.py", line' not in out, out
     assert code == (128 + signum if not ranks else 1), out  # torchrun: its own code for a stopped job

@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-
 SAMPLING_OPTIONS = {"temperature": 1.0, "top_k": 0, "seed": 0}
 
 

@@ -59,6 +59,7 @@ def test_greedy_continuation_equals_transformers(model_dir: Path, tmp_path: Path
     expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
     assert result["new_tokens"] == expected
     assert result["prompt_tokens"] == ids.shape[1] and result["cp"] == 2
+    assert result["framework"] == "torch" and result["device"] == "cpu"
     assert len(result["prefill_s"]) == 2 and len(result["one_device_prefill_s"]) == 2
 
 

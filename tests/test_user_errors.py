@@ -1,4 +1,4 @@
-"""What a user sees after a mistake, for scripts/generate.py and scripts/train.py: one line on rank
+"""What a user sees after a mistake, for scripts/generate.py, train.py and selfcheck.py: one line on rank
 0 (``<script>: error: ...`` naming the value and the rule), no traceback from this project on any
 rank, every rank ends; exit code 2 from ``python``, torchrun's 1 under torchrun (with the line as
 its failure summary's root cause). Also: every option of every script has a help text and shows
@@ -95,6 +95,13 @@ CASES = {
         [*GEN, "--mode", "ulysses"],
         {},
         "--mode ulysses splits the GDN heads over cp=3 ranks, but tiny has 2 key and 4 value heads",
+    ),
+    "selfcheck-seq-len-2ranks": (
+        "selfcheck.py",
+        2,
+        ["--seq-len", "7"],
+        {"HP_PLATFORM": "cpu"},
+        "--seq-len 7 must be divisible by the 2 ranks",
     ),
     "train-cuda-without-cuda-2ranks": (
         "train.py",

@@ -306,8 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="built-in model preset (default: tiny; not with --model)",
     )
-    add("--model", dest="model_dir", default=None, help="a transformers Qwen3.5 model directory to train (default: the built-in model)")
-    add("--export", default=None, help="with --model: write the trained model as a transformers directory (default: none)")
+    add(
+        "--model",
+        dest="model_dir",
+        default=None,
+        help="a transformers Qwen3.5 model directory to train (default: the built-in model)",
+    )
+    add(
+        "--export",
+        default=None,
+        help="with --model: write the trained model as a transformers directory (default: none)",
+    )
     add("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate")
     add("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear warmup steps")
     add("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (matrices)")
@@ -325,7 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train on plain windows of the concatenated documents (no restart at document starts; "
         "default: off, documents restart)",
     )
-    add("--metrics-json", default=None, help="JSON file for per-step losses, tokens/s, peak memory (rank 0; default: none)")
+    add(
+        "--metrics-json",
+        default=None,
+        help="JSON file for per-step losses, tokens/s, peak memory (rank 0; default: none)",
+    )
     add("--save", default=None, help="checkpoint root directory (step-N/ under it; default: no checkpoints)")
     add("--save-every", type=int, default=defaults.save_every, help="save every N steps (0: at the end)")
     add("--keep-last", type=int, default=defaults.keep_last, help="keep the newest N checkpoints (0: all)")
@@ -335,7 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="start at step 1 even when --save DIR holds checkpoints (by default: resume from the newest)",
     )
-    add("--resume", default=None, help="a step-N checkpoint directory, or a root (its latest step-N; default: none)")
+    add(
+        "--resume",
+        default=None,
+        help="a step-N checkpoint directory, or a root (its latest step-N; default: none)",
+    )
     add("--fsdp", action="store_true", help="shard parameters, gradients, optimizer state (FSDP2)")
     add("--ac", action="store_true", help="activation checkpointing per decoder layer")
     add(

@@ -33,7 +33,12 @@ def test_readme_mindspore_command_output(tmp_path: Path) -> None:
     with socket.socket() as sock:  # msrun's default port may be taken by another job
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, str(Path(sys.executable).parent / "msrun"), f"--master_port={port}", *command[1:]]
+    command = [
+        sys.executable,
+        str(Path(sys.executable).parent / "msrun"),
+        f"--master_port={port}",
+        *command[1:],
+    ]
     command = [c.replace("scripts/train.py", str(ROOT / "scripts" / "train.py")) for c in command]
     command += ["--steps", "3", "--seq-len", "32", "--batch-size", "2"]  # short: the output's form
     env = {k: v for k, v in os.environ.items() if not k.startswith("GLOG_")}
@@ -44,7 +49,11 @@ def test_readme_mindspore_command_output(tmp_path: Path) -> None:
     assert result.returncode == 0, out
     lines = out.splitlines()
     assert len(lines) < 40, out
-    workers = [line for line in lines if re.match(r"\[(WARNING|ERROR)\] \w+\((?!\d+:\d+,MainProcess\):.*_api\.py)", line)]
+    workers = [
+        line
+        for line in lines
+        if re.match(r"\[(WARNING|ERROR)\] \w+\((?!\d+:\d+,MainProcess\):.*_api\.py)", line)
+    ]
     assert not [line for line in workers if "process_entity" not in line], out  # msrun's own line only
     assert any(line.startswith("[rank 0] done: steps 1..3") for line in lines), out
     assert (tmp_path / "msrun_log" / "rank_0" / "stderr.log").stat().st_size > 0

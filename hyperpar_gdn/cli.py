@@ -39,6 +39,15 @@ class Stopped(Exception):  # noqa: N818 (a request, not a failure)
         self.signum = signum
 
 
+USER_ERROR_GRACE_S = 10.0  # how long ranks other than 0 wait after a user error (see run_script)
+
+
+def _launched_ranks() -> int:
+    """The world size the launcher set (torchrun ``WORLD_SIZE``, msrun ``MS_WORKER_NUM``), else 1."""
+    value = os.environ.get("WORLD_SIZE", os.environ.get("MS_WORKER_NUM", "1"))
+    return int(value) if value.strip().isdigit() else 1
+
+
 def launch_rank() -> int:
     """This process's global rank as the launcher set it (torchrun ``RANK``, msrun ``RANK_ID``)."""
     value = os.environ.get("RANK", os.environ.get("RANK_ID", "0"))
@@ -148,6 +157,13 @@ def run_script(
         if rank == 0:
             print(message, file=sys.stderr, flush=True)
             _write_torchelastic_error(message)
+        elif _launched_ranks() > 1:
+            # The launcher stops every worker once one exits: give rank 0 (which hits the same
+            # check, maybe later under load) time to print the line. Its exit ends this wait.
+            try:
+                time.sleep(USER_ERROR_GRACE_S)
+            except (Stopped, KeyboardInterrupt):
+                pass  # the launcher ends this rank: expected, nothing to say
         return 2
     except (KeyboardInterrupt, Stopped) as stop:
         signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT

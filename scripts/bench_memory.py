@@ -275,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (multiple of 64)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the model")
     parser.add_argument(
-        "--budget-gib", type=float, default=None, help="per-rank budget of the search (none: skip)"
+        "--budget-gib",
+        type=float,
+        default=None,
+        help="per-rank budget of the search (default: none, no search)",
     )
     parser.add_argument("--t-step", type=int, default=256, help="the search's T is a multiple of this x cp")
     parser.add_argument("--t-limit", type=int, default=1 << 16, help="the search stops at this T")

@@ -178,6 +178,6 @@ def test_every_option_of_every_script_has_help_and_default() -> None:
                 or (len(words) > 1 and words[1].startswith("{"))
             )
             described = len(words) > (3 if takes_value else 2)
-            if not described or (takes_value and "default" not in paragraph):
+            if not described or (takes_value and "default" not in paragraph and "required" not in paragraph):
                 missing.append(f"{name} {paragraph}")
     assert not missing, "\n".join(missing)

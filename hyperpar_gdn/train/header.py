@@ -7,13 +7,24 @@ from hyperpar_gdn.train.config import TrainConfig
 
 
 def run_header(
-    config: TrainConfig, *, platform: str, world_size: int, dp: int, cp: int, parameters: int, first_step: int
+    config: TrainConfig,
+    *,
+    platform: str,
+    world_size: int,
+    dp: int,
+    cp: int,
+    parameters: int,
+    first_step: int,
+    cp_mode: str | None = None,
 ) -> list[str]:
     """The header lines: platform, ranks as dp x cp with the CP options (or "no context
-    parallelism" at cp=1), model, dtype, tokens per step, steps; then :func:`cp_advice`'s note."""
+    parallelism" at cp=1), model, dtype, tokens per step, steps; then :func:`cp_advice`'s note.
+    ``cp_mode``: the mode ``--cp-mode auto`` chose (shown as ``auto: <mode>``), else None."""
     flags = "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name))
+    mode = config.cp_mode if cp_mode is None else cp_mode
     if cp > 1:
-        what = f"--cp-mode {config.cp_mode}, --cp-layout {config.token_layout()}{flags}"
+        shown = config.cp_mode if cp_mode is None else f"auto: {cp_mode}"
+        what = f"--cp-mode {shown}, --cp-layout {config.token_layout()}{flags}"
     else:
         what = f"no context parallelism{flags}"
     lines = [
@@ -29,7 +40,7 @@ def run_header(
         platform=platform,
         cp=cp,
         tokens_per_rank=config.seq_len // cp,
-        mode=config.cp_mode,
+        mode=mode,
         layout=config.token_layout(),
         fewer=fewer,
     )

@@ -181,6 +181,7 @@ class Trainer:
 
     def _log_header(self, tokens_per_step: int) -> None:
         """The run header (:func:`~hyperpar_gdn.train.header.run_header`), on rank 0."""
+        plan = getattr(self.backend, "cp_plan", None)
         for line in run_header(
             self.config,
             platform=self.platform.name,
@@ -189,8 +190,11 @@ class Trainer:
             cp=self.cp,
             parameters=self.backend.num_parameters(),
             first_step=self.step + 1,
+            cp_mode=None if plan is None else self.backend.cp_mode,
         ):
             logger.info(line)
+        if plan is not None:
+            logger.info("--cp-mode auto chose %s: %s", self.backend.cp_mode, plan.why())
 
     def _run_facts(self) -> dict[str, Any]:
         return {

@@ -336,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cp-inner-size",
         type=int,
         default=None,
-        help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node",
+        help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node "
+        "(default: none, one level)",
     )
     add("--steps", type=int, default=defaults.steps, help="optimizer steps to reach")
     add("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence, before the CP split")

@@ -31,8 +31,10 @@ class UsageError(ValueError):
     """A command-line error (unknown option, bad value, options that do not go together)."""
 
 
-class Stopped(Exception):  # noqa: N818 (a request, not a failure)
-    """Raised in the main thread when the process gets SIGTERM (Ctrl-C raises KeyboardInterrupt)."""
+class Stopped(BaseException):  # noqa: N818 (a request, not a failure)
+    """Raised in the main thread when the process gets SIGTERM (Ctrl-C raises KeyboardInterrupt).
+    A ``BaseException``, as ``KeyboardInterrupt``: ``except Exception`` blocks (a checkpoint
+    save's error report, say) let it through."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)

@@ -32,7 +32,9 @@ class CPSFTTrainer(ContextParallelMixin, SFTTrainer):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="a Qwen3.5 model directory (default: a tiny random one)")
+    parser.add_argument(
+        "--model", default=None, help="a Qwen3.5 model directory (default: a tiny random one)"
+    )
     parser.add_argument("--cp-size", type=int, default=2)
     parser.add_argument("--cp-mode", default="p2p", choices=("p2p", "all_gather", "ulysses"))
     parser.add_argument("--steps", type=int, default=30)
@@ -53,6 +55,7 @@ def main() -> None:
             max_steps=options.steps,
             logging_steps=5,
             padding_free=True,  # packed rows, position_ids restarting per document
+            max_length=None,  # padding-free rows are not truncated: keep the texts short (or pack)
             pad_to_multiple_of=2 * options.cp_size,  # head_tail cuts each row into 2 * cp_size pieces
             save_strategy="no",
             report_to=[],

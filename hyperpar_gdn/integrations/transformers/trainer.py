@@ -234,7 +234,7 @@ class ContextParallelMixin:
 class ContextParallelTrainer(ContextParallelMixin, Trainer):
     """transformers' ``Trainer`` with context parallelism (see :class:`ContextParallelMixin`)::
 
-        trainer = ContextParallelTrainer(model=model, args=args, train_dataset=ds, cp_size=2)
+    trainer = ContextParallelTrainer(model=model, args=args, train_dataset=ds, cp_size=2)
     """
 
 

@@ -25,7 +25,11 @@ _REQUIRED_ARGS = (
     ("label_smoothing_factor", 0.0, "the CP loss is plain cross-entropy"),
     ("average_tokens_across_devices", True, "the CP loss divides by the labelled tokens of the global batch"),
     ("include_num_input_tokens_seen", "no", "its count would include every CP rank's copy of the batch"),
-    ("train_sampling_strategy", ("random", "sequential", "group_by_length"), "batch_rebalance shards over every rank"),
+    (
+        "train_sampling_strategy",
+        ("random", "sequential", "group_by_length"),
+        "batch_rebalance shards over every rank",
+    ),
 )
 
 
@@ -51,7 +55,14 @@ class CPSetup:
 
 
 def check_trainer_setup(
-    model: Any, args: Any, *, world: int, cp_size: int, cp_mode: str, cp_layout: str | None, cp_chunk_size: int
+    model: Any,
+    args: Any,
+    *,
+    world: int,
+    cp_size: int,
+    cp_mode: str,
+    cp_layout: str | None,
+    cp_chunk_size: int,
 ) -> CPSetup:
     """Check a Trainer's set-up for context parallelism; no communication.
 
@@ -76,7 +87,9 @@ def check_trainer_setup(
             f"launch a multiple of {cp_size} processes or choose a cp_size that divides {world}"
         )
     if cp_mode not in MODES:
-        raise ValueError(f"cp_mode={cp_mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}")
+        raise ValueError(
+            f"cp_mode={cp_mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}"
+        )
     if cp_layout is not None:
         check_layout(cp_layout)
     if isinstance(cp_chunk_size, bool) or not isinstance(cp_chunk_size, int) or cp_chunk_size < 1:
@@ -99,7 +112,9 @@ def _check_model(model: Any, cp: int, mode: str) -> set[str]:
         )
     name = type(model).__name__
     if getattr(model, "get_output_embeddings", lambda: None)() is None:
-        raise ValueError(f"{name} has no LM head: context-parallel training needs a causal LM such as Qwen3_5ForCausalLM")
+        raise ValueError(
+            f"{name} has no LM head: context-parallel training needs a causal LM such as Qwen3_5ForCausalLM"
+        )
     _, text_model = find_decoder(model)  # ValueError naming the supported models
     mixers = mixers_of(text_model)
     kinds = {kind for kind, _ in mixers}

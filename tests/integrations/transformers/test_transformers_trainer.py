@@ -69,7 +69,8 @@ def _padded(multiple: int = 4) -> Any:
         for i, row in enumerate(rows):
             n = len(row["input_ids"])
             ids[i, :n], mask[i, :n] = torch.tensor(row["input_ids"]), 1
-            labels[i, 1:n] = torch.tensor(row["labels"][1:])  # as the flattening collator: no label on token 0
+            # as DataCollatorWithFlattening: no label on a document's first token
+            labels[i, 1:n] = torch.tensor(row["labels"][1:])
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
     return collate
@@ -111,7 +112,13 @@ def _summary(trainer: Any) -> dict[str, Any]:
 
 
 def _train(
-    model_kind: str, batch: int, cp: dict | None, collator: str, out: str, resume: str | None = None, **overrides: Any
+    model_kind: str,
+    batch: int,
+    cp: dict | None,
+    collator: str,
+    out: str,
+    resume: str | None = None,
+    **overrides: Any,
 ) -> Any:
     model = tiny_model(moe=model_kind == "moe").float()
     kwargs = dict(
@@ -164,6 +171,7 @@ def _sft(cp: dict | None, out: str) -> dict[str, Any]:
         seed=0,
         disable_tqdm=True,
         padding_free=cp is not None,
+        max_length=None,  # the texts are short; padding-free rows are not truncated
         pad_to_multiple_of=4,
     )
     kwargs = dict(model=model, args=SFTConfig(**sft_args), train_dataset=data, processing_class=tokenizer)
@@ -182,21 +190,23 @@ def _sft(cp: dict | None, out: str) -> dict[str, Any]:
 
 
 def _reference_worker(rank: int, world: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out:  # one process: its own folder
         refs = {kind: _summary(_train(kind, 2, None, "padded", out)) for kind in ("dense", "moe")}
         refs["sft"] = _sft(None, out)
     return refs
 
 
-def _cp_worker(rank: int, world: int, cases: tuple, save_dir: str) -> dict[str, Any]:
+def _cp_worker(rank: int, world: int, cases: tuple, work_dir: str) -> dict[str, Any]:
+    """Every case, then (dp1 x cp2) the extras; ``work_dir`` is shared by the ranks (rank 0 writes
+    the checkpoints every rank resumes from)."""
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as out:
-        for kind, mode, layout, collator in cases:
-            cp = {"cp_size": 2, "cp_mode": mode, "cp_layout": layout}
-            batch = 2 // (world // 2)  # the same global batch of 2 rows on dp1 and dp2
-            results[(kind, mode, layout, collator)] = _summary(_train(kind, batch, cp, collator, out))
-        if world == 2:
-            results.update(_extras_worker(rank, out, save_dir))
+    out = str(Path(work_dir) / "out")
+    for kind, mode, layout, collator in cases:
+        cp = {"cp_size": 2, "cp_mode": mode, "cp_layout": layout}
+        batch = 2 // (world // 2)  # the same global batch of 2 rows on dp1 and dp2
+        results[(kind, mode, layout, collator)] = _summary(_train(kind, batch, cp, collator, out))
+    if world == 2:
+        results.update(_extras_worker(rank, out, str(Path(work_dir) / "model")))
     return results
 
 
@@ -248,7 +258,9 @@ def _bad_setups(out: str) -> dict[str, str]:
     for name, (model, overrides, cp, collator) in cases.items():
         try:
             args = _args(out, 2, **overrides)
-            ContextParallelTrainer(model=model, args=args, train_dataset=data, data_collator=collator, **cp).train()
+            ContextParallelTrainer(
+                model=model, args=args, train_dataset=data, data_collator=collator, **cp
+            ).train()
             errors[name] = ""
         except (ValueError, NotImplementedError, TypeError) as error:
             errors[name] = str(error)
@@ -265,8 +277,8 @@ def references() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
-    save_dir = tmp_path_factory.mktemp("saved") / "model"
-    return run_ranks(_cp_worker, 2, CASES, str(save_dir), timeout_s=500, pg_timeout_s=120), save_dir
+    work_dir = tmp_path_factory.mktemp("cp2")
+    return run_ranks(_cp_worker, 2, CASES, str(work_dir), timeout_s=500, pg_timeout_s=120), work_dir / "model"
 
 
 def _rel(actual: float | torch.Tensor, expected: float | torch.Tensor) -> float:
@@ -292,9 +304,9 @@ def test_trainer_cp2_equals_one_process(case: tuple, references: dict, cp2: tupl
 
 
 @pytest.mark.timeout(900)
-def test_trainer_dp2_cp2_equals_one_process(references: dict) -> None:
+def test_trainer_dp2_cp2_equals_one_process(references: dict, tmp_path: Path) -> None:
     case = ("dense", "p2p", "head_tail", "packed")
-    results = run_ranks(_cp_worker, 4, (case,), "", timeout_s=400, pg_timeout_s=120)
+    results = run_ranks(_cp_worker, 4, (case,), str(tmp_path), timeout_s=400, pg_timeout_s=120)
     for rank, result in enumerate(results):
         _assert_same_run(result[case], references["dense"], f"dp2 x cp2 rank {rank}")
 

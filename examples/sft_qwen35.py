@@ -60,6 +60,7 @@ def main() -> None:
             save_strategy="no",
             report_to=[],
             use_cpu=options.model is None,
+            bf16=options.model is not None,  # TRL's default autocast: bf16 on devices, fp32 on the CPU
             disable_tqdm=True,
         )
         trainer = CPSFTTrainer(

@@ -21,7 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_sft_example_runs_and_the_loss_falls(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += [str(ROOT / "examples" / "sft_qwen35.py"), "--steps", "15", "--output-dir", str(tmp_path / "out")]
+    command += [
+        str(ROOT / "examples" / "sft_qwen35.py"),
+        "--steps",
+        "15",
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     output = result.stdout + result.stderr

@@ -43,8 +43,10 @@ from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 __all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
 
 # the batch keys the CP path reads: transformers' collators (padding, DataCollatorWithFlattening)
-# and TRL's (padding-free packing) emit these
+# and TRL's (padding-free packing) emit these; the packed-document keys must describe the same
+# documents as the position_ids
 _BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 class ContextParallelMixin:
@@ -97,7 +99,10 @@ class ContextParallelMixin:
         apply_context_parallel(
             self.model, self.cp_mesh["cp"], mode=setup.mode, chunk_size=setup.chunk_size, layout=setup.layout
         )
-        self.model_accepts_loss_kwargs = True  # the loss below divides by num_items_in_batch
+        # the loss below divides by num_items_in_batch: the Trainer must count it and not divide
+        # the loss by the accumulation steps again
+        self.model_accepts_loss_kwargs = True
+        self.loss_is_scaled_for_ga = True
 
     # --- data ------------------------------------------------------------------------------------
 
@@ -111,11 +116,14 @@ class ContextParallelMixin:
         finally:
             del accelerator.prepare_data_loader  # back to the class's method
 
-    def _prepare_over_dp(self, data_loader: Any, device_placement: bool | None = None, **unused: Any) -> Any:
+    def _prepare_over_dp(
+        self, data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
+    ) -> Any:
+        """accelerate's ``Accelerator.prepare_data_loader`` with ``dp`` processes, this rank's DP index."""
         from accelerate.data_loader import prepare_data_loader
 
         accelerator = self.accelerator
-        if unused.get("slice_fn_for_dispatch") is not None:
+        if slice_fn_for_dispatch is not None:
             raise NotImplementedError("dispatched batches (slice_fn_for_dispatch) are not supported under CP")
         prepared = prepare_data_loader(
             data_loader,
@@ -174,11 +182,6 @@ class ContextParallelMixin:
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Training: this rank's term, ``sum of its token losses / num_items_in_batch * world``.
         Evaluation (``num_items_in_batch`` None): the whole batch's mean loss, on every CP rank."""
-        unknown = sorted(set(inputs) - set(_BATCH_KEYS))
-        if unknown:
-            raise ValueError(
-                f"batch keys {unknown} are not handled under context parallelism; it reads {list(_BATCH_KEYS)}"
-            )
         if inputs.get("labels") is None:
             raise ValueError(f"a batch without labels (keys {sorted(inputs)}): CP training needs labels")
         cp_mesh = self.cp_mesh["cp"]
@@ -188,6 +191,7 @@ class ContextParallelMixin:
             labels=inputs["labels"],
             attention_mask=inputs.get("attention_mask"),
             position_ids=inputs.get("position_ids"),
+            cu_seqlens=_packed_cu_seqlens(inputs),
             layout=self.cp_setup.layout,
         )
         unwrapped = self.accelerator.unwrap_model(model)
@@ -236,6 +240,41 @@ class ContextParallelTrainer(ContextParallelMixin, Trainer):
 
     trainer = ContextParallelTrainer(model=model, args=args, train_dataset=ds, cp_size=2)
     """
+
+
+def _packed_cu_seqlens(inputs: dict[str, Any]) -> torch.Tensor | None:
+    """The documents ``cu_seq_lens_q`` int ``[N+1]`` of a padding-free batch (TRL's collator), or
+    None; its other packed keys must say the same (``shard_for_context_parallel`` checks it
+    against the ``position_ids``). Unknown keys are an error."""
+    unknown = sorted(set(inputs) - set(_BATCH_KEYS) - set(_PACKED_KEYS))
+    if unknown:
+        raise ValueError(
+            f"batch keys {unknown} are not handled under context parallelism; it reads "
+            f"{list(_BATCH_KEYS)} and the packed-document keys {list(_PACKED_KEYS)}"
+        )
+    cu = inputs.get("cu_seq_lens_q")
+    if cu is None:
+        present = [key for key in _PACKED_KEYS if key in inputs]
+        if present:
+            raise ValueError(f"batch keys {present} without cu_seq_lens_q: the packed documents are unknown")
+        return None
+    lengths = cu.diff()
+    derived = {
+        "cu_seq_lens_k": cu,
+        "max_length_q": int(lengths.max()),
+        "max_length_k": int(lengths.max()),
+        "seq_idx": torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)[None],
+    }
+    for key, expected in derived.items():
+        given = inputs.get(key)
+        same = given is None or (
+            given == expected if isinstance(expected, int) else torch.equal(given.long(), expected.long())
+        )
+        if not same:
+            raise ValueError(
+                f"batch key {key} does not describe the documents of cu_seq_lens_q={cu.tolist()}"
+            )
+    return cu
 
 
 def _hidden_and_head(

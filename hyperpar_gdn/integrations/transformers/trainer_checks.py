@@ -25,6 +25,8 @@ _REQUIRED_ARGS = (
     ("label_smoothing_factor", 0.0, "the CP loss is plain cross-entropy"),
     ("average_tokens_across_devices", True, "the CP loss divides by the labelled tokens of the global batch"),
     ("include_num_input_tokens_seen", "no", "its count would include every CP rank's copy of the batch"),
+    ("use_liger_kernel", False, "Liger patches the model's loss and layers"),
+    ("loss_type", "nll", "the CP loss is cross-entropy (TRL's loss_type='nll')"),
     (
         "train_sampling_strategy",
         ("random", "sequential", "group_by_length"),
@@ -122,6 +124,11 @@ def _check_model(model: Any, cp: int, mode: str) -> set[str]:
         raise ValueError(
             f"{name} has no Gated DeltaNet (linear_attention) layers: this context parallelism is for GDN "
             "models; train a softmax-only model with accelerate's ParallelismConfig(cp_size=...) instead"
+        )
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise NotImplementedError(
+            f"{name}.config.output_router_logits=True: the router's auxiliary loss is not part of the CP loss; "
+            "set it to False"
         )
     if mode == "ulysses":
         for i, (kind, module) in enumerate(mixers):

@@ -1,7 +1,8 @@
 """The platform contract: the small interfaces that code above the platform layer may use.
 
-Nothing outside ``hyperpar_gdn.platform`` imports a framework. The maths (``hyperpar_gdn.ops``),
-the layer and the context-parallel algorithms receive a :class:`TensorOps` (tensor functions) and,
+No file here imports a framework, and neither does the core above the platform: the maths
+(``hyperpar_gdn.ops``), the layer, the context-parallel algorithms (``hyperpar_gdn.distributed``)
+and prefill (``hyperpar_gdn.inference``) receive a :class:`TensorOps` (tensor functions) and,
 when they communicate, a :class:`Collectives` (differentiable collectives over a process group).
 """
 
@@ -10,6 +11,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
+
+# The label of a token that has no loss (torch's and transformers' convention); the one definition.
+IGNORE_INDEX = -100
 
 Tensor = Any  # a torch.Tensor or a mindspore.Tensor, depending on the platform
 Group = Any  # a framework process-group handle
@@ -190,7 +194,9 @@ class TensorOps(ABC):
         return None
 
     @abstractmethod
-    def cross_entropy_sum(self, logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> Tensor:
+    def cross_entropy_sum(
+        self, logits: Tensor, labels: Tensor, *, ignore_index: int = IGNORE_INDEX
+    ) -> Tensor:
         """The sum of token cross-entropies, computed in fp32 (fp64 for fp64 logits), over the
         tokens whose label is not ``ignore_index``: logits ``[..., V]``, labels ``[...]`` int."""
 

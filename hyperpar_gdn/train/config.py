@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.linear_attention_style import MODES
-from hyperpar_gdn.models.lm import HybridLMConfig
+from hyperpar_gdn.models.config import HybridLMConfig
 
 DTYPES = ("fp32", "bf16")
 
@@ -186,7 +187,21 @@ class TrainConfig:
         return self.model_dir if self.model_dir is not None else f"--model-size {self.model_size or 'tiny'}"
 
     def gdn_dims(self) -> tuple[int, int, int]:
-        """(key heads, value heads, conv width) of the GDN layers of the model to train."""
+        """(key heads, value heads, conv width) of the GDN layers of the model to train (``--model``'s
+        config.json is read on the first call only)."""
+        return self._gdn_dims
+
+    def token_layout(self) -> str:
+        """``--cp-layout``, or its default: head_tail when the model has softmax-attention layers
+        (their causal work is then the same on every rank), else contiguous. ``--model``'s
+        config.json is read on the first call only."""
+        if self.cp_layout is not None:
+            return self.cp_layout
+        return "head_tail" if self._has_softmax_attention else "contiguous"
+
+    # Facts of the model read once: cached properties of the frozen options.
+    @functools.cached_property
+    def _gdn_dims(self) -> tuple[int, int, int]:
         if self.model_dir is not None:
             from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
 
@@ -194,18 +209,13 @@ class TrainConfig:
         m = self.model
         return m.linear_num_key_heads, m.linear_num_value_heads, m.linear_conv_kernel_dim
 
-    def token_layout(self) -> str:
-        """``--cp-layout``, or its default: head_tail when the model has softmax-attention layers
-        (their causal work is then the same on every rank), else contiguous."""
-        if self.cp_layout is not None:
-            return self.cp_layout
+    @functools.cached_property
+    def _has_softmax_attention(self) -> bool:
         if self.model_dir is not None:
             from hyperpar_gdn.integrations.transformers.model_dir import has_softmax_attention
 
-            softmax = has_softmax_attention(self.model_dir)
-        else:
-            softmax = "full_attention" in self.model.layer_types
-        return "head_tail" if softmax else "contiguous"
+            return has_softmax_attention(self.model_dir)
+        return "full_attention" in self.model.layer_types
 
     def layout(self, world_size: int) -> tuple[int, int]:
         """(dp, cp) for ``world_size`` ranks; checks the options that depend on it."""

@@ -7,14 +7,39 @@ import json
 import re
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hyperpar_gdn.distributed.mesh import DeviceMesh
+from hyperpar_gdn.platform import get_platform
 from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, UsageError, parse_args
-from hyperpar_gdn.train.data import Batch, BatchSampler, load_tokens, rank_batch
+from hyperpar_gdn.train.batches import cut_batch
+from hyperpar_gdn.train.data import Batch, BatchSampler, load_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def rank_batch(
+    batch: Batch,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    cp_rank: int,
+    cp_size: int,
+    doc_boundaries: bool = True,
+    layout: str = "contiguous",
+) -> SimpleNamespace:
+    """The trainer's cut (:func:`cut_batch`) as CP rank ``cp_rank`` of ``cp_size``: a 1-D mesh
+    built without communication (cutting needs none) that places this process at ``cp_rank``."""
+    ranks = list(range(1, cp_size))
+    ranks.insert(cp_rank, get_platform("cpu").rank())
+    mesh = DeviceMesh.from_group(get_platform("cpu"), None, ranks, mesh_dim_name="cp")
+    shard = cut_batch(
+        batch, mesh, dp_rank=dp_rank, dp_size=dp_size, doc_boundaries=doc_boundaries, layout=layout
+    )
+    return SimpleNamespace(inputs=shard.input_ids, labels=shard.labels, cu_seqlens=shard.cu_seqlens)
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,12 @@
 parameter names (``embed_tokens.weight``, ``layers.3.self_attn.q_proj.weight``, ...), so
 :meth:`HybridLM.from_torch` copies a torch model's weights one to one.
 
-The blocks here (:class:`DecoderBlock`, :class:`MLP`, :class:`Embedding`) also build the Qwen3.5
-model (:mod:`.qwen35`): they read the block-building interface of either config
-(``layer_types``, ``gdn_kwargs()``, ``attention_kwargs()``, ``zero_centred_norms``,
-``num_experts``). The maths is ``hyperpar_gdn.ops`` (``blocks``, ``attention``, ``layer``).
+The blocks here (:class:`DecoderBlock`, :class:`Embedding`) also build the Qwen3.5 model
+(:mod:`.qwen35`): they read the block-building interface of either config (``layer_types``,
+``gdn_kwargs()``, ``attention_kwargs()``, ``zero_centred_norms``, ``num_experts``); the MLPs are
+in :mod:`.mlp` (SwiGLU) and :mod:`.moe` (experts). The maths is ``hyperpar_gdn.ops`` (``blocks``,
+``attention``, ``gdn.layer``). :class:`HybridLMConfig` comes from :mod:`hyperpar_gdn.models.config`
+(no framework).
 Written for one device: ``apply_context_parallel(model, mesh, mode=...)`` under
 ``HP_PLATFORM=mindspore`` makes it take and return a sequence shard. Runs in PyNative mode.
 
@@ -21,12 +23,14 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn, ops
 
-from hyperpar_gdn.models.lm import LINEAR, HybridLMConfig, check_layer_type
+from hyperpar_gdn.models.config import LINEAR, HybridLMConfig, check_layer_type
 from hyperpar_gdn.models.mindspore.attention import CausalSelfAttention
 from hyperpar_gdn.models.mindspore.gated_deltanet import GatedDeltaNet
+from hyperpar_gdn.models.mindspore.mlp import MLP
+from hyperpar_gdn.models.mindspore.moe import SparseMoeBlock
 from hyperpar_gdn.models.mindspore.norm import RMSNorm
 from hyperpar_gdn.models.mindspore.weights import load_torch_state_dict
-from hyperpar_gdn.ops.blocks import decoder_block, lm_logits, swiglu
+from hyperpar_gdn.ops.blocks import decoder_block, lm_logits
 from hyperpar_gdn.platform import ops_for
 
 __all__ = [
@@ -38,19 +42,6 @@ __all__ = [
     "init_normal",
     "load_torch_state_dict",
 ]
-
-
-class MLP(nn.Cell):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Dense(hidden_size, intermediate_size, has_bias=False)
-        self.up_proj = nn.Dense(hidden_size, intermediate_size, has_bias=False)
-        self.down_proj = nn.Dense(intermediate_size, hidden_size, has_bias=False)
-
-    def construct(self, x: ms.Tensor) -> ms.Tensor:
-        return swiglu(ops_for(x), x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
 class DecoderBlock(nn.Cell):
@@ -68,8 +59,6 @@ class DecoderBlock(nn.Cell):
             self.self_attn = CausalSelfAttention(**config.attention_kwargs())
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         if config.num_experts:
-            from hyperpar_gdn.models.mindspore.moe import SparseMoeBlock
-
             self.mlp = SparseMoeBlock(**config.moe_kwargs())
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)

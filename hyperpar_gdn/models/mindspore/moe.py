@@ -7,7 +7,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn
 
-from hyperpar_gdn.models.mindspore.lm import MLP
+from hyperpar_gdn.models.mindspore.mlp import MLP
 from hyperpar_gdn.ops.blocks import sparse_moe
 from hyperpar_gdn.platform import ops_for
 

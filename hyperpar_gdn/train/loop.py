@@ -180,6 +180,7 @@ class Trainer:
 
     def _log_header(self, tokens_per_step: int) -> None:
         config = self.config
+        plan = getattr(self.backend, "cp_plan", None)
         logger.info(
             "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s, --cp-layout %s%s), model %s: %s parameters, "
             "--dtype %s, %d tokens per step, steps %d..%d",
@@ -187,7 +188,7 @@ class Trainer:
             self.world_size,
             self.dp,
             self.cp,
-            config.cp_mode,
+            config.cp_mode if plan is None else f"auto: {self.backend.cp_mode}",
             config.token_layout(),
             "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name)),
             config.model_name,
@@ -197,6 +198,8 @@ class Trainer:
             self.step + 1,
             config.steps,
         )
+        if plan is not None:
+            logger.info("--cp-mode auto chose %s: %s", self.backend.cp_mode, plan.why())
 
     def _run_facts(self) -> dict[str, Any]:
         return {

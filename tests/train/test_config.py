@@ -56,6 +56,12 @@ def rank_batch(
             {"cp_layout": "zigzag"},
             "--cp-layout 'zigzag' is not a token layout; choose one of contiguous, head_tail",
         ),
+        ({"cp_mode": "ulysses+scan"}, "--cp-inner-size goes with the two-level modes"),
+        ({"cp_mode": "p2p", "cp_inner_size": 2}, "got --cp-mode p2p and --cp-inner-size 2"),
+        (
+            {"cp_mode": "ulysses+p2p", "cp_inner_size": 2},
+            "--cp-mode ulysses+p2p needs --cp-layout contiguous",
+        ),
     ],
 )
 def test_option_errors_name_the_option(options: dict[str, object], message: str) -> None:
@@ -89,6 +95,16 @@ def test_option_errors_name_the_option(options: dict[str, object], message: str)
             {"model_size": "small", "seq_len": 64},
             16,
             "--cp-mode ulysses splits the GDN value heads over cp=16",
+        ),
+        (
+            {"cp_mode": "ulysses+scan", "cp_inner_size": 3, "cp_layout": "contiguous"},
+            4,
+            "--cp-inner-size 3 must divide cp=4",
+        ),
+        (
+            {"cp_mode": "ulysses+scan", "cp_inner_size": 2, "cp_layout": "contiguous", "cp_size": 2},
+            4,
+            "CP must span all 4 ranks (no --cp-size)",
         ),
     ],
 )

@@ -1,11 +1,12 @@
-"""The p2p and all_gather modes: one local pass, an exchange for the entering state, the outputs.
+"""The state modes (p2p, all_gather, scan): one local pass, an exchange for the entering state, the outputs.
 
-Both run the same pipeline on the local shard; they differ only in how rank r obtains S_in:
+All run the same pipeline on the local shard; they differ only in how rank r obtains S_in:
 
 - p2p: S_in arrives from rank r-1, rank r forwards M_r S_in + S_ext_r to rank r+1 (a chain in
   which only this affine step is sequential); backward sends dS_in back to rank r-1.
 - all_gather: every rank gathers the packed summaries [S_ext | M] of all ranks and folds those of
   ranks < r; backward reduce-scatters the summaries' gradients to their owners.
+- scan: an exclusive prefix scan of the summaries in ceil(log2 n) rounds (:mod:`.scan`).
 
 One pass, no second output pass (docs/maths.md, :func:`hyperpar_gdn.ops.gdn.onepass.shard_outputs`):
 before any communication each rank runs its chunks once on the widened state [S | M], which gives
@@ -29,7 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hyperpar_gdn.distributed.cp.chain import Chain, split_fragments
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
+from hyperpar_gdn.distributed.cp.scan import ScanExchange
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops import prepare_chunks
 from hyperpar_gdn.ops.gdn.layer import finish, gates, head_dims, mask_padding, project, split_heads
@@ -39,34 +42,6 @@ from hyperpar_gdn.platform import Tensor
 
 def _t(xp, x: Tensor) -> Tensor:
     return xp.swapaxes(x, -1, -2)
-
-
-def _rows(xp, x: Tensor, n: int) -> list[Tensor]:
-    """x ``[n*B, ...]`` -> the n fragments' ``[B, ...]`` (x itself when n = 1)."""
-    return [x] if n == 1 else xp.split(x, [x.shape[0] // n] * n, 0)
-
-
-@dataclass(frozen=True)
-class Chain:
-    """The fragments of the sequence in global order, as ``(rank, slot)``, and the global indices
-    of this rank's fragments in slot order (:class:`~hyperpar_gdn.distributed.layout.TokenLayout`;
-    contiguous: fragment r is rank r's only one)."""
-
-    order: tuple[tuple[int, int], ...]
-    mine: tuple[int, ...]
-
-    @classmethod
-    def of(cls, cp: CPGroup, layout: TokenLayout | None) -> Chain:
-        if layout is None:
-            return cls(order=tuple((r, 0) for r in range(cp.size)), mine=(cp.rank,))
-        order = tuple((f.rank, f.slot) for f in layout.fragments)
-        return cls(order=order, mine=tuple(order.index((cp.rank, f.slot)) for f in layout.mine(cp.rank)))
-
-    def previous(self, i: int) -> tuple[int, int] | None:
-        return self.order[i - 1] if i > 0 else None
-
-    def next(self, i: int) -> tuple[int, int] | None:
-        return self.order[i + 1] if i + 1 < len(self.order) else None
 
 
 @dataclass
@@ -87,7 +62,7 @@ class P2PExchange:
         cp, xp = self.cp, self.cp.xp
         chain = Chain.of(cp, self.layout)
         n = len(chain.mine)
-        s_exts, ms = _rows(xp, s_ext, n), None if m is None else _rows(xp, m, n)
+        s_exts, ms = split_fragments(xp, s_ext, n), None if m is None else split_fragments(xp, m, n)
         s_ins: list[Tensor] = []
         s_outs: list[Tensor] = []
         for slot, i in enumerate(chain.mine):
@@ -121,7 +96,7 @@ class P2PExchange:
         cp, xp = self.cp, self.cp.xp
         chain, s_ins, ms = self.saved
         n = len(chain.mine)
-        ds_ins = None if ds_in is None else _rows(xp, ds_in, n)
+        ds_ins = None if ds_in is None else split_fragments(xp, ds_in, n)
         ds_outs: list[Tensor | None] = [None] * n
         to_previous: dict[int, Tensor] = {}  # dS_in + M^T dS_out of a slot whose predecessor is local
         for slot, i in reversed(list(enumerate(chain.mine))):
@@ -198,7 +173,7 @@ class AllGatherExchange:
         chain, shape, summaries, states = self.saved
         n = len(chain.mine)
         dv = states[0].shape[-1]
-        ds_ins = {} if ds_in is None else dict(zip(chain.mine, _rows(xp, ds_in, n), strict=True))
+        ds_ins = {} if ds_in is None else dict(zip(chain.mine, split_fragments(xp, ds_in, n), strict=True))
         rows = shape[1] // n
         grads = {}
         ds = None
@@ -220,7 +195,7 @@ class AllGatherExchange:
         return xp.sum(received, 0)[..., :dv]
 
 
-EXCHANGES = {"p2p": P2PExchange, "all_gather": AllGatherExchange}
+EXCHANGES = {"p2p": P2PExchange, "all_gather": AllGatherExchange, "scan": ScanExchange}
 
 
 def state_passing_forward(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,7 @@ def test_greedy_continuation_equals_transformers(model_dir: Path, tmp_path: Path
     expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
     assert result["new_tokens"] == expected
     assert result["prompt_tokens"] == ids.shape[1] and result["cp"] == 2
+    assert result["framework"] == "torch" and result["device"] == "cpu"
     assert len(result["prefill_s"]) == 2 and len(result["one_device_prefill_s"]) == 2
 
 
@@ -100,10 +102,12 @@ def test_sampling_follows_the_seed(model_dir: Path, tmp_path: Path) -> None:
     ("option", "message"),
     [
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1; got 0"),
-        (["--temperature", "0"], "--temperature=0.0 must be > 0"),
+        (["--sample", "--temperature", "0"], "--temperature=0.0 must be > 0"),
+        (["--top-k", "3"], "--top-k 3 only apply to sampling; add --sample"),
     ],
 )
-def test_bad_options(option: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
+def test_bad_options(option: list[str], message: str) -> None:
+    from hyperpar_gdn.cli import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(message)):
         load_script().parse_args(["--model", "m", "--prompt-file", "p", *option])
-    assert message in capsys.readouterr().err

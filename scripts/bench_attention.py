@@ -1,6 +1,7 @@
 """Benchmark causal softmax attention: ours against torch's SDPA, and MindSpore's memory against T.
 
-Two parts, each a case of the shared harness of ``bench_ops.py`` (alternating rounds, JSON):
+Two parts, each a case of the benchmark harness (:mod:`benchkit`: alternating rounds, a fresh
+process per point, JSON and PNG):
 
 - ``torch``: one process, ``--threads`` threads (1), q ``[1, 6, T, 256]``, k and v ``[1, 1, T, 256]``
   (6 query heads over 1 KV head), fp32, T = ``--T`` (8192), forward+backward (gradients of q, k,
@@ -26,16 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit.machine import load_average, peak_rss_bytes
+from benchkit.output import Panel, save_png, write_json
+from benchkit.ranks import in_fresh_process
+from benchkit.timing import alternating_rounds, compare
+from hyperpar_gdn.cli import HelpFormatter
 
 TARGET_OURS_OVER_SDPA = 1.1
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 6, 1, 256, 512
@@ -45,7 +46,6 @@ WARMUP_T = 256
 def torch_case(seq_len: int, repeats: int, warmup: int, threads: int, blockwise: bool) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
-    from bench_ops import round_robin_times
 
     from hyperpar_gdn.ops.attention.plan import Tokens
     from hyperpar_gdn.ops.attention.softmax import attention
@@ -77,22 +77,19 @@ def torch_case(seq_len: int, repeats: int, warmup: int, threads: int, blockwise:
         errors[name] = max(
             ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, expected, strict=True)
         )
-    times = round_robin_times(calls, repeats, warmup)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    per_round = [a / b for a, b in zip(times["ours"], times["sdpa"], strict=True)]
+    times = alternating_rounds(calls, repeats=repeats, warmup=warmup)
+    ratio = compare(times["ours"], times["sdpa"])
+    del ratio["round_ratios"]
+    ratio.update(
+        target=TARGET_OURS_OVER_SDPA, within_target=ratio["ratio_of_medians"] <= TARGET_OURS_OVER_SDPA
+    )
     return {
         "shape": {"B": 1, "H": HEADS, "Hkv": KV_HEADS, "D": HEAD_DIM, "T": seq_len, "dtype": "float32"},
         "threads": threads,
         "times_s": times,
-        "median_s": medians,
+        "median_s": {name: statistics.median(t) for name, t in times.items()},
         "rel_err_vs_sdpa": errors,
-        "ours_over_sdpa": {
-            "ratio_of_medians": medians["ours"] / medians["sdpa"],
-            "median_of_round_ratios": statistics.median(per_round),
-            "ratio_of_minima": min(times["ours"]) / min(times["sdpa"]),  # least disturbed by other jobs
-            "target": TARGET_OURS_OVER_SDPA,
-            "within_target": medians["ours"] / medians["sdpa"] <= TARGET_OURS_OVER_SDPA,
-        },
+        "ours_over_sdpa": ratio,
     }
 
 
@@ -119,11 +116,11 @@ def mindspore_step(seq_len: int, threads: int) -> dict[str, Any]:
         return float(dx.sum().asnumpy())
 
     step(WARMUP_T)  # kernels and allocator warm, at a T whose memory is below every measured one
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_before = peak_rss_bytes()
     start = time.perf_counter()
     step(seq_len)
     elapsed = time.perf_counter() - start
-    growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
+    growth = peak_rss_bytes() - rss_before
     return {"T": seq_len, "time_s": elapsed, "peak_rss_growth_bytes": growth}
 
 
@@ -137,22 +134,15 @@ def mindspore_case(
     jobs.sort(key=lambda job: (job[1], job[0] == "auto"))
     result = {"rows": rows}
     for path, t in jobs:
-        env = {**os.environ, "HP_ATTENTION": path, "OMP_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, __file__, "--ms-worker", str(t), "--threads", str(threads)]
+        env = {"HP_ATTENTION": path, "OMP_NUM_THREADS": str(threads)}
+        argv = [__file__, "--ms-worker", str(t), "--threads", str(threads)]
         label = "blockwise" if path == "auto" else "dense reference"
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        done = in_fresh_process(argv, env=env, timeout_s=timeout_s)
+        if done is None:
             rows.append({"T": t, "path": label, "timed_out_after_s": timeout_s})
             print(f"  mindspore {label:>16} T={t:6d}: not done within {timeout_s:.0f} s", flush=True)
             continue
-        if done.returncode != 0:
-            raise RuntimeError(f"MindSpore worker T={t} path={path} failed:\n{done.stderr[-3000:]}")
-        row = {
-            **json.loads(done.stdout.strip().splitlines()[-1]),
-            "path": label,
-            "load_average": os.getloadavg(),
-        }
+        row = {**done, "path": label, "load_average": load_average()}
         rows.append(row)
         print(
             f"  mindspore {label:>16} T={t:6d}: {row['time_s']:7.1f} s, "
@@ -161,56 +151,58 @@ def mindspore_case(
         )
         done_rows = [r for r in rows if r["path"] == "blockwise" and "time_s" in r]
         result["blockwise_bytes_per_token"] = {r["T"]: r["peak_rss_growth_bytes"] / r["T"] for r in done_rows}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"mindspore": result}, indent=2) + "\n")
-        plot(result, out.with_suffix(".png"))
+        write_json(out, {"mindspore": result})
+        save_png(out.with_suffix(".png"), panels(result))
     return result
 
 
-def plot(ms_result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for label in ("blockwise", "dense reference"):
-        rows = [r for r in ms_result["rows"] if r["path"] == label and "time_s" in r]
-        if not rows:
-            continue
-        ts = [r["T"] for r in rows]
-        axes[0].plot(ts, [r["time_s"] for r in rows], "o-", label=label)
-        axes[1].plot(ts, [r["peak_rss_growth_bytes"] / 2**20 for r in rows], "o-", label=label)
-    axes[0].set(xlabel="T", ylabel="s", title="MindSpore CPU attention layer, forward+backward")
-    axes[1].set(xlabel="T", ylabel="MiB", title="peak RSS growth of the step")
-    for ax in axes:
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+def panels(ms_result: dict[str, Any]) -> list[Panel]:
+    """Time and peak RSS growth of the MindSpore layer against T, blockwise and dense."""
+    time_panel = Panel("MindSpore CPU attention layer, forward+backward", "T", "s")
+    memory_panel = Panel("peak RSS growth of the step", "T", "MiB")
+    for row in (r for r in ms_result["rows"] if "time_s" in r):
+        time_panel.lines.setdefault(row["path"], []).append((row["T"], row["time_s"]))
+        memory_panel.lines.setdefault(row["path"], []).append(
+            (row["T"], row["peak_rss_growth_bytes"] / 2**20)
+        )
+    return [time_panel, memory_panel]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--T", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--T", type=int, default=8192, help="tokens of the torch comparison")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the torch part")
     parser.add_argument(
         "--blockwise", action="store_true", help="also time the generic blockwise path on torch"
     )
-    parser.add_argument("--ms-T", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--ms-dense-T", type=int, nargs="*", default=[2048, 4096])
-    parser.add_argument("--ms-timeout", type=float, default=1800.0)
-    parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--skip-mindspore", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_attention.json"))
+    parser.add_argument(
+        "--ms-T",
+        type=int,
+        nargs="+",
+        default=[2048, 4096, 8192, 16384],
+        help="sequence lengths of the MindSpore memory part",
+    )
+    parser.add_argument(
+        "--ms-dense-T",
+        type=int,
+        nargs="*",
+        default=[2048, 4096],
+        help="sequence lengths of the MindSpore dense reference (none: skip)",
+    )
+    parser.add_argument("--ms-timeout", type=float, default=1800.0, help="seconds per MindSpore run")
+    parser.add_argument("--skip-torch", action="store_true", help="leave out the torch part")
+    parser.add_argument("--skip-mindspore", action="store_true", help="leave out the MindSpore part")
+    parser.add_argument(
+        "--out", type=Path, default=Path("results/bench_attention.json"), help="JSON file of the results"
+    )
     parser.add_argument("--ms-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ms_worker is not None:
         print(json.dumps(mindspore_step(args.ms_worker, args.threads)))
         return 0
-    result: dict[str, Any] = {"load_average_before": os.getloadavg()}
+    result: dict[str, Any] = {"load_average_before": load_average()}
     if not args.skip_torch:
         result["torch"] = torch_case(args.T, args.repeats, args.warmup, args.threads, args.blockwise)
         r = result["torch"]
@@ -226,11 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         result["mindspore"] = mindspore_case(
             args.ms_T, args.ms_dense_T, args.threads, args.ms_timeout, partial
         )
-    result["load_average_after"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    result["load_average_after"] = load_average()
+    write_json(args.out, result)
     if "mindspore" in result:
-        plot(result["mindspore"], args.out.with_suffix(".png"))
+        save_png(args.out.with_suffix(".png"), panels(result["mindspore"]))
     print(
         f"load average before {result['load_average_before']}, after {result['load_average_after']}; "
         f"wrote {args.out}"

@@ -9,7 +9,7 @@ ranks with one thread each holding T/cp tokens, in the contiguous and the head_t
 GDN mode. The single-device step is the faster of transformers' own model (its torch GDN and SDPA
 attention) and ours on one rank (``apply_context_parallel`` on a one-rank mesh).
 
-Timed alternately as ``bench_cp``'s efficiency run (its fork-and-collect helper): in every round
+Timed in alternating rounds on forked ranks (:mod:`benchkit`), as ``bench_cp``'s efficiency run: in every round
 rank 0 times both single-device steps while the others wait at a barrier, then all ranks time the
 plain model on their own tokens side by side (no communication: what the machine allows, the
 "bound"), then each (layout, mode) CP step in turn. Efficiency = median best single time / median
@@ -22,20 +22,15 @@ Usage: ``python scripts/bench_cp_model.py [--seq-lens 8192 16384 --cp 2 --repeat
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cp's helpers
-
-from bench_cp import _fork_ranks  # noqa: E402
-
-from hyperpar_gdn.platform.host_memory import keep_freed_host_memory  # noqa: E402
+from benchkit.machine import keep_host_memory, load_average
+from benchkit.output import Panel, save_png, write_json
+from benchkit.ranks import on_ranks
+from benchkit.timing import alternating_rounds, machine_bound, slowest_per_round
+from hyperpar_gdn.cli import HelpFormatter
 
 MODES = ("ulysses", "p2p", "all_gather")
 LAYOUTS = ("contiguous", "head_tail")
@@ -65,26 +60,9 @@ def model_config(vocab: int) -> Any:
     )
 
 
-def _rank_main(rank: int, cp: int, port: int, job: dict[str, Any], queue: Any) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(cp),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        HP_PLATFORM=os.environ.get("HP_PLATFORM", "cpu"),
-    )
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        queue.put((rank, "ok", _measure(rank, cp, job)))
-    except BaseException:  # report to the parent instead of hanging it
-        queue.put((rank, "error", traceback.format_exc()))
-
-
-def _measure(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
+def measure(rank: int, cp: int, job: dict[str, Any]) -> dict[str, list[float]]:
+    """One rank: every single-device (rank 0), local and (layout, mode) CP step in alternating
+    rounds; name -> seconds per round after the warm-up."""
     import torch
     import transformers
 
@@ -94,8 +72,6 @@ def _measure(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
     from hyperpar_gdn.platform import get_platform
 
     platform = get_platform()
-    platform.init_distributed(timeout_s=3600)
-    comm = platform.collectives
     mesh = init_device_mesh(platform.name, (cp,), mesh_dim_names=("cp",))
     config = model_config(job["vocab"])
     seq_len = job["seq_len"]
@@ -130,21 +106,15 @@ def _measure(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
         for mode in job["modes"]:
             model = apply_context_parallel(make_model(), mesh, mode=mode, layout=layout)
             steps[f"{layout}/{mode}"] = (model, shard, mesh)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(job["warmup"] + job["repeats"]):
-        for name, step in steps.items():
-            comm.barrier(None)
-            if step is None:
-                continue
-            model, shard, group_mesh = step
-            start = time.perf_counter()
-            if shard is None:
-                single_step(model)
-            else:
-                cp_step(model, shard, group_mesh)
-            times[name].append(time.perf_counter() - start)
-    platform.destroy()
-    return {name: samples[job["warmup"] :] for name, samples in times.items()}
+
+    def call(model: torch.nn.Module, shard: Any, group_mesh: Any) -> Any:
+        return (lambda: single_step(model)) if shard is None else (lambda: cp_step(model, shard, group_mesh))
+
+    calls = {name: None if step is None else call(*step) for name, step in steps.items()}
+    barrier = platform.collectives.barrier
+    return alternating_rounds(
+        calls, repeats=job["repeats"], warmup=job["warmup"], barrier=lambda: barrier(None)
+    )
 
 
 def run(seq_len: int, cp: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -156,17 +126,16 @@ def run(seq_len: int, cp: int, args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "warmup": args.warmup,
     }
-    load_before = os.getloadavg()
-    results = _fork_ranks(_rank_main, cp, (job,), timeout_s=args.timeout)
-    rounds = len(results[0][LOCAL])
+    load_before = load_average()
+    results = on_ranks(measure, cp, job, threads=1, timeout_s=args.timeout)
 
     def slowest(name: str) -> list[float]:
-        return [max(results[r][name][i] for r in range(cp)) for i in range(rounds)]
+        return slowest_per_round([r[name] for r in results])
 
     singles = {kind: statistics.median(results[0][f"single/{kind}"]) for kind in SINGLE}
     best_kind = min(singles, key=singles.get)
     single = singles[best_kind]
-    local = statistics.median(slowest(LOCAL))
+    local = slowest(LOCAL)
     rows = {}
     for layout in args.layouts:
         for mode in args.modes:
@@ -185,11 +154,11 @@ def run(seq_len: int, cp: int, args: argparse.Namespace) -> dict[str, Any]:
         "single_s": singles,
         "single_best": best_kind,
         "single_samples_s": {kind: results[0][f"single/{kind}"] for kind in SINGLE},
-        "local_side_by_side_s": local,
-        "machine_bound_efficiency": single / local / cp,
+        "local_side_by_side_s": statistics.median(local),
+        "machine_bound_efficiency": machine_bound(results[0][f"single/{best_kind}"], local, cp),
         "rows": rows,
         "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
+        "load_average_after": load_average(),
     }
 
 
@@ -210,45 +179,41 @@ def report(result: dict[str, Any]) -> None:
         )
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for ax, result in zip(axes[0], results, strict=True):
-        rows = list(result["rows"].values())
-        labels = [f"{r['layout']}\n{r['mode']}" for r in rows]
-        ax.bar(
-            range(len(rows)),
-            [r["parallel_efficiency"] for r in rows],
-            color=["C0" if r["layout"] == "contiguous" else "C1" for r in rows],
+def panel(result: dict[str, Any]) -> Panel:
+    """The efficiency of every (layout, mode) against the target and the machine bound."""
+    bars = {
+        f"{r['layout']}\n{r['mode']}": (
+            r["parallel_efficiency"],
+            "C0" if r["layout"] == "contiguous" else "C1",
         )
-        ax.axhline(TARGET, color="k", ls="--", lw=1, label=f"target {TARGET}")
-        ax.axhline(result["machine_bound_efficiency"], color="C2", ls=":", lw=1, label="machine bound")
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set_ylim(0, 1.1)
-        ax.set_title(f"T={result['seq_len']}, cp={result['cp']}, one core per rank")
-        ax.set_ylabel("whole-model parallel efficiency")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        for r in result["rows"].values()
+    }
+    hlines = {f"target {TARGET}": (TARGET, "--"), "machine bound": (result["machine_bound_efficiency"], ":")}
+    title = f"T={result['seq_len']}, cp={result['cp']}, one core per rank"
+    return Panel(title, "", "whole-model parallel efficiency", bars=bars, hlines=hlines, ylim=(0, 1.1))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384])
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--seq-lens", type=int, nargs="+", default=[8192, 16384], help="total sequence lengths T to time"
+    )
+    parser.add_argument("--cp", type=int, default=2, help="ranks of the CP group")
+    parser.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=MODES, help="CP modes of the GDN layers to time"
+    )
+    parser.add_argument(
+        "--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="token layouts to time"
+    )
+    parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size of the model")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per sequence length")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_cp_model.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("results/bench_cp_model.json"), help="JSON file of the results"
+    )
     args = parser.parse_args()
-    kept = keep_freed_host_memory()  # forked ranks inherit it
+    kept = keep_host_memory(True)  # forked ranks inherit it
     results = []
     for seq_len in args.seq_lens:
         if seq_len % (2 * args.cp):
@@ -256,11 +221,10 @@ def main() -> None:
         result = run(seq_len, args.cp, args)
         report(result)
         results.append(result)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"results": results, "freed_host_memory_kept": kept, "target_efficiency": TARGET}
-        args.out.write_text(json.dumps(payload, indent=2))  # after every length: a long run keeps its numbers
+        write_json(args.out, payload)  # after every length: a long run keeps its numbers
     png = args.out.with_suffix(".png")
-    plot(results, png)
+    save_png(png, [panel(result) for result in results], width=6, dpi=120)
     print(f"wrote {args.out} and {png}")
 
 

@@ -1,36 +1,21 @@
 """scripts/bench_ops.py's MindSpore/torch report (issue 11): the ratios it computes from the
-alternated timings, and the default T of each backend. No timing here."""
+alternated timings, and the default T of each backend. No timing here. (``scripts/`` is on
+``sys.path`` under pytest, see pyproject.toml.)"""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
+import bench_ops
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_ops.py"
 
-
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_ops_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_mindspore_over_torch_ratios(bench: ModuleType) -> None:
+def test_mindspore_over_torch_ratios() -> None:
     samples = {
         "ours/forward": [2.0, 4.0, 3.0],
         "ours_torch/forward": [1.0, 1.0, 2.0],
         "ours/forward_backward": [6.0, 5.0, 9.0],
         "ours_torch/forward_backward": [2.0, 2.0, 3.0],
     }
-    report = bench.mindspore_over_torch(samples)
+    report = bench_ops.mindspore_over_torch(samples)
     fwd, fwd_bwd = report["forward"], report["forward_backward"]
     assert fwd["ratio_of_medians"] == pytest.approx(3.0 / 1.0)
     assert fwd["round_ratios"] == pytest.approx([2.0, 4.0, 1.5])
@@ -40,11 +25,11 @@ def test_mindspore_over_torch_ratios(bench: ModuleType) -> None:
     assert fwd_bwd["median_of_round_ratios"] == pytest.approx(3.0)
     assert report["target"] == 2.5 and report["within_target"] is False
     samples["ours/forward_backward"] = [4.0, 5.0, 6.0]  # 5 / 2 = 2.5: on the target
-    assert bench.mindspore_over_torch(samples)["within_target"] is True
+    assert bench_ops.mindspore_over_torch(samples)["within_target"] is True
 
 
 @pytest.mark.parametrize(("argv", "seq_len"), [([], 4096), (["--backend", "mindspore"], 2048)])
-def test_default_seq_len_per_backend(bench: ModuleType, argv: list[str], seq_len: int) -> None:
-    cfg, _, _ = bench.parse_args(argv)
+def test_default_seq_len_per_backend(argv: list[str], seq_len: int) -> None:
+    cfg, _, _ = bench_ops.parse_args(argv)
     assert cfg.T == seq_len
-    assert bench.parse_args([*argv, "--T", "300"])[0].T == 300
+    assert bench_ops.parse_args([*argv, "--T", "300"])[0].T == 300

@@ -1,6 +1,12 @@
-"""pyproject.toml's extras: the ``npu`` extra pins the torch-npu release of the pinned torch, and
-nothing that CI installs (``.ci/run``) pulls torch-npu in (it breaks ``import torch`` on a
-machine without Ascend CANN)."""
+"""pyproject.toml's dependencies follow the frameworks, and CI installs what it should.
+
+- The core depends on numpy alone; torch is the ``torch`` extra (the pinned CPU build), MindSpore
+  the ``mindspore`` extra, and no extra but ``torch`` and ``test`` pulls torch (an Ascend machine
+  keeps its own torch, a MindSpore machine gets none).
+- The ``npu`` extra pins the torch-npu release of the pinned torch, and nothing that CI installs
+  (``.ci/run``, ``.ci/mindspore_only``) pulls torch-npu in (it breaks ``import torch`` on a machine
+  without Ascend CANN).
+"""
 
 from __future__ import annotations
 
@@ -18,15 +24,33 @@ def _project() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-def test_npu_extra_matches_the_pinned_torch() -> None:
+def _name(requirement: str) -> str:
+    return re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()
+
+
+def test_core_needs_numpy_alone_and_each_framework_is_an_extra() -> None:
     project = _project()
-    (torch_pin,) = [d for d in project["dependencies"] if d.startswith("torch")]
-    assert project["optional-dependencies"]["npu"] == [torch_pin.replace("torch", "torch-npu", 1)]
+    extras = project["optional-dependencies"]
+    assert [_name(d) for d in project["dependencies"]] == ["numpy"]
+    assert extras["torch"] == ["torch==2.13.0"]
+    assert "torch==2.13.0" in extras["test"]
+    assert [_name(d) for d in extras["mindspore"]] == ["mindspore", "numpy", "safetensors"]
+    with_torch = sorted(name for name, reqs in extras.items() if "torch" in {_name(r) for r in reqs})
+    assert with_torch == ["test", "torch"], with_torch
 
 
-def test_ci_never_installs_torch_npu() -> None:
+def test_npu_extra_matches_the_pinned_torch() -> None:
+    (torch_pin,) = _project()["optional-dependencies"]["torch"]
+    assert _project()["optional-dependencies"]["npu"] == [torch_pin.replace("torch", "torch-npu", 1)]
+
+
+def test_ci_installs_the_frameworks_it_tests_and_never_torch_npu() -> None:
     extras = _project()["optional-dependencies"]
-    installs = re.findall(r"pip install[^\n]*?-e '\.\[([\w,]+)\]'", (ROOT / ".ci" / "run").read_text())
-    assert installs == ["test,mindspore"], installs
-    for name in installs[0].split(","):
+    pattern = r"pip install[^\n]*?['\"](?:\.|\$scratch/src)\[([\w,]+)\]['\"]"
+    run = re.findall(pattern, (ROOT / ".ci" / "run").read_text())
+    mindspore_only = re.findall(pattern, (ROOT / ".ci" / "mindspore_only").read_text())
+    assert run == ["test,mindspore"], run
+    assert mindspore_only == ["mindspore"], mindspore_only
+    assert ".ci/mindspore_only" in (ROOT / ".ci" / "run").read_text()
+    for name in {name for line in run + mindspore_only for name in line.split(",")}:
         assert not any("npu" in requirement for requirement in extras[name]), (name, extras[name])

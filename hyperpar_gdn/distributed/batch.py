@@ -34,8 +34,7 @@ from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 from hyperpar_gdn.platform import Tensor, ops_for
-
-IGNORE_INDEX = -100
+from hyperpar_gdn.platform.base import IGNORE_INDEX
 
 __all__ = [
     "ContextParallelBatch",
@@ -84,6 +83,7 @@ def shard_for_context_parallel(
     input_ids: Tensor,
     *,
     labels: Tensor | None = None,
+    shift_labels: Tensor | None = None,
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
@@ -97,6 +97,10 @@ def shard_for_context_parallel(
             (by 2*cp for head_tail).
         labels: ``[B, T]`` int aligned with ``input_ids`` (token t's own id, ``-100`` to ignore),
             as transformers takes them; None: ``input_ids`` (language modelling).
+        shift_labels: ``[B, T]`` int, labels already shifted (position t's target is the token
+            after t, ``-100`` to ignore; transformers' ``shift_labels``): cut as they are, neither
+            shifted nor masked at padding or document ends, so the caller keeps every label it
+            has (such as the one after a window's last token). Not together with ``labels``.
         attention_mask: ``[B, T]`` (1 = token, 0 = padding) or None. Padding is never a label.
         position_ids: ``[B, T]``: transformers' packed convention (restarting at 0 for every
             document, as ``DataCollatorWithFlattening`` emits) or plain positions; None: ``0..T-1``.
@@ -120,8 +124,11 @@ def shard_for_context_parallel(
     error = layout_error(layout, t, cp)
     if error is not None:
         raise ValueError(error)
+    if labels is not None and shift_labels is not None:
+        raise ValueError("pass labels (shifted here) or shift_labels (already shifted), not both")
     for name, tensor in (
         ("labels", labels),
+        ("shift_labels", shift_labels),
         ("attention_mask", attention_mask),
         ("position_ids", position_ids),
     ):
@@ -144,6 +151,8 @@ def shard_for_context_parallel(
             position_ids = xp.constant((np.arange(t) - first).reshape(1, t), like=input_ids)
     if position_ids is None:
         position_ids = xp.arange(t, like=input_ids).reshape(1, t) + input_ids * 0
+    if shift_labels is not None:
+        shifted = shift_labels
     tokens = TokenLayout.of(layout, [t // cp] * cp)
 
     def mine(x: Tensor) -> Tensor:

@@ -22,16 +22,14 @@ def text_model_of(model: Any) -> Any:
 
 def find_decoder(model: Any) -> tuple[Any, Any]:
     """(the multimodal model around it or None, the module holding the decoder ``layers``)."""
+    if from_transformers(model):
+        from hyperpar_gdn.integrations.transformers.discovery import find_text_model
+
+        return find_text_model(model)
     for candidate in (model, getattr(model, "model", None)):
         layers = getattr(candidate, "layers", None)
         if layers is not None and any(has_mixer(block) for block in layers):
             return None, candidate
-    if from_transformers(model):
-        from hyperpar_gdn.integrations.transformers.discovery import find_multimodal
-
-        found = find_multimodal(model)
-        if found is not None:
-            return found, found.language_model
     raise ValueError(
         f"{type(model).__name__} has no decoder layers to parallelize: expected HybridLM or transformers' "
         "Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, their text models, or Qwen3_5(Moe)ForConditionalGeneration"

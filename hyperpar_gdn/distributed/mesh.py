@@ -5,7 +5,7 @@ Ranks are laid out row-major, as in torch: for ``mesh_shape=(dp, cp)`` global ra
 by ``cp``. "axis" or "mesh dim" means a dimension of the mesh; a dim may be named by its index or
 by its name in ``mesh_dim_names``.
 
-Example (4 processes launched by torchrun, or by ``tests/distributed_harness.run_ranks``)::
+Example (4 processes launched by torchrun, or by :func:`hyperpar_gdn.platform.launch.run_ranks`)::
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     cp_mesh = mesh["cp"]               # 1-D: ranks {0, 1} or {2, 3}

@@ -29,28 +29,33 @@ from typing import Any
 
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.sequence import GlobalSequence, gather_pieces
-from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.ops.attention.plan import Tokens
 from hyperpar_gdn.ops.attention.softmax import attention
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
 
 __all__ = ["attention_forward", "shard_error"]
 
 
 def attention_forward(
-    adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
+    adapter: Any,
+    mesh: DeviceMesh,
+    x_BTC: Tensor,
+    seq: GlobalSequence,
+    *,
+    cos_sin: Any = None,
+    prefill_states: PrefillStates | None = None,
 ) -> Tensor:
     """x ``[B, T_r, hidden]`` (this rank's piece of the sequence ``seq``) -> ``[B, T_r, hidden]``.
 
-    While an inference prefill records the decoding states
-    (:func:`~hyperpar_gdn.inference.states.record_prefill_states`), every rank gathers the keys
-    and values of the whole sequence (the same one all-gather) and keeps them."""
+    ``prefill_states`` (an inference prefill's record): every rank gathers the keys and values of
+    the whole sequence (the same one all-gather) and hands them over in global order."""
+    states = prefill_states
     if seq.layout != "contiguous" and mesh.size() > 1:
-        return _fragments_attention(adapter, mesh, x_BTC, seq, cos_sin=cos_sin)
+        return _fragments_attention(adapter, mesh, x_BTC, seq, cos_sin=cos_sin, states=states)
     rank = mesh.get_local_rank()
     offset, visible = seq.offset(rank), seq.offset(rank + 1)  # keys [0, visible) can be seen
     xp = mesh.platform.ops
-    states = active_prefill_states()
     q_BHTD, k_BHTD, v_BHTD, gate = adapter.project(x_BTC, position_offset=offset, cos_sin=cos_sin)
     if mesh.size() > 1:
         hkv = k_BHTD.shape[1]
@@ -74,7 +79,13 @@ def attention_forward(
 
 
 def _fragments_attention(
-    adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
+    adapter: Any,
+    mesh: DeviceMesh,
+    x_BTC: Tensor,
+    seq: GlobalSequence,
+    *,
+    cos_sin: Any = None,
+    states: PrefillStates | None = None,
 ) -> Tensor:
     """:func:`attention_forward` for a shard of several fragments (head_tail): all keys are
     gathered and put in global order; the rank's queries, at their global positions, attend over
@@ -92,6 +103,8 @@ def _fragments_attention(
         gate = xp.cat([p[3] for p in parts], 1)
     hkv = k_BHTD.shape[1]
     kv_BHTD = tokens.to_global(xp, gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2), 2)
+    if states is not None:
+        states.keep_kv(adapter.module, kv_BHTD[:, :hkv], kv_BHTD[:, hkv:])
     positions = tokens.positions(rank)
     docs = seq.doc_ids()
     queries = Tokens(positions, None if docs is None else docs[positions])

@@ -17,6 +17,7 @@ from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
 from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths
 from hyperpar_gdn.distributed.softmax_attention import attention_forward, shard_error
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
 
 
@@ -41,7 +42,11 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
 
     After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard
     ``[B, T_r, hidden]`` (shards may differ in length) and gives exactly the single-device rows;
-    ours also take ``cu_seqlens=`` (packed documents: the whole sequence's boundaries).
+    ours also take ``cu_seqlens=`` (packed documents: the whole sequence's boundaries). Both take
+    ``prefill_states=`` (an inference prefill's record: handed K and V of the whole sequence in
+    global order, on every rank). Both take
+    ``prefill_states=`` (an inference prefill's record: handed K and V of the whole sequence in
+    global order, on every rank).
     Parameters are untouched; their gradients are this rank's share (sum them over the CP ranks:
     :func:`~hyperpar_gdn.sync_context_parallel_grads`).
     ``undo(module)`` restores the original forward.
@@ -83,7 +88,9 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
                 )
         adapter = OwnAttention(module)
 
-        def forward(hidden_states: Any, *, cu_seqlens: Any = None) -> Any:
+        def forward(
+            hidden_states: Any, *, cu_seqlens: Any = None, prefill_states: PrefillStates | None = None
+        ) -> Any:
             x_BTC, wrap = as_sequence_shard(hidden_states, owner=type(self).__name__, layout=self.layout)
             if isinstance(cu_seqlens, GlobalSequence):  # a whole model's forward built it once
                 return wrap(
@@ -94,6 +101,7 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
                         _checked(
                             cu_seqlens, self.layout, x_BTC, module.hidden_size, cp_mesh.get_local_rank()
                         ),
+                        prefill_states=prefill_states,
                     )
                 )
             error = shard_error(x_BTC, module.hidden_size)
@@ -101,7 +109,7 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
                 error = f"packed documents (cu_seqlens) need batch size B=1; got B={x_BTC.shape[0]}"
             lengths = exchange_lengths(cp_mesh, None if error else x_BTC.shape[1], error)
             seq = GlobalSequence.build(lengths, layout=self.layout, cu_seqlens=cu_seqlens)
-            return wrap(attention_forward(adapter, cp_mesh, x_BTC, seq))
+            return wrap(attention_forward(adapter, cp_mesh, x_BTC, seq, prefill_states=prefill_states))
 
         return self._install(module, lambda original: forward, layout=self.layout)
 

@@ -6,15 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FULL", "LINEAR", "DecoderSizes", "check_layer_type"]
-
-LINEAR, FULL = "linear_attention", "full_attention"
-
-
-def check_layer_type(layer_type: str) -> str:
-    if layer_type not in (LINEAR, FULL):
-        raise ValueError(f"layer_type={layer_type!r} is not {LINEAR!r} or {FULL!r}")
-    return layer_type
+__all__ = ["DecoderSizes"]
 
 
 class DecoderSizes:

@@ -5,113 +5,30 @@ Every block is pre-norm: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``. The m
 causal softmax attention (``self_attn``). The LM head shares the embedding's weight.
 
 Written for one device. ``hyperpar_gdn.distributed.parallelize.apply_context_parallel`` makes it
-take and return a sequence shard, with the same result.
+take and return a sequence shard, with the same result. Its sizes, :class:`HybridLMConfig`, live in
+:mod:`hyperpar_gdn.models.config` (no framework) and are re-exported here.
 
 Legend: B batch, T tokens, C hidden size, V vocabulary.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from hyperpar_gdn.models.attention import CausalSelfAttention
-from hyperpar_gdn.models.block_config import FULL, LINEAR, DecoderSizes
+from hyperpar_gdn.models.config import FULL, LINEAR, HybridLMConfig, check_layer_type
 from hyperpar_gdn.models.gated_deltanet import GatedDeltaNet
 from hyperpar_gdn.models.norm import RMSNorm
 from hyperpar_gdn.models.shells import DecoderBlockShell, MLPShell
 from hyperpar_gdn.ops.blocks import lm_logits
 from hyperpar_gdn.platform import ops_for
 
+__all__ = ["FULL", "LINEAR", "MLP", "DecoderBlock", "HybridLM", "HybridLMConfig", "check_layer_type"]
+
 _TORCH = ops_for(torch.empty(0))
-
-
-@dataclass(kw_only=True, frozen=True)
-class HybridLMConfig(DecoderSizes):
-    """Sizes of :class:`HybridLM`.
-
-    Attributes:
-        vocab_size: tokens (256 for bytes).
-        hidden_size: model width C.
-        num_layers: blocks.
-        full_attention_interval: every this-many-th block (the 4th, 8th, ...) uses softmax
-            attention, the others Gated DeltaNet; Qwen3.5 uses 4.
-        intermediate_size: width of the SwiGLU MLP.
-        num_attention_heads, num_key_value_heads, head_dim: the softmax attention layers.
-        linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
-            linear_conv_kernel_dim: the Gated DeltaNet layers.
-        rope_theta: RoPE base of the softmax attention.
-        rms_norm_eps: epsilon of every RMSNorm.
-        initializer_range: std of the normal init of linear and embedding weights.
-    """
-
-    vocab_size: int = 256
-    hidden_size: int = 64
-    num_layers: int = 4
-    full_attention_interval: int = 4
-    intermediate_size: int = 192
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    linear_num_key_heads: int = 2
-    linear_num_value_heads: int = 4
-    linear_key_head_dim: int = 16
-    linear_value_head_dim: int = 16
-    linear_conv_kernel_dim: int = 4
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    initializer_range: float = 0.02
-
-    def __post_init__(self) -> None:
-        positive = (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "full_attention_interval",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"HybridLMConfig.{name} must be a positive int; got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"HybridLMConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(
-                f"HybridLMConfig.linear_num_value_heads={self.linear_num_value_heads} must be a multiple "
-                f"of linear_num_key_heads={self.linear_num_key_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"HybridLMConfig.head_dim={self.head_dim} must be even (RoPE)")
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0 or self.initializer_range <= 0:
-            raise ValueError(
-                f"HybridLMConfig.rope_theta={self.rope_theta}, rms_norm_eps={self.rms_norm_eps} and "
-                f"initializer_range={self.initializer_range} must be positive"
-            )
-
-    @property
-    def layer_types(self) -> tuple[str, ...]:
-        """``"linear_attention"`` or ``"full_attention"`` per block (as transformers names them)."""
-        n = self.full_attention_interval
-        return tuple(FULL if (i + 1) % n == 0 else LINEAR for i in range(self.num_layers))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class MLP(MLPShell, nn.Module):

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperpar_gdn.models.block_config import LINEAR, check_layer_type
+from hyperpar_gdn.models.config import LINEAR, check_layer_type
 from hyperpar_gdn.ops.attention.softmax import causal_attention, init_attention_dims
 from hyperpar_gdn.ops.blocks import decoder_block, swiglu
 from hyperpar_gdn.ops.gdn.layer import init_layer_dims, layer_forward
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import ops_for
 
 __all__ = ["AttentionShell", "DecoderBlockShell", "GatedDeltaNetShell", "MLPShell"]
@@ -89,6 +90,7 @@ class GatedDeltaNetShell:
         *,
         cu_seqlens: Any = None,
         position_ids: Any = None,
+        prefill_states: PrefillStates | None = None,
     ) -> Any:
         """The layer on ``hidden_states`` ``[B, T, hidden]`` -> ``[B, T, hidden]``.
 
@@ -101,13 +103,21 @@ class GatedDeltaNetShell:
             position_ids: ``[B, T]`` restarting at 0 at every document (transformers' packed
                 convention); one device only (a shard's positions cannot say where the documents
                 of other shards start).
+            prefill_states: an inference prefill's record
+                (:class:`~hyperpar_gdn.ops.prefill_states.PrefillStates`): the layer hands it its
+                decoding state after the last token.
 
         After :class:`~hyperpar_gdn.LinearAttentionContextParallel` ``.apply``, ``hidden_states``
         and the result are this rank's shard ``[B, T_r, hidden]`` (and ``attention_mask`` its
         ``[B, T_r]`` shard).
         """
         return layer_forward(
-            self, hidden_states, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids
+            self,
+            hidden_states,
+            attention_mask,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            prefill_states=prefill_states,
         )
 
     # --- what each framework provides ----------------------------------------------------------

@@ -28,8 +28,8 @@ import math
 import numpy as np
 
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
+from hyperpar_gdn.platform.base import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 # One chunk's fp32 logits stay within this (the backward holds up to three such tensors).
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 

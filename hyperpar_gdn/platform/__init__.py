@@ -1,4 +1,12 @@
-"""Platform layer: the only package that names a framework.
+"""Platform layer: where the library's core meets a framework.
+
+The core (:mod:`hyperpar_gdn.ops`, :mod:`hyperpar_gdn.distributed`, :mod:`hyperpar_gdn.inference`)
+names no framework: it calls the platform's tensor functions and collectives. Framework code lives
+here, one file per framework and concern (``torch_*.py``, ``mindspore_*.py``), each imported only
+when its framework is used, and in the per-framework model and training files of
+:mod:`hyperpar_gdn.models` (``models/*.py`` torch, ``models/mindspore/``) and
+:mod:`hyperpar_gdn.train` (``mindspore_loop.py`` for MindSpore). Under ``HP_PLATFORM=mindspore``
+nothing of the core, of this package or of ``models/mindspore`` imports torch.
 
 ``get_platform()`` returns the backend chosen by ``HP_PLATFORM`` (``cpu``, ``cuda``, ``npu``,
 ``mindspore``) or, when unset, the first one available (cuda, then npu if ``torch_npu`` is
@@ -29,6 +37,7 @@ from hyperpar_gdn.platform.base import (
     Collectives,
     Group,
     Platform,
+    PlatformUnavailableError,
     Tensor,
     TensorOps,
 )
@@ -42,6 +51,7 @@ __all__ = [
     "Collectives",
     "Group",
     "Platform",
+    "PlatformUnavailableError",
     "Tensor",
     "TensorOps",
     "get_platform",
@@ -62,6 +72,12 @@ def platform_name() -> str:
                 f"valid values are {', '.join(PLATFORMS)}"
             )
         return name
+    if importlib.util.find_spec("torch") is None:
+        raise ModuleNotFoundError(
+            "HP_PLATFORM is unset and torch is not installed, so no platform can be detected: set "
+            "HP_PLATFORM=mindspore for MindSpore, or install torch (the 'torch' extra: "
+            "pip install 'hyperpar-gdn[torch]') for HP_PLATFORM cpu, cuda or npu"
+        )
     import torch
 
     if torch.cuda.is_available():

@@ -1,15 +1,19 @@
 """The platform contract: the small interfaces that code above the platform layer may use.
 
-The core (``ops``, ``distributed``, ``inference``) names no framework: it receives a
-:class:`TensorOps` (tensor functions) and, when it communicates, a :class:`Collectives`
-(differentiable collectives over a process group). ``models/``, ``train/`` and
-``integrations/`` hold a framework's modules and import it."""
+No file here imports a framework, and neither does the core above the platform: the maths
+(``hyperpar_gdn.ops``), the layer, the context-parallel algorithms (``hyperpar_gdn.distributed``)
+and prefill (``hyperpar_gdn.inference``) receive a :class:`TensorOps` (tensor functions) and,
+when they communicate, a :class:`Collectives` (differentiable collectives over a process group).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
+
+# The label of a token that has no loss (torch's and transformers' convention); the one definition.
+IGNORE_INDEX = -100
 
 Tensor = Any  # a torch.Tensor or a mindspore.Tensor, depending on the platform
 Group = Any  # a framework process-group handle
@@ -190,7 +194,9 @@ class TensorOps(ABC):
         return None
 
     @abstractmethod
-    def cross_entropy_sum(self, logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> Tensor:
+    def cross_entropy_sum(
+        self, logits: Tensor, labels: Tensor, *, ignore_index: int = IGNORE_INDEX
+    ) -> Tensor:
         """The sum of token cross-entropies, computed in fp32 (fp64 for fp64 logits), over the
         tokens whose label is not ``ignore_index``: logits ``[..., V]``, labels ``[...]`` int."""
 
@@ -248,6 +254,11 @@ class AttentionKernel(ABC):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """-> (dq, dk, dv) of the rectangle, with ``o`` and ``lse`` those of the whole row (every
         rectangle of these queries merged)."""
+
+
+class PlatformUnavailableError(RuntimeError):
+    """The platform asked for (``HP_PLATFORM``, a ``device_type``) is not on this machine: no CUDA
+    device, no ``torch_npu``. The message names the platform and what to use instead."""
 
 
 class CollectiveError(RuntimeError):

@@ -32,7 +32,7 @@ import mindspore.scipy.linalg as ms_linalg
 import numpy as np
 from mindspore import mint, ops
 
-from hyperpar_gdn.platform.base import AttentionKernel, TensorOps
+from hyperpar_gdn.platform.base import IGNORE_INDEX, AttentionKernel, TensorOps
 from hyperpar_gdn.platform.mindspore_vjp import CustomVJPCell
 
 __all__ = ["MindSporeOps", "enable_launch_blocking"]
@@ -321,7 +321,7 @@ class MindSporeOps(TensorOps):
         return None
 
     def cross_entropy_sum(
-        self, logits: ms.Tensor, labels: ms.Tensor, *, ignore_index: int = -100
+        self, logits: ms.Tensor, labels: ms.Tensor, *, ignore_index: int = IGNORE_INDEX
     ) -> ms.Tensor:
         logits = self.cast(logits, self.compute_dtype(logits)).reshape(-1, logits.shape[-1])
         labels = labels.reshape(-1).astype(ms.int32)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hyperpar_gdn.platform.base import AttentionKernel, TensorOps
+from hyperpar_gdn.platform.base import IGNORE_INDEX, AttentionKernel, TensorOps
 from hyperpar_gdn.platform.torch_attention import attention_kernel_for
 
 
@@ -165,7 +165,7 @@ class TorchOps(TensorOps):
         return attention_kernel_for(q)
 
     def cross_entropy_sum(
-        self, logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
+        self, logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX
     ) -> torch.Tensor:
         logits = logits.to(self.compute_dtype(logits)).reshape(-1, logits.shape[-1])
         return F.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")

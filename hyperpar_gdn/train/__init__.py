@@ -1,14 +1,23 @@
 """Training the hybrid LM with context (and data) parallelism; ``scripts/train.py`` is the entry point.
 
 - :mod:`.config`: :class:`TrainConfig` (every option) and its command line.
-- :mod:`.data`: byte tokens, deterministic batches, each rank's shard.
+- :mod:`.data`: tokens (bytes or a tokenizer's) and deterministic global batches.
+- :mod:`.batches`: a rank's part of a batch, cut by ``shard_for_context_parallel``.
+- :mod:`.loop`: :class:`Trainer` (build, train, close), written once for every framework.
+- :mod:`.backend`: what a framework provides (:class:`TrainBackend`); :mod:`.torch_backend`
+  and :mod:`.mindspore_loop` implement it.
+- :mod:`.optim` (AdamW settings, warm-up), :mod:`.resume` (``--resume`` and auto resume),
+  :mod:`.metrics` (records, log lines, ``--metrics-json``), :mod:`.parity` (``--check-parity``).
 - :mod:`.checkpoint`: ``step-N/`` directories of named parts, written atomically.
-- :mod:`.loop`: :class:`Trainer` (build, train, close).
+- :mod:`.sharding`: FSDP2 and activation checkpointing for torch.
 """
 
+from hyperpar_gdn.platform.base import PlatformUnavailableError
+from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hyperpar_gdn.train.config import MODEL_SIZES, TrainConfig, UsageError, parse_args
-from hyperpar_gdn.train.loop import Trainer, TrainResult
+from hyperpar_gdn.train.loop import Trainer
+from hyperpar_gdn.train.metrics import TrainResult
 
 # What a user can fix (an option, a file, a directory): scripts/train.py reports these in one line.
 USER_ERRORS = (
@@ -18,11 +27,13 @@ USER_ERRORS = (
     NotImplementedError,
     ModuleNotFoundError,
     CheckpointError,
+    PlatformUnavailableError,
 )
 
 __all__ = [
     "MODEL_SIZES",
     "CheckpointError",
+    "TrainBackend",
     "TrainConfig",
     "TrainResult",
     "Trainer",

@@ -1,7 +1,7 @@
-"""Tokens (bytes, or a transformers tokenizer's), deterministic batches, and each rank's (dp, cp) shard of them.
+"""Tokens (bytes, or a transformers tokenizer's) and deterministic global batches of them.
 
 Batch ``i`` of a run is a pure function of ``(seed, i)``: every rank draws the same global batch
-and cuts out its own part, the no-CP reference draws the same batch whole, and a resumed run
+and cuts out its own part (:mod:`.batches`), the no-CP reference draws the same batch whole, and a resumed run
 continues from the saved position with the very batches an uninterrupted run would have drawn.
 """
 
@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS
-from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
 
 VOCAB_SIZE = 256  # bytes
 
@@ -170,67 +169,3 @@ class BatchSampler:
                 "--seed and --data to continue the same loss curve"
             )
         self.position = int(state["position"])
-
-
-@dataclass(frozen=True)
-class RankBatch:
-    """One rank's part of a global batch.
-
-    Attributes:
-        inputs, labels: int64 ``[rows, T_local]``; labels ``-100`` where none is learnt.
-        cu_seqlens: packed documents: int64 ``[N+1]`` over the DP replica's whole packed row (the
-            same on every rank of its CP group), or None.
-    """
-
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    cu_seqlens: torch.Tensor | None
-
-
-def rank_batch(
-    batch: Batch,
-    *,
-    dp_rank: int,
-    dp_size: int,
-    cp_rank: int,
-    cp_size: int,
-    doc_boundaries: bool = True,
-    layout: str = "contiguous",
-) -> RankBatch:
-    """This rank's inputs and labels from a global batch ``[B, T+1]``: rows of DP replica
-    ``dp_rank``, the tokens of CP rank ``cp_rank`` of ``cp_size`` in the token ``layout``
-    (contiguous: the ``cp_rank``-th of ``cp_size`` pieces; head_tail: pieces ``cp_rank`` and
-    ``2 cp_size - 1 - cp_rank`` of ``2 cp_size``). ``cu_seqlens`` stays global.
-
-    With ``doc_boundaries`` and a document starting inside a row, the replica's rows are packed
-    into one row of ``B/dp * T`` tokens whose documents (row starts included) are its
-    ``cu_seqlens``: the state, the conv and attention restart at each, and the last token of a
-    document learns no label (its next token opens another document). Otherwise the rows are
-    plain windows of the concatenated stream, as without documents."""
-    rows, width = batch.tokens.shape
-    seq_len = width - 1
-    if rows % dp_size or seq_len % cp_size:
-        raise ValueError(
-            f"a batch of {rows} sequences of {seq_len} tokens does not split over dp={dp_size}, cp={cp_size}"
-        )
-    b = rows // dp_size
-    part = slice(dp_rank * b, (dp_rank + 1) * b)
-    tokens, starts = batch.tokens[part], batch.doc_starts[part]
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    cu = None
-    if doc_boundaries and batch.has_documents:
-        labels = labels.masked_fill(starts[:, 1:], -100)
-        row_starts = starts[:, :-1].clone()
-        row_starts[:, 0] = True
-        inputs, labels, row_starts = inputs.reshape(1, -1), labels.reshape(1, -1), row_starts.reshape(-1)
-        cu = torch.cat([row_starts.nonzero()[:, 0], torch.tensor([row_starts.numel()])])
-    error = layout_error(layout, inputs.shape[1], cp_size)
-    if error is not None:
-        raise ValueError(error)
-    tokens = TokenLayout.of(layout, [inputs.shape[1] // cp_size] * cp_size)
-    if tokens.is_contiguous:
-        (piece,) = tokens.mine(cp_rank)
-        window: Any = slice(piece.start, piece.stop)
-    else:
-        window = torch.as_tensor(tokens.positions(cp_rank))
-    return RankBatch(inputs[:, window], labels[:, window], cu)

@@ -1,8 +1,9 @@
-"""The training loop on MindSpore (PyNative, MCCL on CPU / HCCL on Ascend under ``msrun``).
+"""The MindSpore half of a training run (PyNative, MCCL on CPU / HCCL on Ascend under ``msrun``).
 
-The same run as :class:`hyperpar_gdn.train.loop.Trainer`, and the same code wherever it is not
-framework maths: options (:class:`TrainConfig`), batches (:mod:`.data`, so both platforms draw the
-very same tokens), logging, parity check, summary and metrics (inherited). What differs:
+:class:`MindSporeTrainer` is :class:`hyperpar_gdn.train.loop.Trainer` with :class:`MindSporeBackend`:
+the same options (:class:`TrainConfig`), batches (:mod:`.data` and :mod:`.batches`, so both
+platforms draw and cut the very same tokens), loss (``context_parallel_lm_loss``), logging, resume,
+parity check, summary and metrics. What the backend does its own way:
 
 - the model is :class:`hyperpar_gdn.models.mindspore.HybridLM`, made with
   :meth:`~hyperpar_gdn.models.mindspore.HybridLM.from_torch` from the torch model that
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import resource
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mindspore as ms
@@ -32,17 +33,26 @@ import numpy as np
 import torch
 from mindspore import ops
 
+from hyperpar_gdn.distributed.batch import ContextParallelBatch, context_parallel_lm_loss
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
 from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
+from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_tokenizer
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
-from hyperpar_gdn.ops.lm_loss import lm_loss_sum
+from hyperpar_gdn.platform import Platform
+from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
 from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.data import Batch, RankBatch, rank_batch
 from hyperpar_gdn.train.loop import Trainer
 
-__all__ = ["ADAMW_FORMAT", "AdamW", "MindSporeTrainer", "clip_grad_norm", "library_adamw_class"]
+__all__ = [
+    "ADAMW_FORMAT",
+    "AdamW",
+    "MindSporeBackend",
+    "MindSporeTrainer",
+    "clip_grad_norm",
+    "library_adamw_class",
+]
 
 ADAMW_FORMAT = "hyperpar_gdn.train.mindspore_loop.AdamW/1"
 BF16_REFUSED = (
@@ -184,77 +194,68 @@ class AdamW:
 
 
 class _Replica:
-    """A model, its optimizer and its loss-and-gradient function."""
+    """A model, its optimizer and its loss-and-gradient function over the CP mesh ``cp_mesh``."""
 
-    def __init__(self, model: HybridLM | Qwen3_5ForCausalLM, config: TrainConfig) -> None:
+    def __init__(
+        self, model: HybridLM | Qwen3_5ForCausalLM, config: TrainConfig, cp_mesh: DeviceMesh
+    ) -> None:
         self.model = model
         named = [(name, p) for name, p in model.parameters_and_names() if p.requires_grad]
         self.params = [p for _, p in named]
+        self.grad_clip = config.grad_clip
         self.optimizer = AdamW(self.params, weight_decay=config.weight_decay, names=[n for n, _ in named])
 
         def loss_fn(
             inputs: ms.Tensor, labels: ms.Tensor, scale: ms.Tensor, cu_seqlens: ms.Tensor | None
         ) -> tuple[ms.Tensor, ms.Tensor]:
-            # the chunked LM loss: the [rows, T_local, V] logits are never held; labels -100: no loss
+            # the chunked LM loss: the [rows, T_local, V] logits are never held
             hidden = model.final_hidden_states(inputs, cu_seqlens)
-            loss_sum = lm_loss_sum(hidden, model.head_weight, labels)
-            return loss_sum * scale, loss_sum
+            loss = context_parallel_lm_loss(hidden, model.head_weight, labels, cp_mesh)
+            return loss * scale, loss
 
         self.value_and_grad = ms.value_and_grad(loss_fn, None, self.params, has_aux=True)
 
-    def loss_and_grads(self, part: RankBatch, scale: float) -> tuple[ms.Tensor, list[ms.Tensor]]:
-        """(sum of token losses, gradients of that sum times ``scale``)."""
-        cu = None if part.cu_seqlens is None else ms.Tensor(part.cu_seqlens.numpy())
-        (_, loss_sum), grads = self.value_and_grad(
-            ms.Tensor(part.inputs.numpy()), ms.Tensor(part.labels.numpy()), ms.Tensor(scale, ms.float32), cu
+    def loss_and_grads(self, shard: ContextParallelBatch, scale: float) -> tuple[float, list[ms.Tensor]]:
+        """(the context-parallel LM loss, gradients of it times ``scale``) on the host ``shard``."""
+        cu = None if shard.cu_seqlens is None else ms.Tensor(shard.cu_seqlens.numpy())
+        (_, loss), grads = self.value_and_grad(
+            ms.Tensor(shard.input_ids.numpy()),
+            ms.Tensor(shard.labels.numpy()),
+            ms.Tensor(scale, ms.float32),
+            cu,
         )
-        return loss_sum, list(grads)
+        return float(loss.asnumpy()), list(grads)
 
-    def step(self, grads: Sequence[ms.Tensor], config: TrainConfig, step: int) -> None:
-        """Clip, the learning rate of ``step`` (1-based, linear warmup), AdamW."""
-        if config.grad_clip > 0:
-            grads, _ = clip_grad_norm(grads, config.grad_clip)
-        scale = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
-        self.optimizer.step(grads, config.lr * scale)
+    def step(self, grads: Sequence[ms.Tensor], lr: float) -> None:
+        """Clip the global norm (``--grad-clip`` > 0), then AdamW at ``lr``."""
+        if self.grad_clip > 0:
+            grads, _ = clip_grad_norm(grads, self.grad_clip)
+        self.optimizer.step(grads, lr)
 
 
-class MindSporeTrainer(Trainer):
-    """:class:`~hyperpar_gdn.train.loop.Trainer` on MindSpore: the same options, batches, loss,
-    logging and metrics; ``HP_PLATFORM=mindspore msrun ... scripts/train.py`` builds this one.
-
-    Example::
-
-        trainer = MindSporeTrainer(TrainConfig(cp_mode="p2p", steps=10, seq_len=64, batch_size=4))
-        try:
-            result = trainer.train()
-        finally:
-            trainer.close()
-    """
+class MindSporeBackend(TrainBackend):
+    """:class:`~hyperpar_gdn.train.backend.TrainBackend` on MindSpore (see the module docstring)."""
 
     platforms = ("mindspore",)
 
-    def __init__(self, config: TrainConfig) -> None:
-        if config.dtype != "fp32":  # on every rank, before the process group
+    @classmethod
+    def check(cls, config: TrainConfig, platform_name: str) -> None:
+        if platform_name not in cls.platforms:
+            raise NotImplementedError(
+                f"MindSporeTrainer needs HP_PLATFORM=mindspore (got {platform_name}); use Trainer for torch"
+            )
+        if config.dtype != "fp32":
             raise NotImplementedError(BF16_REFUSED.format(dtype=config.dtype))
-        super().__init__(config)
-
-    def _unsupported(self, name: str) -> str:
-        return f"MindSporeTrainer needs HP_PLATFORM=mindspore (got {name}); use Trainer for torch"
-
-    def _apply_sharding(self) -> None:
-        """``--ac``: every decoder block recomputes its forward in the backward (``Cell.recompute``)."""
-        if self.config.fsdp:
+        if config.fsdp:
             raise NotImplementedError(
                 "--fsdp is torch's FSDP2; on MindSpore parameters stay replicated (use --ac to save memory)"
             )
-        if self.config.ac:
-            for block in text_model_of(self.model).layers:
-                block.recompute()
 
-    def _build_model(self) -> None:
-        """The MindSpore model (from the torch Trainer's initial weights, seeded by ``_build``, or
-        from ``--model DIR``), its replica with the optimizer, and the rank-0 copy for --check-parity."""
-        config = self.config
+    def __init__(self, config: TrainConfig, platform: Platform, mesh: DeviceMesh, *, reference: bool) -> None:
+        """The model from the torch model that the trainer's seed draws (or from ``--model DIR``),
+        context parallel over ``mesh["cp"]``, its replica with the optimizer, and the rank-0 copy
+        for ``--check-parity``."""
+        self.config, self.platform, self.mesh = config, platform, mesh
         self.tokenizer = None
         if config.model_dir is not None:
             self.tokenizer = load_tokenizer(config.model_dir)
@@ -262,60 +263,46 @@ class MindSporeTrainer(Trainer):
         else:
             build = functools.partial(HybridLM.from_torch, TorchHybridLM(config.model))
         self.model = build()
-        self.replica = _Replica(self.model, config)
+        cp_mesh = mesh["cp"]
+        self.cp_mode, self.cp_plan = config.cp_mode, None
+        if cp_mesh.size() > 1 or self.tokenizer is not None:
+            apply_cp_mode(self, config, self.model, cp_mesh)
+        if config.ac:  # every decoder block recomputes its forward in the backward
+            for block in text_model_of(self.model).layers:
+                block.recompute()
+        self.replica = _Replica(self.model, config, cp_mesh)
         self.reference = None
-        if config.check_parity and self.rank == 0:
-            self.reference = _Replica(build(), config)
+        if reference:
+            solo = DeviceMesh.from_group(platform, None, [platform.rank()], mesh_dim_name="cp")
+            self.reference = _Replica(build(), config, solo)
 
-    def _train_step(self, batch: Batch) -> float:
-        """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
-        part = rank_batch(
-            batch,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp,
-            cp_rank=self.cp_rank,
-            cp_size=self.cp,
-            doc_boundaries=self.config.doc_boundaries,
-            layout=self.config.token_layout(),
-        )
-        dtype = self._stat_dtype()
-        count = ms.Tensor([float((part.labels != -100).sum())], dtype)
-        total = float(self.comm.all_reduce_sum(count, None).asnumpy()[0])  # labelled tokens, all ranks
-        # sum / all labelled tokens, times dp: gradients are summed over CP and averaged over DP
-        loss_sum, grads = self.replica.loss_and_grads(part, self.dp / total)
-        grads = self._sync_grads(grads)
-        self.replica.step(grads, self.config, self.step + 1)
-        loss_total = self.comm.all_reduce_sum(loss_sum.astype(dtype).reshape(1), None).asnumpy()[0]
-        return float(loss_total / total)
+    @property
+    def rank(self) -> int:
+        return self.platform.rank()
 
-    def _sync_grads(self, grads: list[ms.Tensor]) -> list[ms.Tensor]:
-        """Sum the gradient shares over the CP group, then average over the DP groups."""
-        if self.cp == 1 and self.dp == 1:
-            return grads
-        return sync_context_parallel_grads(grads, self.mesh, dp_axis="dp")
+    @property
+    def world_size(self) -> int:
+        return self.platform.world_size()
 
-    def _reference_step(self, batch: Batch) -> float:
-        """The same step without any parallelism, on the whole global batch (rank 0 only)."""
+    def train_step(self, shard: ContextParallelBatch, *, scale: float, lr: float) -> float:
+        loss, grads = self.replica.loss_and_grads(shard, scale)
+        if self.world_size > 1:  # summed over the CP group, averaged over the DP groups
+            grads = sync_context_parallel_grads(grads, self.mesh, dp_axis="dp")
+        self.replica.step(grads, lr)
+        return loss
+
+    def reference_step(self, whole: ContextParallelBatch, *, lr: float) -> float:
         assert self.reference is not None
-        part = rank_batch(
-            batch, dp_rank=0, dp_size=1, cp_rank=0, cp_size=1, doc_boundaries=self.config.doc_boundaries
-        )
-        count = int((part.labels != -100).sum())
-        loss_sum, grads = self.reference.loss_and_grads(part, 1.0 / count)
-        self.reference.step(grads, self.config, self.step)
-        return float(loss_sum.asnumpy()) / count
+        loss, grads = self.reference.loss_and_grads(whole, 1.0)
+        self.reference.step(grads, lr)
+        return loss
 
-    def _checkpoint_parts(self) -> dict[str, Any]:
-        """As the torch trainer's; ``model`` is a torch state dict (the torch model's names)."""
+    def state_dict(self) -> dict[str, Any]:
+        """``model`` as a torch state dict (the torch model's names), ``optimizer`` :class:`AdamW`'s."""
         model = {name: torch.from_numpy(p.asnumpy().copy()) for name, p in self.model.parameters_and_names()}
-        return {
-            "model": model,
-            "optimizer": self.replica.optimizer.state_dict(),
-            "data": self.sampler.state_dict(),
-            "train": {"step": self.step, "rng_cpu": torch.get_rng_state()},
-        }
+        return {"model": model, "optimizer": self.replica.optimizer.state_dict()}
 
-    def _load_parts(self, path: str, parts: dict[str, Any]) -> None:
+    def load_state_dict(self, path: str, parts: dict[str, Any]) -> None:
         if parts["optimizer"].get("format") != ADAMW_FORMAT:
             raise ValueError(
                 f"checkpoint {path} holds torch's AdamW state, not MindSpore's {ADAMW_FORMAT!r} (written "
@@ -326,24 +313,42 @@ class MindSporeTrainer(Trainer):
                 load_torch_state_dict(replica.model, parts["model"])
                 replica.optimizer.load_state_dict(parts["optimizer"])
 
-    def _export(self, out: str) -> None:
+    def exporter(self, out: str) -> Callable[[], None]:
         """Parameters are whole on every rank (no FSDP here): rank 0 writes the directory."""
-        self._on_rank_0(
-            lambda: export_model_dir(self.model, self.tokenizer, out), f"export the model to {out}"
+        return lambda: export_model_dir(self.model, self.tokenizer, out)
+
+    def num_parameters(self) -> int:
+        return self.model.num_parameters()
+
+    def model_config(self) -> dict[str, Any]:
+        return self.model.config.to_dict() if self.tokenizer is not None else self.config.model.to_dict()
+
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        # float64 for loss sums and statistics, float32 on Ascend (as the torch backend on NPUs)
+        dtype = ms.float32 if getattr(self.platform, "device_target", "CPU") == "Ascend" else ms.float64
+        totals = self.platform.collectives.all_reduce_sum(
+            ms.Tensor(np.asarray(values, np.float64)).astype(dtype), None
         )
+        return [float(v) for v in totals.asnumpy()]
 
-    def _max_over_ranks(self, value: int) -> int:
-        slots = np.zeros(self.world_size, np.float64)
-        slots[self.rank] = value
-        total = self.comm.all_reduce_sum(ms.Tensor(slots).astype(self._stat_dtype()), None)
-        return int(total.asnumpy().max())
-
-    def _stat_dtype(self) -> ms.Type:
-        """float64 for loss sums and statistics, float32 on Ascend (as the torch trainer on NPUs)."""
-        return ms.float32 if getattr(self.platform, "device_target", "CPU") == "Ascend" else ms.float64
-
-    def _synchronize(self) -> None:
-        """PyNative with launch_blocking (the platform's setting) has finished every kernel."""
-
-    def _peak_memory(self) -> tuple[int, str]:
+    def peak_memory(self) -> tuple[int, str]:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"
+
+    # synchronize: PyNative with launch_blocking (the platform's setting) has finished every kernel
+
+
+class MindSporeTrainer(Trainer):
+    """:class:`~hyperpar_gdn.train.loop.Trainer` with :class:`MindSporeBackend`: the same options,
+    batches, loss, logging and metrics; ``HP_PLATFORM=mindspore msrun ... scripts/train.py`` builds
+    this one.
+
+    Example::
+
+        trainer = MindSporeTrainer(TrainConfig(cp_mode="p2p", steps=10, seq_len=64, batch_size=4))
+        try:
+            result = trainer.train()
+        finally:
+            trainer.close()
+    """
+
+    backend_class = MindSporeBackend

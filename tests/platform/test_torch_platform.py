@@ -249,9 +249,9 @@ def test_each_torchrun_attempt_meets_afresh_in_the_agents_store() -> None:
     with 'Connection refused' at the process-group timeout."""
     import multiprocessing
 
-    from distributed_harness import _start_store_host
+    from hyperpar_gdn.platform.launch_rank import start_store_host
 
-    host, port = _start_store_host(multiprocessing.get_context("fork"), 60)
+    host, port = start_store_host(multiprocessing.get_context("fork"), 60)
     try:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         env["TORCHELASTIC_RUN_ID"] = "job"

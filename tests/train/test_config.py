@@ -7,14 +7,39 @@ import json
 import re
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hyperpar_gdn.distributed.mesh import DeviceMesh
+from hyperpar_gdn.platform import get_platform
 from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, UsageError, parse_args
-from hyperpar_gdn.train.data import Batch, BatchSampler, load_tokens, rank_batch
+from hyperpar_gdn.train.batches import cut_batch
+from hyperpar_gdn.train.data import Batch, BatchSampler, load_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def rank_batch(
+    batch: Batch,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    cp_rank: int,
+    cp_size: int,
+    doc_boundaries: bool = True,
+    layout: str = "contiguous",
+) -> SimpleNamespace:
+    """The trainer's cut (:func:`cut_batch`) as CP rank ``cp_rank`` of ``cp_size``: a 1-D mesh
+    built without communication (cutting needs none) that places this process at ``cp_rank``."""
+    ranks = list(range(1, cp_size))
+    ranks.insert(cp_rank, get_platform("cpu").rank())
+    mesh = DeviceMesh.from_group(get_platform("cpu"), None, ranks, mesh_dim_name="cp")
+    shard = cut_batch(
+        batch, mesh, dp_rank=dp_rank, dp_size=dp_size, doc_boundaries=doc_boundaries, layout=layout
+    )
+    return SimpleNamespace(inputs=shard.input_ids, labels=shard.labels, cu_seqlens=shard.cu_seqlens)
 
 
 @pytest.mark.parametrize(
@@ -30,6 +55,12 @@ ROOT = Path(__file__).resolve().parents[2]
         (
             {"cp_layout": "zigzag"},
             "--cp-layout 'zigzag' is not a token layout; choose one of contiguous, head_tail",
+        ),
+        ({"cp_mode": "ulysses+scan"}, "--cp-inner-size goes with the two-level modes"),
+        ({"cp_mode": "p2p", "cp_inner_size": 2}, "got --cp-mode p2p and --cp-inner-size 2"),
+        (
+            {"cp_mode": "ulysses+p2p", "cp_inner_size": 2},
+            "--cp-mode ulysses+p2p needs --cp-layout contiguous",
         ),
     ],
 )
@@ -64,6 +95,16 @@ def test_option_errors_name_the_option(options: dict[str, object], message: str)
             {"model_size": "small", "seq_len": 64},
             16,
             "--cp-mode ulysses splits the GDN value heads over cp=16",
+        ),
+        (
+            {"cp_mode": "ulysses+scan", "cp_inner_size": 3, "cp_layout": "contiguous"},
+            4,
+            "--cp-inner-size 3 must divide cp=4",
+        ),
+        (
+            {"cp_mode": "ulysses+scan", "cp_inner_size": 2, "cp_layout": "contiguous", "cp_size": 2},
+            4,
+            "CP must span all 4 ranks (no --cp-size)",
         ),
     ],
 )

@@ -72,6 +72,7 @@ def _packed_data() -> str:
 # The shared msrun job (up to 480 s) runs inside the first test that reads it.
 pytestmark = pytest.mark.timeout(540)
 
+
 @cache
 def _job() -> MsrunOutcome:
     train_options = [*_flags({**OPTIONS, "cp_mode": TRAIN_MODE}), "--check-parity"]

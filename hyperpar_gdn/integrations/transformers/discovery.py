@@ -1,12 +1,10 @@
-"""transformers' Qwen3.5 model classes by name, and where a multimodal one keeps its text model
-(the causal LMs and text models keep their decoder layers where
-:func:`hyperpar_gdn.distributed.decoder_layers.find_decoder` looks for any model's)."""
+"""Where transformers' Qwen3.5 models keep their decoder layers (causal LM, text model, multimodal)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TEXT_MODELS", "MULTIMODAL_MODELS", "CAUSAL_LMS", "find_multimodal", "is_text_model"]
+__all__ = ["TEXT_MODELS", "MULTIMODAL_MODELS", "CAUSAL_LMS", "find_text_model", "is_text_model"]
 
 TEXT_MODELS = ("Qwen3_5TextModel", "Qwen3_5MoeTextModel")
 MULTIMODAL_MODELS = ("Qwen3_5Model", "Qwen3_5MoeModel")
@@ -17,10 +15,17 @@ def is_text_model(module: Any) -> bool:
     return type(module).__name__ in TEXT_MODELS
 
 
-def find_multimodal(model: Any) -> Any:
-    """The multimodal Qwen3.5 model that is ``model`` or its inner ``model``, or None; its text
-    model (``language_model``) holds the decoder layers."""
-    for candidate in (model, getattr(model, "model", None)):
-        if type(candidate).__name__ in MULTIMODAL_MODELS:
-            return candidate
-    return None
+def find_text_model(model: Any) -> tuple[Any, Any]:
+    """(the multimodal model around it or None, the text model holding the decoder ``layers``)."""
+    if type(model).__name__ in MULTIMODAL_MODELS:
+        return model, model.language_model
+    inner = getattr(model, "model", None)
+    for candidate in (model, inner):
+        if type(candidate).__name__ in TEXT_MODELS:
+            return None, candidate
+    if type(inner).__name__ in MULTIMODAL_MODELS:
+        return inner, inner.language_model
+    raise ValueError(
+        f"{type(model).__name__} has no decoder layers to parallelize: expected transformers' "
+        "Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, their text models, or Qwen3_5(Moe)ForConditionalGeneration"
+    )

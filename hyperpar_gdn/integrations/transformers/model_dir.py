@@ -67,7 +67,7 @@ def has_softmax_attention(path: str | Path) -> bool:
 def _require_transformers(path: str | Path) -> None:
     if importlib.util.find_spec("transformers") is None:
         raise ModuleNotFoundError(
-            f"--model {path} needs transformers, which is not installed: pip install -e '.[transformers]'"
+            f"--model {path} needs transformers, which is not installed: pip install -e '.[torch,transformers]'"
         )
 
 

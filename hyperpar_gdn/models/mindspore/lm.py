@@ -3,10 +3,12 @@
 parameter names (``embed_tokens.weight``, ``layers.3.self_attn.q_proj.weight``, ...), so
 :meth:`HybridLM.from_torch` copies a torch model's weights one to one.
 
-The blocks here (:class:`DecoderBlock`, :class:`MLP`, :class:`Embedding`) also build the Qwen3.5
-model (:mod:`.qwen35`): they read the block-building interface of either config
-(``layer_types``, ``gdn_kwargs()``, ``attention_kwargs()``, ``zero_centred_norms``,
-``num_experts``). The maths is ``hyperpar_gdn.ops`` (``blocks``, ``attention``, ``layer``).
+The blocks here (:class:`DecoderBlock`, :class:`Embedding`) also build the Qwen3.5 model
+(:mod:`.qwen35`): they read the block-building interface of either config (``layer_types``,
+``gdn_kwargs()``, ``attention_kwargs()``, ``zero_centred_norms``, ``num_experts``); the MLPs are
+in :mod:`.mlp` (SwiGLU) and :mod:`.moe` (experts). The maths is ``hyperpar_gdn.ops`` (``blocks``,
+``attention``, ``gdn.layer``). :class:`HybridLMConfig` comes from :mod:`hyperpar_gdn.models.config`
+(no framework).
 Written for one device: ``apply_context_parallel(model, mesh, mode=...)`` under
 ``HP_PLATFORM=mindspore`` makes it take and return a sequence shard. Runs in PyNative mode.
 
@@ -21,7 +23,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn, ops
 
-from hyperpar_gdn.models.lm import HybridLMConfig
+from hyperpar_gdn.models.config import HybridLMConfig
 from hyperpar_gdn.models.mindspore.attention import CausalSelfAttention
 from hyperpar_gdn.models.mindspore.gated_deltanet import GatedDeltaNet
 from hyperpar_gdn.models.mindspore.mlp import MLP

@@ -1,0 +1,139 @@
+"""The framework as the trainer sees it: one small object per framework (torch, MindSpore).
+
+:class:`~hyperpar_gdn.train.loop.Trainer` is written once, without framework maths: it draws the
+batches, cuts them (:mod:`.batches`), keeps the step count, checkpoints, metrics and the parity
+check. A :class:`TrainBackend` owns what a framework does differently: the model and its
+optimizer, one training step (forward, loss, backward, gradient sync, optimizer step), the no-CP
+reference step, the state dicts of a checkpoint, reductions over ranks, peak memory and export.
+:class:`~hyperpar_gdn.train.torch_backend.TorchBackend` and
+:class:`~hyperpar_gdn.train.mindspore_loop.MindSporeBackend` implement it; a new framework (or a
+backend that adds fault handling) implements or extends these methods and nothing else.
+
+The loss of a step, on every backend: this rank's
+:func:`~hyperpar_gdn.distributed.batch.context_parallel_lm_loss` (the sum of its token losses over
+the labelled tokens of its CP group) times ``scale``, which the trainer sets so that the gradients,
+summed over the CP group and averaged over the DP groups, are those of the mean loss over every
+labelled token of the global batch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hyperpar_gdn.distributed.batch import ContextParallelBatch
+from hyperpar_gdn.distributed.mesh import DeviceMesh
+from hyperpar_gdn.platform import Platform
+from hyperpar_gdn.train.config import TrainConfig
+
+__all__ = ["TrainBackend", "apply_cp_mode"]
+
+
+def apply_cp_mode(backend: Any, config: TrainConfig, model: Any, cp_mesh: DeviceMesh) -> None:
+    """Make ``model`` context parallel over ``cp_mesh`` in --cp-mode, and set ``backend.cp_mode``
+    (for ``auto``: the cost model's choice, whose reason is ``backend.cp_plan.why()``)."""
+    from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+    from hyperpar_gdn.distributed.planner import plan_for_model
+
+    backend.cp_mode, backend.cp_plan = config.cp_mode, None
+    if config.cp_mode == "auto":
+        dtype = "bfloat16" if config.dtype == "bf16" else "float32"
+        backend.cp_plan = plan_for_model(
+            model, cp_mesh, seq_len=config.seq_len, layout=config.token_layout(), dtype=dtype
+        )
+        backend.cp_mode = backend.cp_plan.choice
+    apply_context_parallel(
+        model, cp_mesh, mode=backend.cp_mode, layout=config.token_layout(), inner_size=config.cp_inner_size
+    )
+
+
+class TrainBackend(ABC):
+    """A framework's half of a training run. Built by the trainer once the process group and the
+    ``(dp, cp)`` mesh exist, with the framework's global seed set from ``config.seed``.
+
+    Args:
+        config: the run's options.
+        platform: the platform whose process group the run uses.
+        mesh: the 2-D ``(dp, cp)`` mesh.
+        reference: also build the no-CP copy (``--check-parity``, rank 0 only).
+
+    Attributes:
+        tokenizer: the ``--model`` directory's tokenizer, or None for the built-in byte model.
+    """
+
+    platforms: tuple[str, ...] = ()
+    tokenizer: Any = None
+
+    @classmethod
+    def check(cls, config: TrainConfig, platform_name: str) -> None:
+        """Refuse options or a platform this backend cannot train with, on every rank before any
+        process group exists (``NotImplementedError`` naming what is supported)."""
+        if platform_name not in cls.platforms:
+            raise NotImplementedError(
+                f"{cls.__name__} trains on HP_PLATFORM={' / '.join(cls.platforms)}, not {platform_name}"
+            )
+
+    @abstractmethod
+    def __init__(self, config: TrainConfig, platform: Platform, mesh: DeviceMesh, *, reference: bool) -> None:
+        """Build the model (context parallel over ``mesh["cp"]``), its optimizer and, with
+        ``reference``, the no-CP copy with its own optimizer."""
+
+    @abstractmethod
+    def train_step(self, shard: ContextParallelBatch, *, scale: float, lr: float) -> float:
+        """One optimizer step on this rank's ``shard`` (host tensors): the gradients of
+        ``scale x`` the rank's context-parallel LM loss, synced over the mesh, clipped, and AdamW at
+        learning rate ``lr``. Returns the unscaled loss (this rank's term of its CP group's mean)."""
+
+    @abstractmethod
+    def reference_step(self, whole: ContextParallelBatch, *, lr: float) -> float:
+        """The same step on the no-CP copy over the ``whole`` global batch; returns its mean loss."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The ``model`` and ``optimizer`` parts of a checkpoint (``torch.save``-able; collective
+        where parameters are sharded: every rank calls it, rank 0's are the ones written)."""
+
+    @abstractmethod
+    def load_state_dict(self, path: str, parts: dict[str, Any]) -> None:
+        """Load the ``model`` and ``optimizer`` parts read from checkpoint ``path`` into the model
+        and the reference; a part this backend cannot read is a ``ValueError`` naming ``path``."""
+
+    @abstractmethod
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sums over every rank (float64 where the device reduces it)."""
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest ``value`` over every rank."""
+        world = self.world_size
+        slots = [0.0] * world
+        slots[self.rank] = float(value)
+        return int(max(self.sum_over_ranks(slots)))
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int: ...
+
+    @abstractmethod
+    def peak_memory(self) -> tuple[int, str]:
+        """(bytes, kind) of this process: "allocated" (an accelerator's allocator) or "rss"."""
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (for step timing); nothing to wait for by default."""
+        return None
+
+    @abstractmethod
+    def exporter(self, out: str) -> Callable[[], None]:
+        """Gather what exporting the ``--model`` to ``out`` needs (collective: every rank calls
+        it) and return the work that rank 0 then runs to write the directory."""
+
+    @abstractmethod
+    def num_parameters(self) -> int: ...
+
+    @abstractmethod
+    def model_config(self) -> dict[str, Any]:
+        """The trained model's configuration, for the metrics file."""

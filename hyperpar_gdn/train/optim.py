@@ -1,0 +1,44 @@
+"""The optimizer settings and the learning-rate schedule, and torch's AdamW set up with them.
+
+Both backends use the same settings: AdamW with betas (0.9, 0.95), eps 1e-8, weight decay on
+matrices (parameters of 2 or more dims) only, the global gradient norm clipped to ``--grad-clip``
+(0: off), and a learning rate that rises linearly over ``--warmup-steps`` to ``--lr``, then stays.
+MindSpore's AdamW with these settings is :class:`hyperpar_gdn.train.mindspore_loop.AdamW`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyperpar_gdn.train.config import TrainConfig
+
+__all__ = ["BETAS", "EPS", "build_adamw", "learning_rate", "torch_optimizer_step"]
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (1-based): linear warm-up, then constant."""
+    scale = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
+    return config.lr * scale
+
+
+def build_adamw(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """torch's AdamW over ``model``'s parameters, weight decay on matrices (>= 2-D) only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=BETAS, eps=EPS)
+
+
+def torch_optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, grad_clip: float, lr: float
+) -> None:
+    """Clip the global gradient norm (``grad_clip`` > 0), step at ``lr``, clear the gradients."""
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

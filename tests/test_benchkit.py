@@ -1,0 +1,78 @@
+"""The benchmark harness (scripts/benchkit): alternating rounds, the ratios and the machine bound
+computed from them, and the new-case example of its docstring run end to end on 2 gloo ranks.
+No timing is judged here, only what the harness computes and writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import benchkit
+from benchkit.timing import alternating_rounds, compare, machine_bound, slowest_per_round
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_alternating_rounds_take_turns_after_the_warmup() -> None:
+    order: list[str] = []
+    calls = {"a": lambda: order.append("a"), "skip": None, "b": lambda: order.append("b")}
+    barriers: list[int] = []
+    times = alternating_rounds(calls, repeats=3, warmup=2, barrier=lambda: barriers.append(1), cpu_time=True)
+    assert order == ["a", "b"] * 5  # every round runs every call once, in turn; warm-up included
+    assert len(barriers) == 3 * 5  # a barrier before every call, the skipped one too
+    assert sorted(times) == ["a", "a/cpu", "b", "b/cpu"]
+    assert all(len(samples) == 3 and min(samples) >= 0 for samples in times.values())
+
+
+@pytest.mark.parametrize(("repeats", "warmup"), [(0, 1), (2, -1)])
+def test_alternating_rounds_refuse_bad_counts(repeats: int, warmup: int) -> None:
+    with pytest.raises(ValueError, match=f"repeats={repeats}, warmup={warmup}"):
+        alternating_rounds({"a": lambda: None}, repeats=repeats, warmup=warmup)
+
+
+def test_compare_slowest_rank_and_machine_bound() -> None:
+    ratio = compare([2.0, 6.0, 3.0], [1.0, 2.0, 3.0])
+    assert ratio["ratio_of_medians"] == pytest.approx(1.5)
+    assert ratio["round_ratios"] == pytest.approx([2.0, 3.0, 1.0])
+    assert ratio["median_of_round_ratios"] == pytest.approx(2.0)
+    assert ratio["ratio_of_minima"] == pytest.approx(2.0)
+    assert slowest_per_round([[1.0, 5.0], [2.0, 4.0]]) == [2.0, 5.0]
+    # one process: 4 s for all the work; two side by side: 2.5 s for half each -> 0.8 of ideal
+    assert machine_bound([4.0, 4.0, 5.0], [2.5, 2.0, 3.0], 2) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="got 2 and 1"):
+        compare([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match=r"\[1, 2\]"):
+        slowest_per_round([[1.0], [1.0, 2.0]])
+
+
+def test_docstring_case_runs_on_two_ranks(tmp_path: Path) -> None:
+    """The ~30-line example of a new case in benchkit's docstring is a working benchmark."""
+    match = re.search(
+        r"sys.path``, and pytest does too, see pyproject.toml\)::\n\n(.*?)\n\n\S", benchkit.__doc__, re.S
+    )
+    assert match is not None, "the example block moved"
+    code = "\n".join(line[4:] for line in match.group(1).splitlines())
+    script = tmp_path / "bench_what.py"
+    script.write_text(code + "\n\nmain()\n")
+    out = tmp_path / "what.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), "--seq-len", "64", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["local_s"]) == 3 and result["bound"] > 0
+    assert result["machine"]["cpu_count"] == os.cpu_count()
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "machine bound at cp=2" in done.stdout

@@ -9,7 +9,8 @@ inside a node the ``intra`` link; a round of messages lasts as long as its slowe
 mode                    bytes sent (worst rank)             on the critical path
 ======================  ==================================  =====================================
 ulysses                 2 B T/cp (conv_dim+2H+value_dim)    4 all-to-alls; the bytes to other
-                        (cp-1)/cp e  (e: input dtype)       nodes go over ``inter`` meanwhile
+                        (cp-1)/cp e  (e: input dtype; more  nodes go over ``inter`` meanwhile
+                        when cp does not divide Hk)
 p2p                     2 B H K V 4                         2 (n-1) hops (one state and one
                                                             K x K x V step each; those from
                                                             node to node over ``inter``)
@@ -159,14 +160,28 @@ def _link(machine: Machine, crosses: bool) -> Link:
     return machine.inter if crosses else machine.intra
 
 
+def _ulysses_sent(g: Geometry) -> float:
+    """Bytes the worst rank sends in ulysses' all-to-alls, forward and backward: rank j takes
+    H/cp value heads and the kc_j q/k heads they use, w_j = 2 K kc_j + (H/cp)(V + 2) channels
+    per token; the worst rank r sends T/cp [sum_{j != r} w_j + (cp-1) w_r] + 2 (cp-1) T/cp
+    (H/cp) V elements (the table's formula when cp divides the q/k heads)."""
+    per_rank = round(g.h) // g.cp
+    group = max(round(g.h) // max(round(g.hk), 1), 1)  # value heads per q/k head
+    kc = [len({i // group for i in range(j * per_rank, (j + 1) * per_rank)}) for j in range(g.cp)]
+    w = [2 * g.k * c + per_rank * (g.v + 2) for c in kc]
+    elements = g.t / g.cp * (sum(w) + (g.cp - 2) * max(w) + 2 * (g.cp - 1) * per_rank * g.v)
+    return g.b * elements * g.e
+
+
 def _ulysses(g: Geometry, span: Span, m: Machine) -> tuple[float, float, float]:
     """(bytes sent, messages, seconds) of the two all-to-alls each way."""
-    per_peer = 2 * g.b * g.t / g.cp * (g.conv_dim + 2 * g.h + g.h * g.v) / g.cp * g.e
+    sent = _ulysses_sent(g)
+    per_peer = sent / max(g.cp - 1, 1)
     near = span.peers_in_node() - 1
     far = g.cp - 1 - near
     seconds = max(near * per_peer / m.intra.bandwidth, far * per_peer / m.inter.bandwidth)
     messages = 4 * (g.cp - 1)
-    return per_peer * (g.cp - 1), messages, seconds + messages * _link(m, far > 0).latency
+    return sent, messages, seconds + messages * _link(m, far > 0).latency
 
 
 def _chain_hops(g: Geometry, span: Span) -> tuple[int, int]:

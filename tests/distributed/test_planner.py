@@ -41,6 +41,11 @@ def _per_mode(rank: int, world: int) -> dict[str, dict]:
         comm.reset_bytes()
         layer(x).sum().backward()
         sent[mode] = comm.reset_bytes() - 8 * (world - 1)  # less the shard lengths' exchange
+    # ulysses when cp does not divide the 2 q/k heads: each goes to the two ranks of its values
+    layer = LinearAttentionContextParallel("ulysses").apply(GatedDeltaNet(32, 2, 4, 16, 8), mesh)
+    comm.reset_bytes()
+    layer(torch.randn(1, T // world, 32, requires_grad=True)).sum().backward()
+    sent["ulysses/grouped"] = comm.reset_bytes() - 8 * (world - 1)
     drift = run_modes(rank, world, DriftShape(), DRIFT_T, DRIFT_MODES)
     return {"bytes": sent, "drift": drift}
 
@@ -57,6 +62,10 @@ def test_traffic_term_equals_the_bytes_sent(per_rank: list[dict[str, dict]]) -> 
     sent = [r["bytes"] for r in per_rank]
     for mode in ("ulysses", "p2p", "all_gather"):  # the worst rank sends exactly the prediction
         assert max(r[mode] for r in sent) == predicted[mode], (mode, [r[mode] for r in sent])
+    grouped = plan_context_parallel(seq_len=T, cp=CP, dtype="float32", device="cpu", **(SMALL | {"num_k_heads": 2}))
+    grouped_bytes = {c.mode: c.bytes_sent for c in grouped.ranking}["ulysses"]
+    table = 2 * T // CP * (2 * 2 * 16 + 4 * 8 + 2 * 4 + 4 * 8) * (CP - 1) // CP * 4  # if cp divided Hk
+    assert max(r["ulysses/grouped"] for r in sent) == grouped_bytes > table, (grouped_bytes, table)
     # scan: the prediction counts full maps in every round; the first windows send states only
     worst = max(r["scan"] for r in sent)
     assert predicted["p2p"] < worst <= predicted["scan"], (worst, predicted["scan"])

@@ -37,7 +37,9 @@ def main() -> None:
     if args.cp < 2 or args.seq_len % args.cp:
         parser.error(f"--cp {args.cp} must be >= 2 and divide --seq-len {args.seq_len}")
     if args.modes[0] != "ulysses" or shape.num_v_heads % args.cp:
-        parser.error(f"--modes {args.modes} must start with ulysses, which needs cp | {shape.num_v_heads} heads")
+        parser.error(
+            f"--modes {args.modes} must start with ulysses, which needs cp | {shape.num_v_heads} heads"
+        )
     reference = truth(shape, args.seq_len)
     per_rank = on_ranks(run_modes, args.cp, shape, args.seq_len, tuple(args.modes), timeout_s=args.timeout_s)
     errors = drift(per_rank, reference)
@@ -56,7 +58,11 @@ def main() -> None:
         },
     )
     print(f"T={args.seq_len} cp={args.cp}: relative error against fp64 one device (max-abs / RMS)")
-    tensors = ("output", "grad_input", *sorted(k for k in errors["ulysses"] if k.startswith("grad_") and k != "grad_input"))
+    tensors = (
+        "output",
+        "grad_input",
+        *sorted(k for k in errors["ulysses"] if k.startswith("grad_") and k != "grad_input"),
+    )
     for key in tensors:
         cells = "  ".join(f"{m} {e[key]['max']:.2e}/{e[key]['rms']:.2e}" for m, e in errors.items())
         print(f"{key:<28} {cells}")

@@ -27,7 +27,7 @@ from pathlib import Path
 from benchkit.machine import load_average, machine_info
 from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_ranks
-from benchkit.scale import FAR_CPS, GEOMETRIES, measure_modes, measured_rows, predicted_rows
+from benchkit.scale import GEOMETRIES, ONE_LEVEL, TWO_LEVEL, measure_modes, measured_rows, predicted_rows
 from hyperpar_gdn.cli import HelpFormatter
 
 
@@ -36,10 +36,10 @@ def where_each_mode_wins(rows: list[dict]) -> list[Panel]:
     panels = []
     for model in GEOMETRIES:
         for device in ("gpu", "npu"):
-            points: dict[str, list[tuple[float, float]]] = {}
+            points: dict[str, list[tuple[float, float]]] = {m: [] for m in ONE_LEVEL + TWO_LEVEL}
             for r in rows:
                 if (r["model"], r["device"]) == (model, device):
-                    points.setdefault(r["choice"], []).append((r["cp"], r["seq_len"] / 1024))
+                    points[r["choice"]].append((r["cp"], r["seq_len"] / 1024))
             title = f"{model}, {device}: fastest mode"
             panels.append(Panel(title, "cp", "T (K tokens)", points=points, log2_x=True, log2_y=True))
     return panels
@@ -85,7 +85,9 @@ def main() -> None:
         result["measured"] += measured_rows(cp, job, per_rank)
         write_json(json_path, result)  # after every finished part
     save_png(args.out / "scale.png", where_each_mode_wins(result["predicted"]))
-    print(f"{'cp':>3} {'mode':<19} {'bytes':>10} {'pred':>10} {'calls':>5} {'pred':>5} {'ms':>9} {'pred ms':>9}")
+    print(
+        f"{'cp':>3} {'mode':<19} {'bytes':>10} {'pred':>10} {'calls':>5} {'pred':>5} {'ms':>9} {'pred ms':>9}"
+    )
     for r in result["measured"]:
         print(
             f"{r['cp']:>3} {r['mode']:<19} {r['bytes']:>10} {r['predicted_bytes']:>10.0f} {r['calls']:>5} "
@@ -94,7 +96,9 @@ def main() -> None:
     far = [r for r in result["predicted"] if r["seq_len"] == 1048576]
     for r in far:
         print(f"{r['model']:<18} {r['device']} T=1M cp={r['cp']:>3}: {r['choice']}")
-    print(f"load average {load_average()[0]:.1f} (timings need a quiet machine); wrote {json_path} and scale.png")
+    print(
+        f"load average {load_average()[0]:.1f} (timings need a quiet machine); wrote {json_path} and scale.png"
+    )
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def _ulysses(g: Geometry, span: Span, m: Machine) -> tuple[float, float, float]:
 def _chain_hops(g: Geometry, span: Span) -> tuple[int, int]:
     """(hops inside a node, hops between nodes) along the fragments' chain, one direction."""
     owners = list(range(g.cp)) + (list(reversed(range(g.cp))) if g.head_tail else [])
-    far = sum(1 for a, b in zip(owners, owners[1:]) if span.node(a) != span.node(b))
+    far = sum(1 for a, b in zip(owners[:-1], owners[1:], strict=True) if span.node(a) != span.node(b))
     return len(owners) - 1 - far, far
 
 

@@ -111,7 +111,9 @@ def plan_context_parallel(
     if layout not in ("contiguous", "head_tail"):
         raise ValueError(f"plan_context_parallel: layout={layout!r}; choose 'contiguous' or 'head_tail'")
     if inner_size is not None and layout != "contiguous":
-        raise ValueError(f"plan_context_parallel: inner_size={inner_size} needs layout='contiguous'; got {layout!r}")
+        raise ValueError(
+            f"plan_context_parallel: inner_size={inner_size} needs layout='contiguous'; got {layout!r}"
+        )
     allowed = PLANNED_MODES + (TWO_LEVEL if inner_size is not None else ())
     modes = allowed if modes is None else tuple(modes)
     unknown = [m for m in modes if m not in allowed]
@@ -120,7 +122,9 @@ def plan_context_parallel(
             f"plan_context_parallel: modes={list(modes)}; choose among {', '.join(allowed)}"
             + ("" if inner_size is not None else " (the two-level modes need inner_size)")
         )
-    machine = _machine(MACHINES[device], bandwidth, latency, inter_bandwidth, inter_latency, devices_per_node, flops)
+    machine = _machine(
+        MACHINES[device], bandwidth, latency, inter_bandwidth, inter_latency, devices_per_node, flops
+    )
     geometry = Geometry(
         seq_len, cp, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, batch,
         DTYPE_BYTES[dtype], head_tail=layout == "head_tail",
@@ -154,7 +158,9 @@ def _machine(
     )
     rates = (machine.intra.bandwidth, machine.inter.bandwidth, machine.flops)
     if min(rates) <= 0 or min(machine.intra.latency, machine.inter.latency) < 0:
-        raise ValueError(f"plan_context_parallel: bandwidth and flops must be > 0, latency >= 0; got {machine}")
+        raise ValueError(
+            f"plan_context_parallel: bandwidth and flops must be > 0, latency >= 0; got {machine}"
+        )
     return machine
 
 
@@ -186,7 +192,9 @@ def plan_for_model(
 
     unknown = sorted(set(machine) - set(MACHINE_KEYWORDS))
     if unknown:
-        raise TypeError(f"plan_for_model: unknown keywords {unknown}; the machine takes {', '.join(MACHINE_KEYWORDS)}")
+        raise TypeError(
+            f"plan_for_model: unknown keywords {unknown}; the machine takes {', '.join(MACHINE_KEYWORDS)}"
+        )
     cp_mesh = as_cp_mesh(mesh)
     _, text_model = find_decoder(model)
     gdn = [

@@ -21,7 +21,8 @@ def write_json(path: Path, payload: Any) -> None:
 @dataclass
 class Panel:
     """One plot: ``lines`` label -> [(x, y), ...]; ``points`` label -> [(x, y), ...] drawn as
-    unconnected square markers (a map of where something holds); ``bars`` label -> (height,
+    unconnected square markers (a map of where something holds; a label's colour follows its
+    place in the dict, so give every panel the same labels, empty ones too); ``bars`` label -> (height,
     colour) in order; ``hlines`` label -> (y, style) reference lines (targets, bounds)."""
 
     title: str
@@ -48,9 +49,9 @@ def save_png(path: Path, panels: Sequence[Panel], *, width: float = 5.0, dpi: in
         for label, points in panel.lines.items():
             if points:
                 ax.plot(*zip(*sorted(points), strict=True), "o-", label=label)
-        for label, points in panel.points.items():
+        for i, (label, points) in enumerate(panel.points.items()):  # colour by place: stable across panels
             if points:
-                ax.scatter(*zip(*points, strict=True), marker="s", s=80, label=label)
+                ax.scatter(*zip(*points, strict=True), marker="s", s=80, color=f"C{i}", label=label)
         if panel.bars:
             names = list(panel.bars)
             ax.bar(

@@ -18,7 +18,16 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["FAR_CPS", "FAR_TOKENS", "GEOMETRIES", "measure_modes", "measured_rows", "predicted_rows"]
+__all__ = [
+    "FAR_CPS",
+    "FAR_TOKENS",
+    "GEOMETRIES",
+    "ONE_LEVEL",
+    "TWO_LEVEL",
+    "measure_modes",
+    "measured_rows",
+    "predicted_rows",
+]
 
 ONE_LEVEL = ("ulysses", "p2p", "all_gather", "scan")
 TWO_LEVEL = ("ulysses+p2p", "ulysses+all_gather", "ulysses+scan")
@@ -70,7 +79,11 @@ def measure_modes(rank: int, cp: int, job: dict[str, Any]) -> dict[str, dict[str
     for mode, inner in _modes(cp, heads, job["inner_size"]):
         torch.manual_seed(0)
         layer = GatedDeltaNet(
-            job["hidden"], heads["num_k_heads"], heads["num_v_heads"], heads["head_k_dim"], heads["head_v_dim"]
+            job["hidden"],
+            heads["num_k_heads"],
+            heads["num_v_heads"],
+            heads["head_k_dim"],
+            heads["head_v_dim"],
         )
         LinearAttentionContextParallel(mode, inner_size=inner).apply(layer, mesh)
         x = torch.randn(1, job["seq_len"] // cp, job["hidden"], requires_grad=True)

@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from benchkit.bf16_drift import DriftShape, drift, run_modes, truth, worst_ratios
 from distributed_harness import run_ranks
 
+from benchkit.bf16_drift import DriftShape, drift, run_modes, truth, worst_ratios
 from hyperpar_gdn import (
     LinearAttentionContextParallel,
     apply_context_parallel,
@@ -62,7 +62,9 @@ def test_traffic_term_equals_the_bytes_sent(per_rank: list[dict[str, dict]]) -> 
     sent = [r["bytes"] for r in per_rank]
     for mode in ("ulysses", "p2p", "all_gather"):  # the worst rank sends exactly the prediction
         assert max(r[mode] for r in sent) == predicted[mode], (mode, [r[mode] for r in sent])
-    grouped = plan_context_parallel(seq_len=T, cp=CP, dtype="float32", device="cpu", **(SMALL | {"num_k_heads": 2}))
+    grouped = plan_context_parallel(
+        seq_len=T, cp=CP, dtype="float32", device="cpu", **(SMALL | {"num_k_heads": 2})
+    )
     grouped_bytes = {c.mode: c.bytes_sent for c in grouped.ranking}["ulysses"]
     table = 2 * T // CP * (2 * 2 * 16 + 4 * 8 + 2 * 4 + 4 * 8) * (CP - 1) // CP * 4  # if cp divided Hk
     assert max(r["ulysses/grouped"] for r in sent) == grouped_bytes > table, (grouped_bytes, table)
@@ -81,7 +83,9 @@ def test_bf16_summary_modes_drift_no_more_than_ulysses(per_rank: list[dict[str, 
     assert set(errors) == {"single_bf16", *DRIFT_MODES}
     for metric in ("max", "rms"):
         for mode, (tensor, ratio) in worst_ratios(errors, metric=metric).items():
-            assert ratio <= 1.2, f"{mode} {metric} error on {tensor}: {ratio:.3f}x ulysses' ({errors[mode][tensor]})"
+            assert ratio <= 1.2, (
+                f"{mode} {metric} error on {tensor}: {ratio:.3f}x ulysses' ({errors[mode][tensor]})"
+            )
     for mode in DRIFT_MODES:  # bf16-sized errors, not a broken run
         assert all(2e-4 < e["max"] < 5e-2 for e in errors[mode].values()), errors[mode]
 
@@ -160,10 +164,15 @@ def test_growth_from_cp4_to_cp8_on_npu() -> None:
     for mode in ("p2p", "ulysses"):
         layer = []
         for cp in (4, 8):
-            cost = {c.mode: c for c in plan_context_parallel(seq_len=8192 * cp, cp=cp, device="npu", **heads).ranking}
+            cost = {
+                c.mode: c
+                for c in plan_context_parallel(seq_len=8192 * cp, cp=cp, device="npu", **heads).ranking
+            }
             layer.append(cost[mode].seconds + cost[mode].shared_seconds)
         growth[mode] = layer[1] / layer[0] - 1
-    assert growth["p2p"] == pytest.approx(0.108, abs=0.001) and growth["ulysses"] == pytest.approx(0.135, abs=0.001)
+    assert growth["p2p"] == pytest.approx(0.108, abs=0.001) and growth["ulysses"] == pytest.approx(
+        0.135, abs=0.001
+    )
 
 
 @pytest.mark.parametrize(

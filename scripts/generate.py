@@ -1,4 +1,4 @@
-"""Read a prompt under context parallelism, then continue it on one device.
+"""Read a prompt under context parallelism, then continue it on one device or on the CP group.
 
     python scripts/make_tiny_qwen35.py tiny-qwen35
     torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt
@@ -6,6 +6,8 @@
         --mode ulysses --sample --temperature 0.8 --top-k 20 --max-new-tokens 64
     HP_PLATFORM=mindspore msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --join=True \\
         --log_dir=msrun_log scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt
+    torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt \
+        --decode-on cp-group
 
 Every rank loads the model (transformers' on torch, the MindSpore Qwen3.5 under
 ``HP_PLATFORM=mindspore``) and the tokenized prompt; ``hyperpar_gdn.prefill_context_parallel``
@@ -17,6 +19,10 @@ the other ranks wait (so all see the same machine load), the same prefill at cp=
 kernels on a one-rank mesh) and the framework's own one-device prefill (transformers' forward with
 a cache; on MindSpore, ours without any style); ``--min-prompt-tokens`` repeats the prompt's
 tokens up to a length (for long-prompt timing). Numbers go to ``--out`` (JSON).
+``--decode-on cp-group``
+(transformers' models): every rank decodes, keeping its share of the attention layers' K/V
+(:mod:`hyperpar_gdn.inference.cp_decoding`); reported: the K/V cache bytes per rank against one
+device's.
 """
 
 from __future__ import annotations
@@ -89,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time, on rank 0, the prefill at cp=1 and the framework's own one-device prefill",
     )
     add("--out", type=Path, default=None, help="JSON file of the numbers, written by rank 0 (default: none)")
+    add(
+        "--decode-on",
+        default="one-device",
+        choices=("one-device", "cp-group"),
+        help="one-device: rank 0 decodes from the whole cache; cp-group: every rank decodes keeping its "
+        "share of the attention K/V cache (transformers' models)",
+    )
     return parser
 
 
@@ -200,6 +213,33 @@ class Engine:
         self.cache = out.cache
         return out.logits[:, -1].float().numpy()
 
+    def group_step(self, mesh: Any, sharded: Any, token: np.ndarray) -> np.ndarray:
+        """:meth:`step` on the CP group with the K/V cache sharded (every rank calls it)."""
+        from hyperpar_gdn.inference.cp_decoding import decode_step_context_parallel
+
+        logits = decode_step_context_parallel(self.model, mesh, sharded, self.tensor(token))
+        return logits.float().numpy()
+
+
+def decode(args: argparse.Namespace, platform: Any, logits: Any, step: Any) -> tuple[list[int], float]:
+    """Pick ``--max-new-tokens`` tokens from the prefill's last logits, stepping with ``step``
+    (numpy token ``[B, 1]`` -> numpy logits ``[B, V]``) -> (the tokens of row 0, seconds)."""
+    rng = np.random.default_rng(args.seed)
+    tokens, last = [], platform.to_numpy(logits)
+    start = time.perf_counter()
+    for i in range(args.max_new_tokens):
+        token = pick(last, args, rng)
+        tokens.append(int(token[0, 0]))
+        if i + 1 < args.max_new_tokens:
+            last = step(token)
+    return tokens, time.perf_counter() - start
+
+
+def kv_cache_bytes(cache: Any) -> int:
+    """Bytes of the attention layers' K and V in transformers' cache (what one device keeps)."""
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    return sum(int(t.numel()) * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+
 
 def pick(logits: np.ndarray, args: argparse.Namespace, rng: np.random.Generator) -> np.ndarray:
     """The next token per row ``[B, 1]``: argmax, or a sample of softmax(logits / temperature)
@@ -237,6 +277,10 @@ def _generate(argv: list[str] | None) -> int:
         check_heads(args, platform.world_size())
         ids_np = prompt_ids(args)
         engine = Engine(platform, args.model)
+        if args.decode_on == "cp-group":  # a model without a sharded cache: refused on every rank
+            from hyperpar_gdn.inference.cp_decoding import check_sharded_decoding
+
+            check_sharded_decoding(engine.model)
         _run(args, platform, mesh, engine, ids_np)
     finally:
         platform.destroy()
@@ -276,8 +320,20 @@ def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids
                 solo_times.append(time.perf_counter() - start)
                 undo_context_parallel(engine.model)
             comm.barrier(group)
+    t = ids_np.shape[1]
+    kv = (None if engine.mindspore else kv_cache_bytes(state), None)  # one device's, per rank
+    if args.decode_on == "cp-group":
+        from hyperpar_gdn.inference.cp_decoding import shard_cache
+
+        sharded = shard_cache(engine.model, mesh, state, length=t)
+        del state
+        decoded = decode(args, platform, logits, lambda token: engine.group_step(mesh, sharded, token))
+        kv = (kv[0], comm.all_gather_int(sharded.kv_bytes(), group))
+    elif rank == 0:
+        engine.cache = state
+        decoded = decode(args, platform, logits, engine.step)
     if rank == 0:
-        _report(args, platform, engine, ids_np, logits, state, (cp_times, one_times, solo_times))
+        _report(args, platform, engine, ids_np, decoded, kv, (cp_times, one_times, solo_times))
     comm.barrier(group)
 
 
@@ -286,24 +342,16 @@ def _report(
     platform: Any,
     engine: Engine,
     ids_np: np.ndarray,
-    logits: Any,
-    state: Any,
+    decoded: tuple[list[int], float],
+    kv: tuple[int | None, list[int] | None],
     times: tuple[list[float], list[float], list[float]],
 ) -> None:
-    """Rank 0: decode from the prefill's logits and state, print the continuation and the numbers."""
+    """Rank 0: print the continuation (``decoded``: tokens, seconds) and the numbers (``kv``: the
+    attention K/V bytes of one device and, decoding on the CP group, of every rank)."""
     from hyperpar_gdn.distributed.payoff import cp_advice
 
     cp_times, one_times, solo_times = times
-    engine.cache = state
-    rng = np.random.default_rng(args.seed)
-    tokens, last = [], platform.to_numpy(logits)
-    start = time.perf_counter()
-    for i in range(args.max_new_tokens):
-        token = pick(last, args, rng)
-        tokens.append(int(token[0, 0]))
-        if i + 1 < args.max_new_tokens:
-            last = engine.step(token)
-    decode_s = time.perf_counter() - start
+    tokens, decode_s = decoded
     from hyperpar_gdn.integrations.transformers.model_dir import load_tokenizer
 
     text = load_tokenizer(args.model).decode(tokens)
@@ -321,6 +369,9 @@ def _report(
         "one_device_prefill_s": one_times or None,
         "cp1_prefill_s": solo_times or None,
         "decode_tokens_per_s": (args.max_new_tokens - 1) / decode_s if args.max_new_tokens > 1 else None,
+        "decode_on": args.decode_on,
+        "kv_cache_bytes_one_device": kv[0],
+        "kv_cache_bytes_per_rank": kv[1],
         "new_tokens": tokens,
         "loadavg": Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else None,
     }
@@ -346,7 +397,13 @@ def _report(
             f"(speedup {one / prefill_s:.2f}x)"
         )
     if result["decode_tokens_per_s"]:
-        print(f"decoding on one device: {result['decode_tokens_per_s']:.1f} tokens/s")
+        where = "on the CP group" if args.decode_on == "cp-group" else "on one device"
+        print(f"decoding {where}: {result['decode_tokens_per_s']:.1f} tokens/s")
+    if kv[1] is not None:
+        print(
+            f"attention K/V cache: {kv[0]} bytes on one device, per rank {kv[1]} "
+            f"({max(kv[1]) / kv[0]:.2f}x of one device on the largest)"
+        )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -183,8 +183,8 @@ def plan_for_model(
     machine of the mesh's device kind (``machine``: any of ``MACHINE_KEYWORDS``).
 
     The two-level modes are ranked too when ``inner_size`` is given, or else when the layout is
-    contiguous, the CP mesh spans every process (as they require) and it covers more than one
-    node: then ``inner_size`` is the devices per node (``devices_per_node=``, else torchrun's
+    contiguous, the CP groups are blocks of consecutive ranks (as they require) and one covers more
+    than one node: then ``inner_size`` is the devices per node (``devices_per_node=``, else torchrun's
     ``LOCAL_WORLD_SIZE``, else the machine's default)."""
     from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
     from hyperpar_gdn.distributed.mesh import as_cp_mesh
@@ -205,7 +205,9 @@ def plan_for_model(
     dims = LayerDims.of(gdn[0])
     device = DEVICE_KINDS.get(cp_mesh.device_type, "cpu")
     cp = cp_mesh.size()
-    if inner_size is None and layout == "contiguous" and cp == cp_mesh.platform.world_size():
+    ranks = list(cp_mesh.rank_list)
+    blocks = ranks == list(range(ranks[0], ranks[0] + cp)) and ranks[0] % cp == 0  # what two levels need
+    if inner_size is None and layout == "contiguous" and blocks:
         per_node = int(machine.get("devices_per_node") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
         per_node = per_node or MACHINES[device].devices_per_node
         inner_size = per_node if 1 < per_node < cp and cp % per_node == 0 else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from benchkit.cp_layer import LayerShape
 from benchkit.cp_stages import STAGES, measure_stages, summary_flops
 from benchkit.ranks import on_ranks

@@ -30,6 +30,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hyperpar_gdn.cli import HelpFormatter
+
 MODES = ("ulysses", "p2p", "all_gather", "scan")
 COUNTED = ("send", "all_to_all", "all_gather", "shift_right")
 QWEN35_27B = {"num_k_heads": 16, "num_v_heads": 48, "head_k_dim": 128, "head_v_dim": 128}
@@ -192,15 +194,20 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens of the measured layer")
     parser.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8], help="rank counts measured")
     parser.add_argument("--repeats", type=int, default=3, help="timed forward+backward per mode")
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the measured layer")
     parser.add_argument(
-        "--heads", type=int, nargs=4, default=[2, 8, 64, 64], metavar=("HK", "HV", "DK", "DV")
+        "--heads",
+        type=int,
+        nargs=4,
+        default=[2, 8, 64, 64],
+        metavar=("HK", "HV", "DK", "DV"),
+        help="key heads, value heads, key and value head dims",
     )
-    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="seconds per measurement")
     parser.add_argument(
         "--out", type=Path, default=Path("bench_scale"), help="folder for scale.json and scale.png"
     )

@@ -9,32 +9,52 @@
 
 Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code 1 when
 ``--check-parity`` finds a loss difference above ``--parity-tol``; 2 for a user error (a bad
-option, a missing or unreadable data file, model directory or checkpoint), which rank 0 reports
-in one line, without a traceback.
+option, a missing or unreadable data file, model directory or checkpoint, a platform this
+machine lacks), which rank 0 reports in one line, without a traceback; 128 + N after signal N
+(SIGTERM, Ctrl-C), with one line naming the step reached and the last checkpoint. Under torchrun
+the shell sees torchrun's code (1 when a worker failed) instead.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from hyperpar_gdn.cli import run_script
 from hyperpar_gdn.platform import platform_name
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
-from hyperpar_gdn.train import USER_ERRORS, Trainer, TrainResult, parse_args
+from hyperpar_gdn.train import USER_ERRORS, TrainConfig, Trainer, TrainResult, parse_args
+from hyperpar_gdn.train.checkpoint import MANIFEST, list_checkpoints
+
+
+class _Run:
+    """The script's state that the stop line reports: the options and the trainer, once built."""
+
+    config: TrainConfig | None = None
+    trainer: Trainer | None = None
+
+    def where(self) -> str:
+        """``" at step N of M; ..."``: the step reached and the newest complete checkpoint."""
+        if self.config is None:
+            return " before training started"
+        step = self.trainer.step if self.trainer is not None else 0
+        text = f" at step {step} of {self.config.steps}"
+        if self.config.save is None:
+            return text + "; no checkpoints (--save DIR keeps them)"
+        saved = [d for _, d in list_checkpoints(self.config.save) if (d / MANIFEST).is_file()]
+        if not saved:
+            return text + f"; no checkpoint under --save {self.config.save} yet"
+        return text + f"; last checkpoint {saved[-1]} (the same command resumes from it)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return _run(argv)
-    except USER_ERRORS as err:
-        if os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0":  # torchrun / msrun
-            print(f"train.py: error: {err}", file=sys.stderr)
-        return 2
+    run = _Run()
+    return run_script("train.py", lambda: _run(argv, run), user_errors=USER_ERRORS, where=run.where)
 
 
-def _run(argv: Sequence[str] | None) -> int:
-    config = parse_args(argv)
+def _run(argv: Sequence[str] | None, run: _Run) -> int:
+    config = run.config = parse_args(argv)
     if platform_name() == "cpu":  # activations live in host memory: reuse it rather than page-fault
         keep_freed_host_memory()
     trainer_class: type[Trainer] = Trainer
@@ -42,15 +62,22 @@ def _run(argv: Sequence[str] | None) -> int:
         from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
 
         trainer_class = MindSporeTrainer
-    trainer = None
     result: TrainResult | None = None
     try:
-        trainer = trainer_class(config)
-        result = trainer.train()
+        run.trainer = trainer_class(config)
+        result = run.trainer.train()
     finally:
-        if trainer is not None:
-            trainer.close()
+        if run.trainer is not None:
+            run.trainer.close()
+    if config.export is not None and run.trainer.rank == 0:
+        print(f"train.py: exported the model to {config.export} ({_size(Path(config.export))})", flush=True)
     return 0 if result is not None and result.parity_ok else 1
+
+
+def _size(directory: Path) -> str:
+    """The total size of the files under ``directory``, in MiB."""
+    total = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    return f"{total / 2**20:.1f} MiB in {sum(1 for f in directory.rglob('*') if f.is_file())} files"
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import Any
 
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, fragment_docs, shard_lengths
 from hyperpar_gdn.distributed.cp.conv_state import shard_conv_tail, whole_conv_state
+from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_conv_states
 from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
 from hyperpar_gdn.distributed.cp.two_level import (
     TWO_LEVEL_MODES,
@@ -22,19 +23,12 @@ from hyperpar_gdn.distributed.layout import TokenLayout, check_layout
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, refuse_unhandled
 from hyperpar_gdn.distributed.sequence import GlobalSequence
-from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
 from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens, packed_doc_starts
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
 MODES = ("ulysses", "p2p", "all_gather", "scan")
-
-
-def prefill_layout_error(layout: str) -> str | None:
-    """Why a prefill cannot record decoding states in ``layout``: it reads contiguous pieces."""
-    if layout == "contiguous":
-        return None
-    return f"prefill supports layout='contiguous' only; got {layout!r}"
 
 
 class LinearAttentionContextParallel(ParallelStyle):
@@ -46,7 +40,10 @@ class LinearAttentionContextParallel(ParallelStyle):
     single-device result. Parameters are untouched (state dict and optimizer
     as before); their gradients are this rank's share: sum them over the CP ranks with
     :func:`~hyperpar_gdn.sync_context_parallel_grads` (FSDP2 does it in its reduce-scatter).
-    ``undo(module)`` restores the original forward.
+    ``undo(module)`` restores the original forward. The forward also takes ``prefill_states=``
+    (:class:`~hyperpar_gdn.ops.prefill_states.PrefillStates`, an inference prefill's record): the
+    layer then hands it its decoding state of the whole sequence, on every rank, in any mode and
+    layout (with packed documents, one state per document; contiguous layout).
 
     Works on ``hyperpar_gdn.models.GatedDeltaNet``, on transformers' ``Qwen3_5GatedDeltaNet``
     (without a cache) and on the MindSpore layer.
@@ -127,8 +124,11 @@ class LinearAttentionContextParallel(ParallelStyle):
         def make_forward(original: Callable) -> Callable:
             bind = _signature_binder(original)
 
-            def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-                return self._forward(module, group, hidden_states, bind(hidden_states, *args, **kwargs))
+            def forward(
+                hidden_states: Any, *args: Any, prefill_states: PrefillStates | None = None, **kwargs: Any
+            ) -> Any:
+                call_args = bind(hidden_states, *args, **kwargs)
+                return self._forward(module, group, hidden_states, call_args, prefill_states)
 
             return forward
 
@@ -150,7 +150,11 @@ class LinearAttentionContextParallel(ParallelStyle):
             )
         return make_levels(cp_mesh.platform, group, cp_mesh.rank_list, inner)
 
-    def _forward(self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs) -> Any:
+    def _forward(
+        self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs, states: PrefillStates | None
+    ) -> Any:
+        """The CP forward of one call; ``states``: an inference prefill's record, handed the
+        layer's decoding state of the whole sequence on every rank (any mode, any layout)."""
         attention_mask, cu_seqlens = call_args.attention_mask, call_args.cu_seqlens
         known = None  # the shard lengths, when the model's forward already exchanged them
         if isinstance(attention_mask, GlobalSequence):
@@ -168,15 +172,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         dims = LayerDims.of(module)
         error = _shard_error(dims, x, attention_mask)
         call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
-        states = active_prefill_states()  # None unless an inference prefill records them
-        if states is not None and prefill_layout_error(self.layout):  # the same on every rank
-            raise ValueError(prefill_layout_error(self.layout))
-        if (
-            states is not None
-            and error is None
-            and (cu_seqlens is not None or call_args.position_ids is not None)
-        ):
-            error = "recording prefill states (a decoder's cache) is not supported with packed documents"
+        error = error or self._packed_prefill_error(cp, call_args, states)
         if cp.size == 1:
             if error is not None:
                 raise ValueError(error)
@@ -222,15 +218,47 @@ class LinearAttentionContextParallel(ParallelStyle):
                     else fragment_docs(cu_seqlens, tokens, cp.rank, width)
                 )
             final = {"final_state": True} if states is not None else {}
+            pieces = None
+            if states is not None and cu_seqlens is not None:  # packed prompts: a state per prompt
+                pieces = ShardPieces(docs.whole, lengths, cp.rank)
             if self.mode == "ulysses":
                 y = ulysses_forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
             else:
-                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout, **final)
+                packed = {} if pieces is None else {"pieces": pieces}
+                y = state_passing_forward(
+                    self.mode, cp, call, x, attention_mask, docs, layout, **final, **packed
+                )
             if states is not None:
                 y, s = y
-                tail = shard_conv_tail(cp, call.weights, x, attention_mask)
-                states.keep_gdn(module, whole_conv_state(cp, tail, lengths), s)
+                states.keep_gdn(module, self._conv_state(cp, call, x, attention_mask, tokens, pieces), s)
         return y if placements is None else DTensor.from_local(y, mesh, placements)
+
+    def _packed_prefill_error(self, cp: CPGroup, call: CallArgs, states: PrefillStates | None) -> str | None:
+        """Why this layer cannot record a state per packed prompt, or None."""
+        packed = call.cu_seqlens is not None or call.position_ids is not None
+        if states is None or not packed or (cp.size > 1 and self.layout == "contiguous"):
+            return None
+        return (
+            "a prefill of packed prompts (a decoder's cache per prompt) needs context parallelism "
+            f"over contiguous shards; got cp={cp.size}, layout={self.layout!r}"
+        )
+
+    @staticmethod
+    def _conv_state(
+        cp: CPGroup,
+        call: LayerCall,
+        x: Tensor,
+        attention_mask: Tensor | None,
+        tokens: TokenLayout,
+        pieces: ShardPieces | None,
+    ) -> Tensor:
+        """The conv state of the whole sequence ``[B, C, W]`` or, for packed prompts, of every
+        prompt ``[N, C, W]`` (the same on every rank)."""
+        if pieces is not None:
+            mixed = cp.xp.linear(x, call.weights.qkv)
+            return doc_conv_states(cp, pieces, mixed, tokens.lengths, call.dims.conv_kernel_size)
+        tail = shard_conv_tail(cp, call.weights, x, attention_mask, tokens.mine(cp.rank))
+        return whole_conv_state(cp, tail, tokens)
 
     def _two_level(
         self,
@@ -240,7 +268,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         attention_mask: Any,
         lengths: list[int],
         cu_seqlens: Any,
-        states,
+        states: PrefillStates | None,
     ) -> Any:
         """A two-level mode on this rank's shard, once the lengths are known on every rank."""
         if states is not None:

@@ -261,6 +261,11 @@ class AttentionKernel(ABC):
         rectangle of these queries merged)."""
 
 
+class PlatformUnavailableError(RuntimeError):
+    """The platform asked for (``HP_PLATFORM``, a ``device_type``) is not on this machine: no CUDA
+    device, no ``torch_npu``. The message names the platform and what to use instead."""
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out (a peer died, raised, or never arrived within the
     process-group timeout). The message names the collective, the group's global ranks and the

@@ -12,6 +12,7 @@
 - :mod:`.sharding`: FSDP2 and activation checkpointing for torch.
 """
 
+from hyperpar_gdn.platform.base import PlatformUnavailableError
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hyperpar_gdn.train.config import MODEL_SIZES, TrainConfig, UsageError, parse_args
@@ -26,6 +27,7 @@ USER_ERRORS = (
     NotImplementedError,
     ModuleNotFoundError,
     CheckpointError,
+    PlatformUnavailableError,
 )
 
 __all__ = [

@@ -323,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cp-layout",
         choices=LAYOUTS,
         default=None,
-        help="tokens per CP rank: contiguous, or head_tail (pieces r and 2cp-1-r of 2cp); "
-        "None = head_tail when the model has softmax-attention layers",
+        help="tokens per CP rank: contiguous, or head_tail (pieces r and 2cp-1-r of 2cp; "
+        "default: head_tail when the model has softmax-attention layers, else contiguous)",
     )
     add(
         "--cp-size",
@@ -336,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cp-inner-size",
         type=int,
         default=None,
-        help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node",
+        help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node "
+        "(default: none, one level)",
     )
     add("--steps", type=int, default=defaults.steps, help="optimizer steps to reach")
     add("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence, before the CP split")
@@ -347,8 +348,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="built-in model preset (default: tiny; not with --model)",
     )
-    add("--model", dest="model_dir", default=None, help="a transformers Qwen3.5 model directory to train")
-    add("--export", default=None, help="with --model: write the trained model as a transformers directory")
+    add(
+        "--model",
+        dest="model_dir",
+        default=None,
+        help="a transformers Qwen3.5 model directory to train (default: the built-in model)",
+    )
+    add(
+        "--export",
+        default=None,
+        help="with --model: write the trained model as a transformers directory (default: none)",
+    )
     add("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate")
     add("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear warmup steps")
     add("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (matrices)")
@@ -366,7 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train on plain windows of the concatenated documents (no restart at document starts; "
         "default: off, documents restart)",
     )
-    add("--metrics-json", default=None, help="JSON file for per-step losses, tokens/s, peak memory (rank 0)")
+    add(
+        "--metrics-json",
+        default=None,
+        help="JSON file for per-step losses, tokens/s, peak memory (rank 0; default: none)",
+    )
     add("--save", default=None, help="checkpoint root directory (step-N/ under it; default: no checkpoints)")
     add("--save-every", type=int, default=defaults.save_every, help="save every N steps (0: at the end)")
     add("--keep-last", type=int, default=defaults.keep_last, help="keep the newest N checkpoints (0: all)")
@@ -376,7 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="start at step 1 even when --save DIR holds checkpoints (by default: resume from the newest)",
     )
-    add("--resume", default=None, help="a step-N checkpoint directory, or a root (its latest step-N)")
+    add(
+        "--resume",
+        default=None,
+        help="a step-N checkpoint directory, or a root (its latest step-N; default: none)",
+    )
     add("--fsdp", action="store_true", help="shard parameters, gradients, optimizer state (FSDP2)")
     add("--ac", action="store_true", help="activation checkpointing per decoder layer")
     add(

@@ -23,8 +23,8 @@ from hyperpar_gdn import LinearAttentionContextParallel
 from hyperpar_gdn.distributed.cp.scan import scan_rounds
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
-from hyperpar_gdn.inference.states import record_prefill_states
 from hyperpar_gdn.models import GatedDeltaNet
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import get_platform
 
 WORLD = 8
@@ -117,7 +117,7 @@ def _run_case(mesh, ours, hf, layout: str, lengths: list[int], cu) -> dict[str, 
             scale = ref[key].abs().max().clamp_min(1e-300)
             worst = max(worst, ((value - expected).abs().max() / scale).item())
         errors[ref_name] = worst
-    if layout == "contiguous" and cu is None:  # a prefill's final state (prefill refuses packing)
+    if cu is None:  # a prefill's final state, in either layout
         errors["final_state"] = _final_state_error(layer, ours, x, index, cu)
     return {
         "errors": errors,
@@ -128,10 +128,10 @@ def _run_case(mesh, ours, hf, layout: str, lengths: list[int], cu) -> dict[str, 
 
 def _final_state_error(layer, ours, x: torch.Tensor, index: torch.Tensor, cu) -> float:
     cu_t = None if cu is None else torch.tensor(cu)
-    with torch.no_grad(), record_prefill_states() as got:
-        layer(x[:, index], cu_seqlens=cu_t)
-    with torch.no_grad(), record_prefill_states() as ref:
-        ours(x, cu_seqlens=cu_t)
+    got, ref = PrefillStates(), PrefillStates()
+    with torch.no_grad():
+        layer(x[:, index], cu_seqlens=cu_t, prefill_states=got)
+        ours(x, cu_seqlens=cu_t, prefill_states=ref)
     state, expected = got.gdn[id(layer)][1], ref.gdn[id(ours)][1]
     return ((state - expected).abs().max() / expected.abs().max()).item()
 

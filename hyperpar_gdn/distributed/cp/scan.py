@@ -141,6 +141,10 @@ class ScanExchange:
             mine = xp.matmul(ms[slot], s_ins[slot]) + s_exts[slot]
         return cp.comm.all_reduce_sum(mine, cp.group)
 
+    def entering_state(self) -> Tensor:
+        """The state entering this rank's (first) fragment ``[B, H, K, V]``."""
+        return self.saved[3][0]
+
     def backward(self, ds_in: Tensor | None) -> Tensor:
         xp = self.cp.xp
         chain, ms, _, s_ins = self.saved

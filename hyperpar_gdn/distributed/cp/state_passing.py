@@ -32,6 +32,7 @@ import numpy as np
 
 from hyperpar_gdn.distributed.cp.chain import Chain, split_fragments
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
+from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_final_states
 from hyperpar_gdn.distributed.cp.scan import ScanExchange
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops import prepare_chunks
@@ -91,6 +92,10 @@ class P2PExchange:
         like = self.s_outs[0]
         mine = self.s_outs[slot] if cp.rank == owner else xp.zeros(like.shape, like=like)
         return cp.comm.all_reduce_sum(mine, cp.group)
+
+    def entering_state(self) -> Tensor:
+        """The state entering this rank's (first) fragment ``[B, H, K, V]``."""
+        return self.saved[1][0]
 
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
@@ -168,6 +173,11 @@ class AllGatherExchange:
             s = xp.matmul(packed[..., dv:], s) + packed[..., :dv]
         return s
 
+    def entering_state(self) -> Tensor:
+        """The state entering this rank's (first) fragment ``[B, H, K, V]``."""
+        chain, _, _, states = self.saved
+        return states[chain.mine[0]]
+
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
         chain, shape, summaries, states = self.saved
@@ -208,6 +218,7 @@ def state_passing_forward(
     layout: TokenLayout | None = None,
     *,
     final_state: bool = False,
+    pieces: ShardPieces | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """x ``[B, T_r, hidden]`` (this rank's shard) -> ``[B, T_r, hidden]``.
 
@@ -221,14 +232,14 @@ def state_passing_forward(
     the shard), so the exchange is unchanged; the conv and the local chunks restart at every
     start.
 
-    ``final_state`` (contiguous shards only): also return the state after the whole sequence's
-    last token ``[B, H, K, V]`` (compute dtype) on every rank, from the summaries (an inference
-    prefill; no gradient)."""
+    ``final_state``: also return the state after the whole sequence's last token (that of the
+    last fragment in global order) ``[B, H, K, V]`` (compute dtype) on every rank, from the summaries (an inference
+    prefill; no gradient). With ``pieces`` (packed prompts, contiguous shards): the state after
+    every prompt's last token ``[N, H, K, V]`` instead
+    (:func:`~hyperpar_gdn.distributed.cp.packed_states.doc_final_states`)."""
     per_fragment = None if docs is None else ((docs,) if isinstance(docs, ShardDocs) else tuple(docs))
     if layout is not None and not layout.is_contiguous:
-        if final_state:
-            raise NotImplementedError(f"final_state needs contiguous shards; got layout {layout.kind!r}")
-        return _fragments_forward(mode, cp, call, x, attention_mask, per_fragment, layout)
+        return _fragments_forward(mode, cp, call, x, attention_mask, per_fragment, layout, final_state)
     docs = None if per_fragment is None else per_fragment[0]
     xp, w, dims = cp.xp, call.weights, call.dims
     x = mask_padding(xp, x, attention_mask)
@@ -248,7 +259,12 @@ def state_passing_forward(
     exchange = EXCHANGES[mode](cp, keep_final=final_state)
     o = xp.cast(shard_outputs(prep, exchange, widened=cp.rank > 0), prep.out_dtype)
     y = finish(xp, w, dims, o, z)
-    return (y, exchange.final_state()) if final_state else y
+    if not final_state:
+        return y
+    if pieces is None:
+        return y, exchange.final_state()
+    s_in = exchange.entering_state()
+    return y, doc_final_states(cp, pieces, q, k, v, g, beta, s_in, chunk_size=call.chunk_size)
 
 
 def _fragments_forward(
@@ -259,9 +275,11 @@ def _fragments_forward(
     attention_mask: Tensor | None,
     docs: tuple[ShardDocs, ...] | None,
     layout: TokenLayout,
-) -> Tensor:
+    final_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The shard's n fragments as n rows of one batch; every fragment is widened (the first
-    fragment of the sequence gets a zero S_in from the exchange)."""
+    fragment of the sequence gets a zero S_in from the exchange). ``final_state``: as in
+    :func:`state_passing_forward`."""
     xp, w, dims = cp.xp, call.weights, call.dims
     mine = layout.mine(cp.rank)
     n, lengths = len(mine), [f.length for f in mine]
@@ -285,5 +303,7 @@ def _fragments_forward(
         use_qk_l2norm_in_kernel=True,
         doc_starts=None if docs is None else np.stack([d.local for d in docs]),  # [n, P] (B = 1)
     )
-    o = xp.cast(shard_outputs(prep, EXCHANGES[mode](cp, layout), widened=True), prep.out_dtype)
-    return finish(xp, w, dims, xp.cat(xp.split(o, [o.shape[0] // n] * n, 0), 1), z)
+    exchange = EXCHANGES[mode](cp, layout, keep_final=final_state)
+    o = xp.cast(shard_outputs(prep, exchange, widened=True), prep.out_dtype)
+    y = finish(xp, w, dims, xp.cat(xp.split(o, [o.shape[0] // n] * n, 0), 1), z)
+    return (y, exchange.final_state()) if final_state else y

@@ -266,9 +266,8 @@ def ulysses_forward(
 
     ``final_state``: also return the state after the sequence's last token ``[B, H, K, V]``
     (compute dtype) on every rank: each rank's heads ran the whole sequence; one all-gather puts
-    them together (an inference prefill, without packed documents; no gradient)."""
-    if final_state and docs is not None:
-        raise NotImplementedError("final_state with packed documents is not supported")
+    them together (an inference prefill; no gradient). With packed documents (``docs``): the state
+    after every document's last token ``[N, H, K, V]``."""
     xp, dims = cp.xp, call.dims
     hin = heads_in(cp, call, x, attention_mask, lengths)
     mine = hin.shares[cp.rank]
@@ -288,6 +287,18 @@ def ulysses_forward(
             use_qk_l2norm_in_kernel=True,
             output_final_state=final_state,
         )
+    elif final_state:  # a packed prefill: fla's cu_seqlens form gives every document's last state
+        o, s_mine = chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            chunk_size=call.chunk_size,
+            use_qk_l2norm_in_kernel=True,
+            output_final_state=True,
+            cu_seqlens=np.unique(np.concatenate([[0], np.flatnonzero(whole), [len(whole)]])),
+        )
     else:
         prep = prepare_chunks(
             q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True, doc_starts=whole
@@ -301,8 +312,8 @@ def ulysses_forward(
     y = heads_out(cp, call, hin, o, lengths)
     if not final_state:
         return y
-    gathered = cp.comm.all_gather(s_mine, cp.group)  # [cp, B, hv, Dk, Dv], rank j's heads
+    gathered = cp.comm.all_gather(s_mine, cp.group)  # [cp, B or N, hv, Dk, Dv], rank j's heads
     s_all = xp.permute(gathered, (1, 0, 2, 3, 4)).reshape(
-        bsz, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
+        s_mine.shape[0], dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
     )
     return y, s_all

@@ -34,6 +34,7 @@ from benchkit.machine import load_average, machine_info
 from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_msrun, on_ranks
 from benchkit.timing import alternating_rounds, slowest_per_round
+from hyperpar_gdn.cli import HelpFormatter
 
 TARGET_EFFICIENCY = 0.85  # MindSpore's whole model at cp=2
 TARGET_VS_TORCH = 1.5  # MindSpore's one-process step over torch's best one
@@ -215,16 +216,27 @@ def report(result: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192])
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--seq-lens", type=int, nargs="+", default=[8192], help="total sequence lengths T to time"
+    )
+    parser.add_argument("--cp", type=int, default=2, help="msrun workers of the CP group")
+    parser.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=MODES, help="CP modes of the GDN layers to time"
+    )
+    parser.add_argument(
+        "--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="token layouts to time"
+    )
+    parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size of the model")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per launch")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_cp_model_mindspore.json"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/bench_cp_model_mindspore.json"),
+        help="JSON to write (the PNG beside it)",
+    )
     parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--as-msrun-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

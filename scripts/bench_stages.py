@@ -30,6 +30,7 @@ from benchkit.machine import load_average, machine_info
 from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_ranks
 from benchkit.timing import slowest_per_round
+from hyperpar_gdn.cli import HelpFormatter
 
 MODES = ("p2p", "all_gather", "scan")
 LAYOUTS = ("contiguous", "head_tail")
@@ -64,17 +65,24 @@ def print_table(mode: str, layout: str, table: dict[str, float], flops: dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=8192, help="total sequence length T")
+    parser.add_argument("--cp", type=int, default=2, help="ranks of the CP group")
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="state modes to profile"
     )
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("results/bench_stages.json"))
+    parser.add_argument(
+        "--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="token layouts to profile"
+    )
+    parser.add_argument("--chunk-size", type=int, default=64, help="chunk size of the gated delta rule")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/bench_stages.json"),
+        help="JSON to write (the PNG beside it)",
+    )
     args = parser.parse_args()
     shape = LayerShape()
     if args.seq_len % (2 * args.cp):

@@ -36,8 +36,9 @@ Chunk size: no block of logits fits a cache (one token's row is ~1 MB at V = 248
 so every pass streams from memory whatever ``n`` is, and ``n`` only trades peak memory against the
 per-chunk fixed cost and matmul efficiency (rows >= ~256 reach the large-matmul rate on CPUs). The
 rule: the largest ``n`` whose fp32 logits take at most :data:`DEFAULT_CHUNK_BYTES` (256 MiB: 270
-tokens at V = 248,320). Peak memory beyond the inputs: one ``[n, V]`` fp32 tensor and its cast to
-the input dtype (none in fp32), the ``[V, C]`` fp32 accumulator and ``[N]`` fp32 log-sum-exps.
+tokens at V = 248,320). Peak memory beyond the inputs: two ``[n, V]`` fp32 tensors (each step
+rebinds one name; before: three in the backward) and, in a bf16 model, the bf16 logits and
+probabilities; the ``[V, C]`` fp32 accumulator and ``[N]`` fp32 log-sum-exps.
 
 ``torch.compile`` of the chunk body was not adopted: on CPU it needs a C++ toolchain at run time,
 and it fuses the shift and exp but not the matmuls that dominate, while MindSpore would need its own
@@ -57,7 +58,7 @@ import numpy as np
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 from hyperpar_gdn.platform.base import IGNORE_INDEX
 
-# One chunk's fp32 logits stay within this (the backward holds one such tensor).
+# One chunk's fp32 logits stay within this (forward and backward hold at most two such tensors).
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "default_chunk_tokens", "lm_loss_sum", "lm_loss_sum_reference"]
@@ -172,10 +173,13 @@ def _forward(xp: TensorOps, h_NC: Tensor, w_VC: Tensor, tokens: _Tokens) -> tupl
     total = xp.scalar(0.0, like=xp.cast(h_NC, acc)) if not tokens.sizes else None
     lse_parts = [xp.zeros((0,), like=total)] if total is not None else []
     for start, stop in tokens.chunks():
+        # one name for the [n, V] tensors, rebound at every step: at most two live at a time
         logits_nV = xp.cast(xp.linear(h_MC[start:stop], w_VC), acc)
         top_n1 = xp.amax(logits_nV, -1, keepdim=True)
-        lse_n = (xp.log(xp.sum(xp.exp(logits_nV - top_n1), -1, keepdim=True)) + top_n1).reshape(-1)
         target_n = xp.take(logits_nV.reshape(-1), tokens.flat_targets(start, stop, vocab), 0)
+        logits_nV = logits_nV - top_n1
+        logits_nV = xp.exp(logits_nV)
+        lse_n = (xp.log(xp.sum(logits_nV, -1, keepdim=True)) + top_n1).reshape(-1)
         loss = xp.sum(lse_n - target_n, 0)
         total = loss if total is None else total + loss
         lse_parts.append(lse_n)
@@ -197,8 +201,9 @@ def _backward(
     dh_parts = []
     for start, stop in tokens.chunks():
         h_nC = h_MC[start:stop]
-        probs_nV = xp.exp(xp.cast(xp.linear(h_nC, w_VC), acc) - lse_M[start:stop].reshape(-1, 1))
-        probs_nV = xp.cast(probs_nV, dtype)
+        probs_nV = xp.cast(xp.linear(h_nC, w_VC), acc)  # rebound as in the forward: two [n, V] at most
+        probs_nV = probs_nV - lse_M[start:stop].reshape(-1, 1)
+        probs_nV = xp.cast(xp.exp(probs_nV), dtype)
         dh_nC = xp.cast(xp.matmul(probs_nV, w_VC), acc) - xp.take(w_acc, tokens.targets[start:stop], 0)
         dh_parts.append(xp.cast(dh_nC * g, dtype))
         dw_VC = dw_VC + xp.cast(xp.matmul(xp.swapaxes(probs_nV, 0, 1), h_nC), acc)

@@ -22,8 +22,9 @@ ulysses+<state mode>    ulysses over k = inner ranks on     then the state mode 
 ======================  ==================================  =====================================
 
 The state modes also move the conv halo (2 B (W-1) conv_dim e) and run a widened pass on every
-shard but the first: about B T/cp H (6 K^2 + 4 K V) FLOPs more than the plain pass, a third of
-the rule's own work (measured: 244 ms against 184 ms for a T=4096, H=4, K=V=128 shard). The shard's
+shard but the first: about B T/cp H (6 K^2 + 2 C K + 2 K V) FLOPs more than the plain pass (the
+K extra state columns and Q_eff forward, Q_eff^T dO backward; C = 64), about a quarter of the
+rule's own work (measured: +33%, 244 ms against 184 ms for a T=4096, H=4, K=V=128 shard). The shard's
 own rule work, the same in every mode, is ``shared_seconds``: about 16.6 B T/cp H (K V + C (K + V))
 FLOPs (fwd+bwd, 8.9 GFLOP at T=4096, H=4, K=V=128, C=64, as counted for the kernel); it does not
 change the ranking but says how much a mode adds to a layer.
@@ -41,7 +42,8 @@ from hyperpar_gdn.distributed.cp.scan import scan_rounds
 
 __all__ = ["MACHINES", "Geometry", "Link", "Machine", "ModeCost", "mode_cost"]
 
-SHARED_FLOPS_PER_UNIT = 16.6  # rule fwd+bwd FLOPs per token, head and (K V + C (K + V)), C = 64
+SHARED_FLOPS_PER_UNIT = 16.6  # rule fwd+bwd FLOPs per token, head and (K V + C (K + V))
+CHUNK = 64  # C, the chunk size
 
 
 @dataclass(frozen=True)
@@ -127,10 +129,11 @@ class Geometry:
         return 2 * self.b * (self.w - 1) * self.conv_dim * self.e
 
     def widened_flops(self) -> float:
-        return self.b * self.t / self.cp * self.h * (6 * self.k**2 + 4 * self.k * self.v)
+        # forward: K more state columns (4 K^2) and Q_eff (2 K^2 + 2 C K); backward: Q_eff^T dO (2 K V)
+        return self.b * self.t / self.cp * self.h * (6 * self.k**2 + 2 * CHUNK * self.k + 2 * self.k * self.v)
 
     def shared_flops(self) -> float:
-        unit = self.k * self.v + 64 * (self.k + self.v)
+        unit = self.k * self.v + CHUNK * (self.k + self.v)
         return SHARED_FLOPS_PER_UNIT * self.b * self.t / self.cp * self.h * unit
 
     def summary(self) -> float:  # one packed map [S | M], fp32

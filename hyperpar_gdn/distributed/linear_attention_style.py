@@ -64,7 +64,9 @@ class LinearAttentionContextParallel(ParallelStyle):
             ``"contiguous"`` (the r-th piece) or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp,
             concatenated: the layout that balances causal softmax attention).
         inner_size: for the two-level modes only (required there): ranks per inner group; it
-            divides cp and the value heads. The CP mesh must span every process.
+            divides cp and the value heads. The CP groups must be blocks of cp consecutive ranks
+            (the whole world, or the cp axis of a row-major ``(dp, cp)`` mesh): every process
+            applies the style, as the inner and outer groups are made collectively.
 
     Example::
 
@@ -145,13 +147,16 @@ class LinearAttentionContextParallel(ParallelStyle):
         head_error = ulysses_head_error(dims, inner)
         if head_error is not None:
             raise ValueError(f"mode={self.mode!r} runs ulysses over inner_size={inner} ranks: {head_error}")
-        world = cp_mesh.platform.world_size()
-        if cp != world:
+        world, ranks = cp_mesh.platform.world_size(), list(cp_mesh.rank_list)
+        # every process makes every CP group's inner and outer groups: it must know them all, as
+        # it does when the CP groups are blocks of consecutive ranks (a row-major (dp, cp) mesh)
+        replicas = [list(range(d * cp, (d + 1) * cp)) for d in range(world // cp)]
+        if world % cp or ranks not in replicas:
             raise NotImplementedError(
-                f"mode={self.mode!r} needs the CP mesh to span every process (cp={cp}, world={world}): "
-                "its groups are made collectively"
+                f"mode={self.mode!r} needs the CP groups to be blocks of cp={cp} consecutive ranks of the "
+                f"{world} processes (a (dp, cp) mesh with cp last); this CP mesh has ranks {ranks}"
             )
-        return make_levels(cp_mesh.platform, group, cp_mesh.rank_list, inner)
+        return make_levels(cp_mesh.platform, group, ranks, inner, replicas=replicas)
 
     def _forward(
         self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs, states: PrefillStates | None

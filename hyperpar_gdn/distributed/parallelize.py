@@ -66,7 +66,8 @@ def apply_context_parallel(
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         mode: ``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"scan"`` for the GDN layers, or
             ``"auto"``: the one :func:`~hyperpar_gdn.plan_context_parallel` predicts fastest for
-            this model, mesh and ``seq_len`` (logged, with why; docs/modes.md).
+            this model, mesh and ``seq_len`` (logged, with why; docs/modes.md), two-level modes
+            included when ``inner_size`` is given or the mesh spans nodes.
         chunk_size: chunk of the gated delta rule.
         layout: ``"contiguous"`` (rank r holds tokens ``[r*T/cp, (r+1)*T/cp)``) or ``"head_tail"``
             (pieces r and 2cp-1-r of 2*cp: equal softmax-attention work on every rank). The model
@@ -74,8 +75,8 @@ def apply_context_parallel(
             ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut for another.
         seq_len: the whole sequence's tokens, for ``mode="auto"`` only (required there).
         inner_size: for the two-level GDN modes (``"ulysses+p2p"``, ``"ulysses+all_gather"``,
-            ``"ulysses+scan"``) only: ranks per inner group (a node); the softmax layers use the
-            whole group.
+            ``"ulysses+scan"``) and ``"auto"`` only: ranks per inner group (a node); the softmax
+            layers use the whole group.
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
@@ -90,9 +91,9 @@ def apply_context_parallel(
             f"seq_len is given with mode='auto' and only then; got mode={mode!r}, seq_len={seq_len!r}"
         )
     if mode == "auto":
-        plan = plan_for_model(model, mesh, seq_len=seq_len, layout=layout)
+        plan = plan_for_model(model, mesh, seq_len=seq_len, layout=layout, inner_size=inner_size)
         logger.info("apply_context_parallel(mode='auto'): %s", plan.why())
-        mode = plan.choice
+        mode, inner_size = plan.choice, plan.inner_size
     cp_mesh = as_cp_mesh(mesh)
     outer, text_model = find_decoder(model)
     mixers = [mixer_of(i, block) for i, block in enumerate(text_model.layers)]

@@ -146,6 +146,11 @@ class TensorOps(ABC):
         """``x`` gathered along ``dim`` at the positions of ``index`` (a 1-D numpy int array);
         the gradient adds back into the positions taken."""
 
+    @abstractmethod
+    def add_rows(self, x: Tensor, index: Any, rows: Tensor) -> Tensor:
+        """``x`` ``[N, ...]`` with ``rows[i]`` added to ``x[index[i]]`` (``index`` a 1-D numpy int
+        array, repeats add up), as a new tensor; not differentiable (for hand-written backwards)."""
+
     # --- linear algebra ----------------------------------------------------------------------
     @abstractmethod
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:

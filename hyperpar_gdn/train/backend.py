@@ -43,8 +43,9 @@ def apply_cp_mode(backend: Any, config: TrainConfig, model: Any, cp_mesh: Device
             model, cp_mesh, seq_len=config.seq_len, layout=config.token_layout(), dtype=dtype
         )
         backend.cp_mode = backend.cp_plan.choice
+    inner_size = config.cp_inner_size if backend.cp_plan is None else backend.cp_plan.inner_size
     apply_context_parallel(
-        model, cp_mesh, mode=backend.cp_mode, layout=config.token_layout(), inner_size=config.cp_inner_size
+        model, cp_mesh, mode=backend.cp_mode, layout=config.token_layout(), inner_size=inner_size
     )
 
 

@@ -241,10 +241,10 @@ class TrainConfig:
             )
         dp = world_size // cp
         inner = self.cp_inner_size
-        if inner is not None and (dp != 1 or cp % inner or self.gdn_dims()[1] % inner):
+        if inner is not None and (cp % inner or self.gdn_dims()[1] % inner):
             raise ValueError(
                 f"--cp-mode {self.cp_mode}: --cp-inner-size {inner} must divide cp={cp} and the "
-                f"{self.gdn_dims()[1]} GDN value heads, and CP must span all {world_size} ranks (no --cp-size)"
+                f"{self.gdn_dims()[1]} GDN value heads"
             )
         if self.seq_len % cp:
             raise ValueError(f"--seq-len {self.seq_len} must be divisible by the CP size {cp} (--cp-size)")

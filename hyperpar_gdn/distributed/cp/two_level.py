@@ -44,14 +44,28 @@ class Levels:
     flat_group: object  # the whole CP group's
 
 
-def make_levels(platform, cp: CPGroup, ranks: Sequence[int], inner_size: int) -> Levels:
-    """Create the inner and outer groups of a CP group over global ``ranks`` (every rank of the
-    world calls this with the same arguments, as process groups are made collectively)."""
+def make_levels(
+    platform, cp: CPGroup, ranks: Sequence[int], inner_size: int, *, replicas: Sequence[Sequence[int]] = ()
+) -> Levels:
+    """Create the inner and outer groups of the CP group over global ``ranks``, and those of the
+    other CP groups of the world (``replicas``: every CP group's ranks, this one included, the
+    same list on every process; data parallelism beside CP), since process groups are made
+    collectively: every rank of the world calls this with the same ``replicas``."""
     outer_size = len(ranks) // inner_size
-    inner_groups = [
-        platform.new_group(list(ranks[o * inner_size : (o + 1) * inner_size])) for o in range(outer_size)
-    ]
-    outer_groups = [platform.new_group(list(ranks[i::inner_size])) for i in range(inner_size)]
+    mine = None
+    for members in replicas or [ranks]:
+        inner_groups = [
+            platform.new_group(list(members[o * inner_size : (o + 1) * inner_size]))
+            for o in range(outer_size)
+        ]
+        outer_groups = [platform.new_group(list(members[i::inner_size])) for i in range(inner_size)]
+        if list(members) == list(ranks):
+            mine = inner_groups, outer_groups
+    if mine is None:
+        raise ValueError(
+            f"the CP group's ranks {list(ranks)} are not among replicas={[list(r) for r in replicas]}"
+        )
+    inner_groups, outer_groups = mine
     o, i = divmod(cp.rank, inner_size)
     return Levels(
         inner=CPGroup(xp=cp.xp, comm=cp.comm, group=inner_groups[o], rank=i, size=inner_size),

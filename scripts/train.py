@@ -10,18 +10,21 @@
 Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code 1 when
 ``--check-parity`` finds a loss difference above ``--parity-tol``; 2 for a user error (a bad
 option, a missing or unreadable data file, model directory or checkpoint), which rank 0 reports
-in one line, without a traceback.
+in one line, without a traceback; 3 when a fault stopped the run (``--max-bad-steps``
+non-finite steps in a row, a checkpoint that could not be written under ``--on-save-error stop``, a
+rank that stopped answering for ``--timeout-s``), which every rank reports in one line.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
 from hyperpar_gdn.platform import platform_name
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
-from hyperpar_gdn.train import USER_ERRORS, Trainer, TrainResult, parse_args
+from hyperpar_gdn.train import FAULTS, USER_ERRORS, Trainer, TrainResult, parse_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,10 +34,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0":  # torchrun / msrun
             print(f"train.py: error: {err}", file=sys.stderr)
         return 2
+    except FAULTS as err:
+        rank = os.environ.get("RANK", os.environ.get("RANK_ID", "0"))
+        print(f"train.py: rank {rank}: stopped: {err}", file=sys.stderr, flush=True)
+        return 3
 
 
 def _run(argv: Sequence[str] | None) -> int:
     config = parse_args(argv)
+    # a file-size limit (ulimit -f) then fails the write (EFBIG, a save error) instead of killing us
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if platform_name() == "cpu":  # activations live in host memory: reuse it rather than page-fault
         keep_freed_host_memory()
     trainer_class: type[Trainer] = Trainer

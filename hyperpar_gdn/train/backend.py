@@ -62,10 +62,20 @@ class TrainBackend(ABC):
         ``reference``, the no-CP copy with its own optimizer."""
 
     @abstractmethod
-    def train_step(self, shard: ContextParallelBatch, *, scale: float, lr: float) -> float:
-        """One optimizer step on this rank's ``shard`` (host tensors): the gradients of
-        ``scale x`` the rank's context-parallel LM loss, synced over the mesh, clipped, and AdamW at
-        learning rate ``lr``. Returns the unscaled loss (this rank's term of its CP group's mean)."""
+    def backward(self, shard: ContextParallelBatch, *, scale: float) -> tuple[float, float]:
+        """Forward and backward on this rank's ``shard`` (host tensors): the gradients of ``scale x``
+        the rank's context-parallel LM loss, synced over the mesh and clipped to ``--grad-clip``.
+        Returns (the unscaled loss: this rank's term of its CP group's mean, the global gradient
+        2-norm before clipping). The gradients wait for :meth:`apply_step` or :meth:`discard_step`."""
+
+    @abstractmethod
+    def apply_step(self, *, lr: float) -> None:
+        """AdamW at learning rate ``lr`` with the gradients of the last :meth:`backward`; clears them."""
+
+    @abstractmethod
+    def discard_step(self) -> None:
+        """Drop the gradients of the last :meth:`backward` (a skipped step: weights and optimizer
+        state stay as they were)."""
 
     @abstractmethod
     def reference_step(self, whole: ContextParallelBatch, *, lr: float) -> float:

@@ -19,6 +19,7 @@ from hyperpar_gdn.distributed.linear_attention_style import MODES
 from hyperpar_gdn.models.config import HybridLMConfig
 
 DTYPES = ("fp32", "bf16")
+SAVE_ERROR_POLICIES = ("stop", "continue")
 
 MODEL_SIZES: dict[str, HybridLMConfig] = {
     # ~0.25M parameters: the embedded default, under a minute on two CPU ranks.
@@ -105,7 +106,12 @@ class TrainConfig:
         check_parity: rank 0 also trains a no-CP copy on the whole global batch and compares.
         parity_tol: the largest allowed per-step loss difference under ``check_parity``.
         log_every: print a step line every this many steps (and at the last step).
-        timeout_s: process-group timeout.
+        timeout_s: process-group timeout: a collective that waits longer (a rank that stopped
+            answering) ends the run on the ranks that wait, naming the step.
+        max_bad_steps: stop after this many steps in a row whose loss or gradient norm is not
+            finite (each is skipped: no update, never saved).
+        on_save_error: a checkpoint or export that cannot be written (a full or read-only disk):
+            "stop" the run (every rank, one line) or "continue" without it.
     """
 
     cp_mode: str = "ulysses"
@@ -137,6 +143,8 @@ class TrainConfig:
     parity_tol: float = 1e-4
     log_every: int = 1
     timeout_s: float = 600.0
+    max_bad_steps: int = 3
+    on_save_error: str = "stop"
 
     def __post_init__(self) -> None:
         if self.cp_mode not in MODES:
@@ -149,7 +157,7 @@ class TrainConfig:
             raise ValueError(
                 f"--model-size {self.model_size!r} is unknown; choose one of {', '.join(MODEL_SIZES)}"
             )
-        for name in ("steps", "seq_len", "batch_size", "log_every"):
+        for name in ("steps", "seq_len", "batch_size", "log_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1; got {getattr(self, name)}")
         for name in ("warmup_steps", "save_every", "keep_last", "seed"):
@@ -164,6 +172,8 @@ class TrainConfig:
         if self.cp_size is not None:
             if self.cp_size < 1:
                 raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
+        if self.on_save_error not in SAVE_ERROR_POLICIES:
+            raise ValueError(f"--on-save-error {self.on_save_error!r} is not one of stop, continue")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.model_dir is not None and self.model_size is not None:
@@ -360,6 +370,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--log-every", type=int, default=defaults.log_every, help="print a step line every N steps")
     add("--timeout-s", type=float, default=defaults.timeout_s, help="process-group timeout (seconds)")
+    add(
+        "--max-bad-steps",
+        type=int,
+        default=defaults.max_bad_steps,
+        help="stop after N non-finite steps in a row",
+    )
+    add(
+        "--on-save-error",
+        choices=SAVE_ERROR_POLICIES,
+        default=defaults.on_save_error,
+        help="a checkpoint or export that cannot be written: stop the run, or continue without it",
+    )
     return parser
 
 

@@ -29,9 +29,16 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.platform import get_platform, platform_name
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.batches import cut_batch, replica_rows
-from hyperpar_gdn.train.checkpoint import CheckpointError, prune_checkpoints, save_checkpoint, write_atomic
+from hyperpar_gdn.train.checkpoint import (
+    CheckpointError,
+    nonfinite_entries,
+    prune_checkpoints,
+    save_checkpoint,
+    write_atomic,
+)
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.data import Batch, BatchSampler, load_stream
+from hyperpar_gdn.train.faults import BadStepGuard, SaveError, injected_nan_steps, is_finite
 from hyperpar_gdn.train.log import logger, setup_logging
 from hyperpar_gdn.train.metrics import StepRecord, TrainResult, metrics_document, step_line, summary_lines
 from hyperpar_gdn.train.optim import learning_rate
@@ -90,6 +97,8 @@ class Trainer:
             seed=config.seed,
         )
         self.step = 0
+        self.guard = BadStepGuard(max_bad_steps=config.max_bad_steps)
+        self._inject_nan = injected_nan_steps(self.rank)  # a test hook (see .faults)
         point = find_resume_point(config, rank=self.rank, max_over_ranks=self.backend.max_over_ranks)
         if point is not None:
             self.backend.load_state_dict(point.path, point.parts)
@@ -108,12 +117,21 @@ class Trainer:
         while self.step < config.steps:
             batch = self.sampler.next_batch()
             t0 = time.perf_counter()
-            loss = self._train_step(batch)
+            loss, skipped = self._train_step(batch)
             self.backend.synchronize()
             seconds = time.perf_counter() - t0
             self.step += 1
             memory, result.memory_kind = self.backend.peak_memory()
-            record = StepRecord(self.step, loss, seconds, tokens_per_step / seconds, memory)
+            record = StepRecord(self.step, loss, seconds, tokens_per_step / seconds, memory, skipped=skipped)
+            if skipped:
+                logger.warning(
+                    "step %d skipped: non-finite loss or gradient norm (%d skipped so far, %d in a row; "
+                    "--max-bad-steps %d)",
+                    self.step,
+                    len(self.guard.skipped),
+                    self.guard.in_a_row,
+                    config.max_bad_steps,
+                )
             if config.check_parity and self.rank == 0:
                 whole = cut_batch(
                     batch, self.solo, dp_rank=0, dp_size=1, doc_boundaries=config.doc_boundaries
@@ -154,8 +172,9 @@ class Trainer:
         if self._owns_group:
             self.platform.destroy()
 
-    def _train_step(self, batch: Batch) -> float:
-        """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
+    def _train_step(self, batch: Batch) -> tuple[float, bool]:
+        """One step of the (dp, cp)-parallel model; returns (the mean loss over the global batch,
+        whether the step was skipped for a non-finite loss or gradient norm on some rank)."""
         config = self.config
         shard = cut_batch(
             batch,
@@ -172,11 +191,18 @@ class Trainer:
         whole = replica_rows(batch, dp_rank=0, dp_size=1, doc_boundaries=config.doc_boundaries)
         mine, total = replica.labelled_tokens, whole.labelled_tokens
         # the CP group's mean -> this replica's share of the global mean, times dp (DP averages)
-        loss = self.backend.train_step(
-            shard, scale=self.dp * mine / total, lr=learning_rate(config, self.step + 1)
-        )
-        (loss_sum,) = self.backend.sum_over_ranks([loss * mine])  # each token is on one rank only
-        return loss_sum / total
+        scale = self.dp * mine / total
+        if self.step + 1 in self._inject_nan:
+            scale = float("nan")
+        loss, norm = self.backend.backward(shard, scale=scale)
+        # one reduction: the loss sum (each token is on one rank only) and the ranks gone non-finite
+        loss_sum, bad_ranks = self.backend.sum_over_ranks([loss * mine, float(not is_finite(loss, norm))])
+        if bad_ranks > 0:
+            self.backend.discard_step()
+        if self.guard.record(step=self.step + 1, bad_ranks=round(bad_ranks)):
+            return loss_sum / total, True
+        self.backend.apply_step(lr=learning_rate(config, self.step + 1))
+        return loss_sum / total, False
 
     def _log_header(self, tokens_per_step: int) -> None:
         config = self.config
@@ -222,6 +248,10 @@ class Trainer:
         }
 
         def save() -> None:  # the other ranks wait in _on_rank_0 until step-N is renamed into place
+            if bad := nonfinite_entries({"model": parts["model"], "optimizer": parts["optimizer"]}):
+                raise CheckpointError(
+                    f"refusing to save step-{self.step}: {', '.join(bad[:3])} hold NaN or inf values"
+                )
             meta = {"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp}
             path = save_checkpoint(config.save, self.step, parts, meta=meta)
             logger.info("saved %s", path)
@@ -232,15 +262,30 @@ class Trainer:
         self._on_rank_0(save, f"save the step-{self.step} checkpoint under {config.save}")
 
     def _on_rank_0(self, work: Any, what: str) -> None:
-        """Run ``work()`` on rank 0; every rank raises if it failed (or they would wait forever)."""
+        """Run ``work()`` on rank 0; every rank learns if it failed (or they would wait forever).
+
+        A write that the system refused (an ``OSError``: a full or read-only disk, a file-size
+        limit, a vanished directory) follows ``--on-save-error``: a :class:`SaveError` on every
+        rank, or one warning line per rank and the run goes on. Other failures raise."""
         failure: BaseException | None = None
         if self.rank == 0:
             try:
                 work()
             except Exception as err:
                 failure = err
-        failed = self.backend.max_over_ranks(int(failure is not None))
-        if failure is not None:
-            raise failure
-        if failed:
+        code = 0 if failure is None else 1 if isinstance(failure, OSError) else 2
+        code = self.backend.max_over_ranks(code)
+        if code == 2:
+            if failure is not None:
+                raise failure
             raise CheckpointError(f"rank 0 failed to {what}")
+        if code == 1:
+            policy = self.config.on_save_error
+            cause = f": {failure}" if failure is not None else " (rank 0's line says why)"
+            line = (
+                f"{'rank 0 ' if failure is None else ''}could not {what}{cause}; the checkpoints before "
+                f"it are intact and no partial directory is left (--on-save-error {policy})"
+            )
+            if policy == "stop":
+                raise SaveError(line) from failure
+            logger.warning("%s; continuing", line)

@@ -34,7 +34,7 @@ from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.optim import build_adamw, torch_optimizer_step
+from hyperpar_gdn.train.optim import adamw_step, build_adamw, clip_gradients, torch_optimizer_step
 from hyperpar_gdn.train.sharding import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -94,7 +94,7 @@ class TorchBackend(TrainBackend):
         return self.platform.world_size()
 
     # --- steps ------------------------------------------------------------------------------------
-    def train_step(self, shard: ContextParallelBatch, *, scale: float, lr: float) -> float:
+    def backward(self, shard: ContextParallelBatch, *, scale: float) -> tuple[float, float]:
         with self._autocast():
             hidden, head = hidden_and_head(
                 self.model,
@@ -108,8 +108,14 @@ class TorchBackend(TrainBackend):
         (loss * scale).backward()
         if self.world_size > 1 and not self.config.fsdp:  # FSDP reduce-scatters them itself
             sync_context_parallel_grads(self.model, self.mesh, dp_axis="dp")
-        torch_optimizer_step(self.model, self.optimizer, grad_clip=self.config.grad_clip, lr=lr)
-        return float(loss.item())
+        norm = clip_gradients(self.model, self.config.grad_clip)
+        return float(loss.item()), norm
+
+    def apply_step(self, *, lr: float) -> None:
+        adamw_step(self.optimizer, lr=lr)
+
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def reference_step(self, whole: ContextParallelBatch, *, lr: float) -> float:
         """Cross-entropy over the whole logits (an independent computation of the same loss)."""

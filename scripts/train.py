@@ -24,20 +24,30 @@ from collections.abc import Sequence
 
 from hyperpar_gdn.platform import platform_name
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
-from hyperpar_gdn.train import FAULTS, USER_ERRORS, Trainer, TrainResult, parse_args
+from hyperpar_gdn.train import FAULTS, USER_ERRORS, RankTimeoutError, Trainer, TrainResult, parse_args
+from hyperpar_gdn.train.data import VocabularyError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(argv)
+    except FAULTS as err:  # each rank saw it in its own way: every rank says so
+        print(f"train.py: rank {_rank()}: stopped: {err}", file=sys.stderr, flush=True)
+        if isinstance(err, RankTimeoutError):  # a group with a silent peer hangs the interpreter's exit
+            sys.stdout.flush()
+            os._exit(3)
+        return 3
+    except VocabularyError as err:  # a bad input that every rank checks alone
+        print(f"train.py: rank {_rank()}: error: {err}", file=sys.stderr, flush=True)
+        return 2
     except USER_ERRORS as err:
-        if os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0":  # torchrun / msrun
+        if _rank() == "0":
             print(f"train.py: error: {err}", file=sys.stderr)
         return 2
-    except FAULTS as err:
-        rank = os.environ.get("RANK", os.environ.get("RANK_ID", "0"))
-        print(f"train.py: rank {rank}: stopped: {err}", file=sys.stderr, flush=True)
-        return 3
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", os.environ.get("RANK_ID", "0"))  # torchrun / msrun
 
 
 def _run(argv: Sequence[str] | None) -> int:

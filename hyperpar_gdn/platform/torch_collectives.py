@@ -235,7 +235,11 @@ class TorchCollectives(Collectives):
         x = x.contiguous()
         out = x.new_empty((sum(recv), *x.shape[1:]))
         with _named("all_to_all", group):
-            dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+            # async and waited with the timeout: gloo's blocking call was seen waiting past it
+            work = dist.all_to_all_single(
+                out, x, output_split_sizes=recv, input_split_sizes=send, group=group, async_op=True
+            )
+            self._wait(work)
         self.bytes_sent += (sum(send) - send[rank]) * _row_bytes(x)
         return out
 

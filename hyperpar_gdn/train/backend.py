@@ -114,6 +114,12 @@ class TrainBackend(ABC):
     def peak_memory(self) -> tuple[int, str]:
         """(bytes, kind) of this process: "allocated" (an accelerator's allocator) or "rss"."""
 
+    def silent_ranks(self, tag: str, *, wait_s: float) -> list[int] | None:
+        """After a collective timed out: a roll call among the ranks that are still answering
+        (each that calls this with the same ``tag`` answers); returns the ranks that did not answer
+        within ``wait_s`` seconds, or None when the platform has no channel for it."""
+        return None
+
     def synchronize(self) -> None:
         """Wait for the device's queued work (for step timing); nothing to wait for by default."""
         return None
@@ -129,3 +135,8 @@ class TrainBackend(ABC):
     @abstractmethod
     def model_config(self) -> dict[str, Any]:
         """The trained model's configuration, for the metrics file."""
+
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: token ids must be below it."""
+        config = self.model_config()
+        return int(config.get("vocab_size") or config["text_config"]["vocab_size"])

@@ -9,6 +9,9 @@ reductions.
 - Test hook: ``HP_TRAIN_INJECT_NAN="STEP[,STEP...][@RANK]"`` makes the loss scale NaN at those
   steps on rank RANK (default 0), so that its gradients, and after the gradient sync every rank's,
   are NaN: what an overflow does. Only for tests of the guard; never set it in a real run.
+- A collective that times out (``--timeout-s``: a rank stopped or hung, e.g. by SIGSTOP) becomes a
+  :class:`RankTimeoutError` naming the step and the ranks that did not answer a roll call held
+  through the process group's store (:func:`timeout_message`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,28 @@ def injected_nan_steps(rank: int) -> frozenset[int]:
             f"{INJECT_NAN_ENV}={text!r} is not STEP[,STEP...][@RANK] (a test hook; unset it)"
         ) from err
     return steps if rank == target else frozenset()
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that waited past the process-group timeout (gloo raises
+    "Timed out waiting ...", NCCL's watchdog "... timeout ...", HCCL likewise)."""
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def timeout_message(*, step: int, rank: int, timeout_s: float, silent: list[int] | None) -> str:
+    """The line a rank prints when a collective of ``step`` timed out; ``silent``: the ranks that
+    did not answer the roll call (None: no roll call on this platform)."""
+    if silent is None:
+        who = "a rank stopped answering (this platform cannot tell which)"
+    elif silent:
+        who = f"rank {', '.join(map(str, silent))} did not answer (stopped, hung or gone)"
+    else:
+        who = "every rank answered a roll call afterwards: the collective itself hung"
+    return (
+        f"step {step}: a collective failed or waited more than --timeout-s {timeout_s:g} s on rank {rank}; "
+        f"{who}; resume from the last checkpoint once the ranks are healthy"
+    )
 
 
 def is_finite(*values: float) -> bool:

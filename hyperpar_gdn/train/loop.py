@@ -18,8 +18,10 @@ components: :mod:`.optim` (AdamW settings, warm-up), :mod:`.resume`, :mod:`.metr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +39,16 @@ from hyperpar_gdn.train.checkpoint import (
     write_atomic,
 )
 from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.data import Batch, BatchSampler, load_stream
-from hyperpar_gdn.train.faults import BadStepGuard, SaveError, injected_nan_steps, is_finite
+from hyperpar_gdn.train.data import Batch, BatchSampler, check_vocabulary, load_stream
+from hyperpar_gdn.train.faults import (
+    BadStepGuard,
+    RankTimeoutError,
+    SaveError,
+    injected_nan_steps,
+    is_collective_timeout,
+    is_finite,
+    timeout_message,
+)
 from hyperpar_gdn.train.log import logger, setup_logging
 from hyperpar_gdn.train.metrics import StepRecord, TrainResult, metrics_document, step_line, summary_lines
 from hyperpar_gdn.train.optim import learning_rate
@@ -47,6 +57,8 @@ from hyperpar_gdn.train.resume import find_resume_point
 from hyperpar_gdn.train.torch_backend import TorchBackend
 
 __all__ = ["StepRecord", "TrainResult", "Trainer"]
+
+ROLL_CALL_S = 2.0  # after a collective timeout: how long the ranks still answering wait for the rest
 
 
 class Trainer:
@@ -90,13 +102,22 @@ class Trainer:
         self.backend = self.backend_class(config, self.platform, self.mesh, reference=reference)
         self.model = getattr(self.backend, "model", None)
         self.tokenizer = self.backend.tokenizer
+        stream = load_stream(config.data, self.tokenizer)
+        check_vocabulary(  # on every rank, before any step
+            stream,
+            vocab_size=self.backend.vocab_size(),
+            tokenizer=self.tokenizer,
+            model=config.model_name,
+            data=config.data,
+        )
         self.sampler = BatchSampler(
-            load_stream(config.data, self.tokenizer),
+            stream,
             seq_len=config.seq_len,
             batch_size=config.batch_size,
             seed=config.seed,
         )
         self.step = 0
+        self._timed_out = 0  # roll calls held (each needs its own store keys)
         self.guard = BadStepGuard(max_bad_steps=config.max_bad_steps)
         self._inject_nan = injected_nan_steps(self.rank)  # a test hook (see .faults)
         point = find_resume_point(config, rank=self.rank, max_over_ranks=self.backend.max_over_ranks)
@@ -117,8 +138,9 @@ class Trainer:
         while self.step < config.steps:
             batch = self.sampler.next_batch()
             t0 = time.perf_counter()
-            loss, skipped = self._train_step(batch)
-            self.backend.synchronize()
+            with self._timeouts_named(self.step + 1):
+                loss, skipped = self._train_step(batch)
+                self.backend.synchronize()
             seconds = time.perf_counter() - t0
             self.step += 1
             memory, result.memory_kind = self.backend.peak_memory()
@@ -142,7 +164,8 @@ class Trainer:
             result.records.append(record)
             if self.step % config.log_every == 0 or self.step == config.steps:
                 logger.info(step_line(record, config.steps, result.memory_kind))
-            self._maybe_save()
+            with self._timeouts_named(self.step):
+                self._maybe_save()
         result.wall_s = time.perf_counter() - start
         if config.export is not None:
             self._on_rank_0(self.backend.exporter(config.export), f"export the model to {config.export}")
@@ -167,6 +190,22 @@ class Trainer:
                 f"write --metrics-json {config.metrics_json}",
             )
         return result
+
+    @contextlib.contextmanager
+    def _timeouts_named(self, step: int) -> Iterator[None]:
+        """A collective that times out becomes a :class:`RankTimeoutError` naming the step and the
+        ranks that did not answer the roll call (``step``: the step being run or saved)."""
+        try:
+            yield
+        except RuntimeError as err:
+            if not is_collective_timeout(err):
+                raise
+            self._timed_out += 1
+            silent = self.backend.silent_ranks(f"{step}.{self._timed_out}", wait_s=ROLL_CALL_S)
+            message = timeout_message(
+                step=step, rank=self.rank, timeout_s=self.config.timeout_s, silent=silent
+            )
+            raise RankTimeoutError(message) from None
 
     def close(self) -> None:
         if self._owns_group:
@@ -236,10 +275,14 @@ class Trainer:
         }
 
     # --- checkpoints ------------------------------------------------------------------------------
-    def _maybe_save(self) -> None:
+    def _saving_due(self) -> bool:
         config = self.config
         due = self.step == config.steps or (config.save_every and self.step % config.save_every == 0)
-        if config.save is None or not due:
+        return config.save is not None and bool(due)
+
+    def _maybe_save(self) -> None:
+        config = self.config
+        if not self._saving_due():
             return
         parts = {  # every rank: gathering FSDP shards is collective
             **self.backend.state_dict(),

@@ -181,6 +181,26 @@ class TorchBackend(TrainBackend):
     def peak_memory(self) -> tuple[int, str]:
         return peak_memory(self.device)
 
+    def silent_ranks(self, tag: str, *, wait_s: float) -> list[int] | None:
+        """The roll call through the default group's c10d store (torchrun's agent hosts it, so it
+        answers while a worker is stopped). torch has no public accessor for that store."""
+        import time
+
+        import torch.distributed as dist
+
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"hyperpar_gdn/roll/{tag}/{self.rank}", "1")
+            keys = {r: f"hyperpar_gdn/roll/{tag}/{r}" for r in range(self.world_size)}
+            deadline = time.monotonic() + wait_s
+            while True:
+                silent = [r for r, key in keys.items() if not store.check([key])]
+                if not silent or time.monotonic() > deadline:
+                    return silent
+                time.sleep(0.1)
+        except Exception:  # the store itself is gone (its host was the stopped rank)
+            return None
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -9,10 +9,12 @@ one line per rank and exit code 3 under torchrun.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,10 @@ import pytest
 import torch
 from distributed_harness import run_ranks
 
+from hyperpar_gdn.integrations.transformers.model_dir import train_tokenizer, write_tiny_qwen35
 from hyperpar_gdn.train import SaveError, TrainConfig, Trainer, TrainingStopped, load_checkpoint
 from hyperpar_gdn.train.checkpoint import list_checkpoints, nonfinite_entries
+from hyperpar_gdn.train.data import TokenStream, VocabularyError, check_vocabulary
 from hyperpar_gdn.train.faults import INJECT_NAN_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,3 +152,116 @@ def test_script_stops_with_one_line_per_rank_and_exit_code_3(tmp_path: Path) -> 
     for rank, line in enumerate(lines):
         assert line.startswith(f"train.py: rank {rank}: stopped: stopped at step 2: steps 1..2"), line
     assert "exitcode  : 3" in result.stderr, result.stderr[-2000:]
+
+
+def _torchrun(args: list[str], cwd: Path, **popen: Any) -> subprocess.Popen[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.1",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
+    env["PYTHONFAULTHANDLER"] = "1"
+    script = [str(ROOT / "scripts" / "train.py"), "--seq-len", "32", "--batch-size", "2", *args]
+    return subprocess.Popen([*command, *script], cwd=cwd, env=env, text=True, **popen)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused() -> None:
+    stream = TokenStream(torch.tensor([1, 2, 300, 7, 256]), torch.zeros(5, dtype=torch.bool))
+    with pytest.raises(VocabularyError) as caught:
+        check_vocabulary(stream, vocab_size=256, model="--model-size tiny", data="d.jsonl")
+    assert str(caught.value) == (
+        "--data d.jsonl: 2 token ids fall outside the vocabulary of --model-size tiny (vocab_size 256: "
+        "ids 0..255), the first is 300 at token 2; use the model's own tokenizer"
+    )
+    check_vocabulary(stream, vocab_size=301, model="m", data=None)  # all below 301: accepted
+
+
+@pytest.mark.timeout(150)
+def test_a_tokenizer_that_does_not_match_the_model_is_one_line_on_every_rank(tmp_path: Path) -> None:
+    """A model directory whose tokenizer was replaced by a larger one (913 tokens: BPE on the built-in corpus stops there; the model has 512)."""
+    model = tmp_path / "model"
+    write_tiny_qwen35(model)
+    train_tokenizer(vocab_size=1024).save_pretrained(model)
+    process = _torchrun(["--model", str(model), "--steps", "2"], tmp_path, stderr=subprocess.PIPE)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    lines = sorted(line for line in stderr.splitlines() if "train.py: rank" in line)
+    assert len(lines) == 2, stderr
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"train.py: rank {rank}: error: the tokenizer of {model} has 913 tokens but ")
+        assert "the model's vocab_size is 512" in line, line
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_rank_is_named_by_the_others_within_the_timeout(tmp_path: Path) -> None:
+    """SIGSTOP on rank 1's worker once step-2 is saved: rank 0 fails its next collective after
+    --timeout-s, names the step and rank 1 in one line and exits, within the timeout + 10 s."""
+    timeout_s = 10  # also bounds the start-up rendezvous on this loaded machine
+    log = tmp_path / "log.txt"
+    options = ["--steps", "100000", "--save", str(tmp_path / "ckpt"), "--save-every", "2"]
+    with open(log, "w") as out:
+        process = _torchrun(
+            [*options, "--timeout-s", str(timeout_s)],
+            tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    stuck = None
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "ckpt" / "step-2").is_dir():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        waiting, stuck = _worker_pid(process.pid, 0), _worker_pid(process.pid, 1)
+        assert waiting is not None and stuck is not None
+        os.kill(stuck, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while _running(waiting):
+            if time.monotonic() - stopped > timeout_s + 10:
+                os.kill(waiting, signal.SIGABRT)  # its Python stack into the log (PYTHONFAULTHANDLER)
+                time.sleep(2)
+                raise AssertionError(f"rank 0 still runs:\n{log.read_text()}")
+            time.sleep(0.1)
+        took = time.monotonic() - stopped
+    finally:
+        if stuck is not None:
+            os.kill(stuck, signal.SIGCONT)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    lines = [x for x in log.read_text().splitlines() if "train.py: rank 0: stopped:" in x]
+    assert len(lines) == 1, log.read_text()
+    assert re.search(
+        rf"stopped: step \d+: a collective failed or waited more than --timeout-s {timeout_s} s on rank 0; "
+        "rank 1 did not answer",
+        lines[0],
+    ), lines[0]
+    assert timeout_s - 1 < took < timeout_s + 10, took
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _worker_pid(launcher: int, rank: int) -> int | None:
+    """The pid of torchrun's worker process with ``RANK=rank``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None

@@ -222,15 +222,15 @@ class TorchCollectives(Collectives):
         return x
 
     # --- implementations (also used by the backwards) ---------------------------------------------
-    def _collective(self, op: Any, *args: Any, **kwargs: Any) -> None:
-        """Run collective ``op``. On the CPU (gloo) it is started asynchronously and waited with
+    def _collective(self, collective: Any, /, *args: Any, **kwargs: Any) -> None:
+        """Run ``collective(*args, **kwargs)``. On the CPU (gloo) it is started asynchronously and waited with
         the timeout: gloo's blocking all-gather and all-to-all were seen waiting past the
         process-group timeout when a peer was stopped (SIGSTOP) mid-run. NCCL and HCCL keep the
         blocking call (their waits order streams; their watchdogs enforce the timeout)."""
         if self.device.type != "cpu" or self.timeout is None:
-            op(*args, **kwargs)
+            collective(*args, **kwargs)
         else:
-            self._wait(op(*args, async_op=True, **kwargs))
+            self._wait(collective(*args, async_op=True, **kwargs))
 
     def _wait(self, work: Any) -> None:
         if self.timeout is None:

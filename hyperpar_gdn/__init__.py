@@ -15,7 +15,8 @@ Public API (loaded on first use, so ``import hyperpar_gdn.ops`` stays light):
 
 - ``init_device_mesh``, ``DeviceMesh``: the mesh of ranks (torch's API, any platform).
 - ``LinearAttentionContextParallel``: CP for one GDN layer (modes ``ulysses``, ``p2p``,
-  ``all_gather``); ``SoftmaxAttentionContextParallel``: CP for a softmax-attention layer;
+  ``all_gather``, ``scan``); ``plan_context_parallel``: the modes ranked by a cost model
+  (``apply_context_parallel(..., mode="auto", seq_len=T)`` takes its choice); ``SoftmaxAttentionContextParallel``: CP for a softmax-attention layer;
   ``ParallelStyle``: their base (``apply`` / ``undo``).
 - ``apply_context_parallel``, ``undo_context_parallel``: every layer of ``HybridLM`` or of
   transformers' Qwen3.5 models.
@@ -49,6 +50,7 @@ _EXPORTS = {
     "ParallelStyle": "hyperpar_gdn.distributed.parallel_style",
     "SoftmaxAttentionContextParallel": "hyperpar_gdn.distributed.softmax_attention_style",
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
+    "plan_context_parallel": "hyperpar_gdn.distributed.planner",
     "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "prefill_context_parallel": "hyperpar_gdn.inference.prefill",
     "sync_context_parallel_grads": "hyperpar_gdn.distributed.grads",

@@ -36,6 +36,7 @@ from benchkit.machine import load_average, peak_rss_bytes
 from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import in_fresh_process
 from benchkit.timing import alternating_rounds, compare
+from hyperpar_gdn.cli import HelpFormatter
 
 TARGET_OURS_OVER_SDPA = 1.1
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 6, 1, 256, 512
@@ -168,20 +169,34 @@ def panels(ms_result: dict[str, Any]) -> list[Panel]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--T", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--T", type=int, default=8192, help="tokens of the torch comparison")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the torch part")
     parser.add_argument(
         "--blockwise", action="store_true", help="also time the generic blockwise path on torch"
     )
-    parser.add_argument("--ms-T", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--ms-dense-T", type=int, nargs="*", default=[2048, 4096])
-    parser.add_argument("--ms-timeout", type=float, default=1800.0)
-    parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--skip-mindspore", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_attention.json"))
+    parser.add_argument(
+        "--ms-T",
+        type=int,
+        nargs="+",
+        default=[2048, 4096, 8192, 16384],
+        help="sequence lengths of the MindSpore memory part",
+    )
+    parser.add_argument(
+        "--ms-dense-T",
+        type=int,
+        nargs="*",
+        default=[2048, 4096],
+        help="sequence lengths of the MindSpore dense reference (none: skip)",
+    )
+    parser.add_argument("--ms-timeout", type=float, default=1800.0, help="seconds per MindSpore run")
+    parser.add_argument("--skip-torch", action="store_true", help="leave out the torch part")
+    parser.add_argument("--skip-mindspore", action="store_true", help="leave out the MindSpore part")
+    parser.add_argument(
+        "--out", type=Path, default=Path("results/bench_attention.json"), help="JSON file of the results"
+    )
     parser.add_argument("--ms-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ms_worker is not None:

@@ -47,6 +47,7 @@ from benchkit.machine import keep_host_memory, load_average
 from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_msrun, on_ranks
 from benchkit.timing import machine_bound, slowest_per_round
+from hyperpar_gdn.cli import HelpFormatter
 from hyperpar_gdn.platform.msrun import start_watchdog, write_result
 
 MODES = ("ulysses", "p2p", "all_gather")
@@ -172,23 +173,28 @@ def worker_main(job_json: str, threads: int) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     add = parser.add_argument
     add("--seq-len", type=int, default=8192, help="total T of the fixed-total sweep")
     add("--local-seq-len", type=int, default=2048, help="T/cp of the fixed-local sweep (0: skip)")
-    add("--cp-sizes", type=int, nargs="+", default=[1, 2, 4])
-    add("--modes", nargs="+", default=list(MODES), choices=MODES)
-    add("--total-threads", type=int, default=os.cpu_count() or 1)
-    add("--repeats", type=int, default=3)
-    add("--warmup", type=int, default=1)
-    add("--batch", type=int, default=1)
+    add("--cp-sizes", type=int, nargs="+", default=[1, 2, 4], help="CP sizes of both sweeps")
+    add("--modes", nargs="+", default=list(MODES), choices=MODES, help="CP modes to time")
+    add(
+        "--total-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="threads split over the ranks (default: the machine's cores)",
+    )
+    add("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    add("--warmup", type=int, default=1, help="untimed rounds first")
+    add("--batch", type=int, default=1, help="sequences B per step")
     add("--timeout", type=float, default=1800.0, help="seconds per configuration")
-    add("--out", type=Path, default=Path("results/bench_cp.json"))
+    add("--out", type=Path, default=Path("results/bench_cp.json"), help="JSON file of the results")
     add("--backend", nargs="+", default=["torch"], choices=BACKENDS, help="frameworks to time, in turn")
     add(
         "--efficiency-cp", type=int, default=2, help="ranks of the one-core-per-rank efficiency run (0: skip)"
     )
-    add("--efficiency-repeats", type=int, default=5)
+    add("--efficiency-repeats", type=int, default=5, help="timed rounds of the efficiency run")
     add("--skip-sweeps", action="store_true", help="only the efficiency run")
     add("--worker-job", help=argparse.SUPPRESS)  # MindSpore worker mode
     add(

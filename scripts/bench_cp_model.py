@@ -30,6 +30,7 @@ from benchkit.machine import keep_host_memory, load_average
 from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_ranks
 from benchkit.timing import alternating_rounds, machine_bound, slowest_per_round
+from hyperpar_gdn.cli import HelpFormatter
 
 MODES = ("ulysses", "p2p", "all_gather")
 LAYOUTS = ("contiguous", "head_tail")
@@ -193,16 +194,24 @@ def panel(result: dict[str, Any]) -> Panel:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384])
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--seq-lens", type=int, nargs="+", default=[8192, 16384], help="total sequence lengths T to time"
+    )
+    parser.add_argument("--cp", type=int, default=2, help="ranks of the CP group")
+    parser.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=MODES, help="CP modes of the GDN layers to time"
+    )
+    parser.add_argument(
+        "--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="token layouts to time"
+    )
+    parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size of the model")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per sequence length")
-    parser.add_argument("--out", type=Path, default=Path("results/bench_cp_model.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("results/bench_cp_model.json"), help="JSON file of the results"
+    )
     args = parser.parse_args()
     kept = keep_host_memory(True)  # forked ranks inherit it
     results = []

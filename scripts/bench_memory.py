@@ -34,6 +34,7 @@ from benchkit.machine import load_average
 from benchkit.memory_step import VOCAB, measure_loss, measure_step
 from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_ranks
+from hyperpar_gdn.cli import HelpFormatter
 
 PARTS = ("table", "loss", "search")
 GIB = 2**30
@@ -121,24 +122,35 @@ def panel(result: dict[str, Any]) -> Panel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--seq-len", type=int, default=2048, help="T of the table and the loss comparison")
-    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=[1, 2, 4], help="CP sizes of the table")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["fp32", "bf16"],
+        default=["fp32", "bf16"],
+        help="compute dtypes of the table",
+    )
     parser.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (multiple of 64)")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the model")
     parser.add_argument(
-        "--budget-gib", type=float, default=None, help="per-rank budget of the search (none: skip)"
+        "--budget-gib",
+        type=float,
+        default=None,
+        help="per-rank budget of the search (default: none, no search)",
     )
     parser.add_argument("--t-step", type=int, default=256, help="the search's T is a multiple of this x cp")
     parser.add_argument("--t-limit", type=int, default=1 << 16, help="the search stops at this T")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of the loss comparison (0: skip)")
     parser.add_argument("--steps", type=int, default=2, help="steps per measurement (the first one's peak)")
     parser.add_argument("--total-threads", type=int, default=2, help="split over the ranks")
-    parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="seconds per measurement process")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure")
-    parser.add_argument("--out", type=Path, default=Path("bench_memory.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench_memory.json"), help="JSON file of the results"
+    )
     args = parser.parse_args(argv)
     if args.hidden % 64:
         raise SystemExit(f"--hidden {args.hidden} must be a multiple of 64")

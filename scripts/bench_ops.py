@@ -44,6 +44,7 @@ from benchkit.gdn_packed import describe_packed, packed_case
 from benchkit.machine import keep_host_memory, load_average, machine_info
 from benchkit.output import write_json
 from benchkit.timing import alternating_rounds, compare, rel_err
+from hyperpar_gdn.cli import HelpFormatter
 
 TARGET_REL_ERR = 1e-5
 TARGET_MINDSPORE_OVER_TORCH = 2.5
@@ -201,19 +202,19 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add = parser.add_argument
-    add("--B", type=int, default=1)
+    add("--B", type=int, default=1, help="batch size")
     add("--T", type=int, default=None, help=f"tokens (default: {DEFAULT_T} by backend)")
-    add("--H", type=int, default=4)
+    add("--H", type=int, default=4, help="heads")
     add("--K", type=int, default=128, help="key dim; the value dim too unless --V")
-    add("--V", type=int, default=None)
-    add("--chunk-size", type=int, default=64)
-    add("--repeats", type=int, default=5)
-    add("--warmup", type=int, default=1)
+    add("--V", type=int, default=None, help="value dim (default: --K)")
+    add("--chunk-size", type=int, default=64, help="chunk length C of the kernel")
+    add("--repeats", type=int, default=5, help="timed rounds (median reported)")
+    add("--warmup", type=int, default=1, help="untimed rounds first")
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    add("--matmul-size", type=int, default=2048)
-    add("--backend", choices=sorted(BACKENDS), default="torch")
+    add("--matmul-size", type=int, default=2048, help="n of the n x n x n matmul that measures the machine")
+    add("--backend", choices=sorted(BACKENDS), default="torch", help="framework to time")
     add("--packed-T", type=int, default=8192, help="tokens of the packed case (torch)")
     add("--packed-docs", type=int, default=8, help="documents of the packed case; 0 skips it")
     add(
@@ -221,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
         action="store_true",
         help="leave glibc's malloc settings alone (default: keep_freed_host_memory(), for every implementation)",
     )
-    add("--out", type=Path, default=Path("results/bench_ops.json"))
+    add("--out", type=Path, default=Path("results/bench_ops.json"), help="JSON file of the results")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error(f"--repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")

@@ -1,4 +1,4 @@
-"""Read a prompt under context parallelism, then continue it on one device.
+"""Read a prompt under context parallelism, then continue it on one device or on the CP group.
 
     python scripts/make_tiny_qwen35.py tiny-qwen35
     torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt
@@ -6,6 +6,8 @@
         --mode ulysses --sample --temperature 0.8 --top-k 20 --max-new-tokens 64
     HP_PLATFORM=mindspore msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --join=True \\
         --log_dir=msrun_log scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt
+    torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt \
+        --decode-on cp-group
 
 Every rank loads the model (transformers' on torch, the MindSpore Qwen3.5 under
 ``HP_PLATFORM=mindspore``) and the tokenized prompt; ``hyperpar_gdn.prefill_context_parallel``
@@ -17,6 +19,10 @@ the other ranks wait (so all see the same machine load), the same prefill at cp=
 kernels on a one-rank mesh) and the framework's own one-device prefill (transformers' forward with
 a cache; on MindSpore, ours without any style); ``--min-prompt-tokens`` repeats the prompt's
 tokens up to a length (for long-prompt timing). Numbers go to ``--out`` (JSON).
+``--decode-on cp-group``
+(transformers' models): every rank decodes, keeping its share of the attention layers' K/V
+(:mod:`hyperpar_gdn.inference.cp_decoding`); reported: the K/V cache bytes per rank against one
+device's.
 """
 
 from __future__ import annotations
@@ -32,34 +38,124 @@ from typing import Any
 
 import numpy as np
 
+SAMPLING_OPTIONS = {"temperature": 1.0, "top_k": 0, "seed": 0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hyperpar_gdn.cli import Parser
+
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add(
+        "--model",
+        type=Path,
+        required=True,
+        help="a transformers Qwen3.5 model directory (config.json, tokenizer; required)",
+    )
+    add(
+        "--prompt-file",
+        type=Path,
+        required=True,
+        help="a UTF-8 text file: the prompt to read under CP (required)",
+    )
+    add(
+        "--mode",
+        default="p2p",
+        choices=("ulysses", "p2p", "all_gather"),
+        help="CP mode of the GDN layers during the prefill",
+    )
+    add("--device", default="cpu", help="cpu, cuda or npu (HP_PLATFORM names the framework)")
+    add("--max-new-tokens", type=int, default=32, help="tokens to decode after the prompt (at least 1)")
+    add("--sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
+    add(
+        "--temperature",
+        type=float,
+        default=None,
+        help="softmax temperature of --sample, > 0 (default: 1.0; an error without --sample)",
+    )
+    add(
+        "--top-k",
+        type=int,
+        default=None,
+        help="--sample from the k likeliest tokens (default: 0 = all; an error without --sample)",
+    )
+    add(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed of --sample (default: 0; an error without --sample)",
+    )
+    add(
+        "--min-prompt-tokens", type=int, default=0, help="repeat the prompt up to this length (0: as written)"
+    )
+    add("--repeats", type=int, default=1, help="prefill runs timed (median reported)")
+    add(
+        "--compare-one-device",
+        action="store_true",
+        help="also time, on rank 0, the prefill at cp=1 and the framework's own one-device prefill",
+    )
+    add("--out", type=Path, default=None, help="JSON file of the numbers, written by rank 0 (default: none)")
+    add(
+        "--decode-on",
+        default="one-device",
+        choices=("one-device", "cp-group"),
+        help="one-device: rank 0 decodes from the whole cache; cp-group: every rank decodes keeping its "
+        "share of the attention K/V cache (transformers' models)",
+    )
+    return parser
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, required=True, help="transformers model directory")
-    parser.add_argument("--prompt-file", type=Path, required=True)
-    parser.add_argument("--mode", default="p2p", choices=("ulysses", "p2p", "all_gather"))
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or npu (HP_PLATFORM names the framework)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--min-prompt-tokens", type=int, default=0, help="repeat the prompt up to this length"
-    )
-    parser.add_argument("--repeats", type=int, default=1, help="prefill runs timed (median reported)")
-    parser.add_argument("--compare-one-device", action="store_true")
-    parser.add_argument("--out", type=Path, default=None, help="JSON of the numbers (rank 0)")
-    args = parser.parse_args(argv)
+    """The command line, checked; raises ``UsageError`` naming the option (rank 0 reports it)."""
+    from hyperpar_gdn.cli import UsageError
+
+    args = build_parser().parse_args(argv)
     for name in ("max_new_tokens", "repeats"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    given = {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None}
+    if given and not args.sample:
+        flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in given.items())
+        raise UsageError(f"{flags} only apply to sampling; add --sample (without it decoding is greedy)")
+    for name, default in SAMPLING_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.temperature <= 0 or args.top_k < 0 or args.min_prompt_tokens < 0:
-        parser.error(
+        raise UsageError(
             f"--temperature={args.temperature} must be > 0, --top-k={args.top_k} and "
             f"--min-prompt-tokens={args.min_prompt_tokens} >= 0"
         )
     return args
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """The model directory and the prompt file, checked on every rank before any communication."""
+    model = args.model
+    if not model.is_dir():
+        raise FileNotFoundError(
+            f"--model {model}: no such directory (expected a transformers model directory)"
+        )
+    if (model / "manifest.json").is_file() and not (model / "config.json").is_file():
+        raise ValueError(
+            f"--model {model} is a training checkpoint (train.py --save); generate.py reads a transformers "
+            "model directory: train with --model DIR --export OUT and pass OUT"
+        )
+    if not args.prompt_file.is_file():
+        raise FileNotFoundError(f"--prompt-file {args.prompt_file}: no such file")
+    if not args.prompt_file.read_text().strip():
+        raise ValueError(f"--prompt-file {args.prompt_file} is empty")
+
+
+def check_heads(args: argparse.Namespace, cp: int) -> None:
+    """Ulysses splits the GDN heads over the ranks: refuse a model whose heads do not divide."""
+    from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
+
+    num_k_heads, num_v_heads, _ = gdn_dims(args.model)
+    if args.mode == "ulysses" and cp > 1 and (num_k_heads % cp or num_v_heads % cp):
+        raise ValueError(
+            f"--mode ulysses splits the GDN heads over cp={cp} ranks, but {args.model} has {num_k_heads} key "
+            f"and {num_v_heads} value heads; use --mode p2p or all_gather, or a number of ranks that divides them"
+        )
 
 
 def prompt_ids(args: argparse.Namespace) -> np.ndarray:
@@ -117,6 +213,33 @@ class Engine:
         self.cache = out.cache
         return out.logits[:, -1].float().numpy()
 
+    def group_step(self, mesh: Any, sharded: Any, token: np.ndarray) -> np.ndarray:
+        """:meth:`step` on the CP group with the K/V cache sharded (every rank calls it)."""
+        from hyperpar_gdn.inference.cp_decoding import decode_step_context_parallel
+
+        logits = decode_step_context_parallel(self.model, mesh, sharded, self.tensor(token))
+        return logits.float().numpy()
+
+
+def decode(args: argparse.Namespace, platform: Any, logits: Any, step: Any) -> tuple[list[int], float]:
+    """Pick ``--max-new-tokens`` tokens from the prefill's last logits, stepping with ``step``
+    (numpy token ``[B, 1]`` -> numpy logits ``[B, V]``) -> (the tokens of row 0, seconds)."""
+    rng = np.random.default_rng(args.seed)
+    tokens, last = [], platform.to_numpy(logits)
+    start = time.perf_counter()
+    for i in range(args.max_new_tokens):
+        token = pick(last, args, rng)
+        tokens.append(int(token[0, 0]))
+        if i + 1 < args.max_new_tokens:
+            last = step(token)
+    return tokens, time.perf_counter() - start
+
+
+def kv_cache_bytes(cache: Any) -> int:
+    """Bytes of the attention layers' K and V in transformers' cache (what one device keeps)."""
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    return sum(int(t.numel()) * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+
 
 def pick(logits: np.ndarray, args: argparse.Namespace, rng: np.random.Generator) -> np.ndarray:
     """The next token per row ``[B, 1]``: argmax, or a sample of softmax(logits / temperature)
@@ -133,21 +256,47 @@ def pick(logits: np.ndarray, args: argparse.Namespace, rng: np.random.Generator)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit code: 0, or 2 after a user error (one line on rank 0), or 128 + N after signal N."""
+    from hyperpar_gdn.cli import run_script
+    from hyperpar_gdn.platform import PlatformUnavailableError
+
+    user_errors = (ValueError, FileNotFoundError, NotADirectoryError, NotImplementedError)
+    user_errors += (ModuleNotFoundError, PlatformUnavailableError)
+    return run_script("generate.py", lambda: _generate(argv), user_errors=user_errors)
+
+
+def _generate(argv: list[str] | None) -> int:
     args = parse_args(argv)
+    check_paths(args)
+    from hyperpar_gdn import get_platform, init_device_mesh
+
+    platform = get_platform()
+    platform.init_distributed()
+    try:  # every check below raises on every rank alike, before the first collective
+        mesh = init_device_mesh(args.device, (platform.world_size(),), mesh_dim_names=("cp",))
+        check_heads(args, platform.world_size())
+        ids_np = prompt_ids(args)
+        engine = Engine(platform, args.model)
+        if args.decode_on == "cp-group":  # a model without a sharded cache: refused on every rank
+            from hyperpar_gdn.inference.cp_decoding import check_sharded_decoding
+
+            check_sharded_decoding(engine.model)
+        _run(args, platform, mesh, engine, ids_np)
+    finally:
+        platform.destroy()
+    return 0
+
+
+def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids_np: np.ndarray) -> None:
+    """The timed prefill rounds on every rank, then decoding and the report on rank 0."""
     from hyperpar_gdn import (
         apply_context_parallel,
-        get_platform,
         init_device_mesh,
         prefill_context_parallel,
         undo_context_parallel,
     )
 
-    platform = get_platform()
-    platform.init_distributed()
-    mesh = init_device_mesh(args.device, (platform.world_size(),), mesh_dim_names=("cp",))
     rank, group, comm = platform.rank(), mesh.get_group(), platform.collectives
-    engine = Engine(platform, args.model)
-    ids_np = prompt_ids(args)
     ids = engine.tensor(ids_np)
     # a one-rank CP mesh per rank (collective to build), for the cp=1 timing on rank 0
     solo = init_device_mesh(args.device, (platform.world_size(), 1), mesh_dim_names=("dp", "cp"))["cp"]
@@ -171,59 +320,93 @@ def main(argv: list[str] | None = None) -> int:
                 solo_times.append(time.perf_counter() - start)
                 undo_context_parallel(engine.model)
             comm.barrier(group)
-    if rank == 0:
-        engine.cache = state
-        rng = np.random.default_rng(args.seed)
-        tokens, last = [], platform.to_numpy(logits)
-        start = time.perf_counter()
-        for i in range(args.max_new_tokens):
-            token = pick(last, args, rng)
-            tokens.append(int(token[0, 0]))
-            if i + 1 < args.max_new_tokens:
-                last = engine.step(token)
-        decode_s = time.perf_counter() - start
-        from hyperpar_gdn.integrations.transformers.model_dir import load_tokenizer
+    t = ids_np.shape[1]
+    kv = (None if engine.mindspore else kv_cache_bytes(state), None)  # one device's, per rank
+    if args.decode_on == "cp-group":
+        from hyperpar_gdn.inference.cp_decoding import shard_cache
 
-        text = load_tokenizer(args.model).decode(tokens)
-        t, cp = ids_np.shape[1], platform.world_size()
-        prefill_s = statistics.median(cp_times)
-        result = {
-            "framework": platform.name,
-            "mode": args.mode,
-            "cp": cp,
-            "prompt_tokens": t,
-            "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
-            "prefill_s": cp_times,
-            "prefill_tokens_per_s": t / prefill_s,
-            "one_device_prefill_s": one_times or None,
-            "cp1_prefill_s": solo_times or None,
-            "decode_tokens_per_s": (args.max_new_tokens - 1) / decode_s if args.max_new_tokens > 1 else None,
-            "new_tokens": tokens,
-            "loadavg": Path("/proc/loadavg").read_text().split()[:3]
-            if Path("/proc/loadavg").exists()
-            else None,
-        }
-        print(
-            f"--- continuation ({'sampled' if args.sample else 'greedy'}, {len(tokens)} tokens) ---\n{text}"
-        )
-        print(
-            f"prefill of {t} tokens at cp={cp} ({args.mode}): {prefill_s:.3f} s median, {t / prefill_s:.1f} tokens/s"
-        )
-        if one_times:
-            one, solo_s = statistics.median(one_times), statistics.median(solo_times)
-            print(
-                f"same rounds, rank 0 alone: cp=1 {solo_s:.3f} s (speedup of cp={cp}: {solo_s / prefill_s:.2f}x), "
-                f"{'transformers' if not engine.mindspore else 'one device'} {one:.3f} s "
-                f"(speedup {one / prefill_s:.2f}x)"
-            )
-        if result["decode_tokens_per_s"]:
-            print(f"decoding on one device: {result['decode_tokens_per_s']:.1f} tokens/s")
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        sharded = shard_cache(engine.model, mesh, state, length=t)
+        del state
+        decoded = decode(args, platform, logits, lambda token: engine.group_step(mesh, sharded, token))
+        kv = (kv[0], comm.all_gather_int(sharded.kv_bytes(), group))
+    elif rank == 0:
+        engine.cache = state
+        decoded = decode(args, platform, logits, engine.step)
+    if rank == 0:
+        _report(args, platform, engine, ids_np, decoded, kv, (cp_times, one_times, solo_times))
     comm.barrier(group)
-    platform.destroy()
-    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    platform: Any,
+    engine: Engine,
+    ids_np: np.ndarray,
+    decoded: tuple[list[int], float],
+    kv: tuple[int | None, list[int] | None],
+    times: tuple[list[float], list[float], list[float]],
+) -> None:
+    """Rank 0: print the continuation (``decoded``: tokens, seconds) and the numbers (``kv``: the
+    attention K/V bytes of one device and, decoding on the CP group, of every rank)."""
+    from hyperpar_gdn.distributed.payoff import cp_advice
+
+    cp_times, one_times, solo_times = times
+    tokens, decode_s = decoded
+    from hyperpar_gdn.integrations.transformers.model_dir import load_tokenizer
+
+    text = load_tokenizer(args.model).decode(tokens)
+    t, cp = ids_np.shape[1], platform.world_size()
+    prefill_s = statistics.median(cp_times)
+    result = {
+        "framework": "mindspore" if engine.mindspore else "torch",
+        "device": args.device,
+        "mode": args.mode,
+        "cp": cp,
+        "prompt_tokens": t,
+        "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
+        "prefill_s": cp_times,
+        "prefill_tokens_per_s": t / prefill_s,
+        "one_device_prefill_s": one_times or None,
+        "cp1_prefill_s": solo_times or None,
+        "decode_tokens_per_s": (args.max_new_tokens - 1) / decode_s if args.max_new_tokens > 1 else None,
+        "decode_on": args.decode_on,
+        "kv_cache_bytes_one_device": kv[0],
+        "kv_cache_bytes_per_rank": kv[1],
+        "new_tokens": tokens,
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else None,
+    }
+    print(f"--- continuation ({'sampled' if args.sample else 'greedy'}, {len(tokens)} tokens) ---\n{text}")
+    print(
+        f"prefill of {t} tokens at cp={cp} ({args.mode}): {prefill_s:.3f} s median, {t / prefill_s:.1f} tokens/s"
+    )
+    advice = cp_advice(
+        platform=platform.name,
+        cp=cp,
+        tokens_per_rank=t // cp,
+        mode=args.mode,
+        layout="contiguous",
+        fewer="fewer ranks (torchrun --nproc-per-node), or one process (python scripts/generate.py)",
+    )
+    if advice is not None:
+        print(advice)
+    if one_times:
+        one, solo_s = statistics.median(one_times), statistics.median(solo_times)
+        print(
+            f"same rounds, rank 0 alone: cp=1 {solo_s:.3f} s (speedup of cp={cp}: {solo_s / prefill_s:.2f}x), "
+            f"{'transformers' if not engine.mindspore else 'one device'} {one:.3f} s "
+            f"(speedup {one / prefill_s:.2f}x)"
+        )
+    if result["decode_tokens_per_s"]:
+        where = "on the CP group" if args.decode_on == "cp-group" else "on one device"
+        print(f"decoding {where}: {result['decode_tokens_per_s']:.1f} tokens/s")
+    if kv[1] is not None:
+        print(
+            f"attention K/V cache: {kv[0]} bytes on one device, per rank {kv[1]} "
+            f"({max(kv[1]) / kv[0]:.2f}x of one device on the largest)"
+        )
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

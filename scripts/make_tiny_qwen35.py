@@ -16,10 +16,12 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("out", help="directory to write (created; existing files are overwritten)")
     parser.add_argument("--moe", action="store_true", help="Qwen3.5-MoE (4 experts, 2 per token)")
-    parser.add_argument("--seed", type=int, default=0, help="weights")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     args = parser.parse_args(argv)
 
     from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35

@@ -31,6 +31,7 @@ from hyperpar_gdn import (
     shard_for_context_parallel,
     sync_context_parallel_grads,
 )
+from hyperpar_gdn.cli import HelpFormatter
 from hyperpar_gdn.models.config import HybridLMConfig
 from hyperpar_gdn.models.mindspore import HybridLM
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum_reference
@@ -64,12 +65,16 @@ def relative_error(got: Any, want: Any) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cp-mode", choices=("ulysses", "p2p", "all_gather"), default="p2p")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--cp-mode", choices=("ulysses", "p2p", "all_gather"), default="p2p", help="CP mode of the GDN layers"
+    )
     parser.add_argument("--seq-len", type=int, default=32, help="tokens T of the batch, split over the ranks")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0, help="weights and input")
+    parser.add_argument("--lr", type=float, default=1e-2, help="learning rate of the step")
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-4, help="max error relative to each tensor's scale"
+    )
     parser.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
     args = parser.parse_args(argv)
 

@@ -40,9 +40,17 @@ def build_layer(platform: Platform, args: argparse.Namespace) -> Any:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    """Exit code: 0, 1 when a mode fails, 2 after a user error (one line on rank 0)."""
+    from hyperpar_gdn.cli import run_script
+    from hyperpar_gdn.platform import PlatformUnavailableError
+
+    return run_script("selfcheck.py", _main, user_errors=(ValueError, PlatformUnavailableError))
+
+
+def _main() -> int:
+    from hyperpar_gdn.cli import Parser
+
+    parser = Parser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--seq-len", type=int, default=512, help="total tokens T, split over the ranks")
     add("--batch-size", type=int, default=2, help="sequences B of the test input")
@@ -58,8 +66,9 @@ def main() -> int:
     platform = get_platform()
     platform.init_distributed(timeout_s=args.timeout_s)
     rank, world = platform.rank(), platform.world_size()
-    if args.seq_len % world:
-        raise SystemExit(f"--seq-len {args.seq_len} is not divisible by the {world} ranks")
+    if args.seq_len % world:  # every rank alike, before any collective
+        platform.destroy()
+        raise ValueError(f"--seq-len {args.seq_len} must be divisible by the {world} ranks")
     mesh = init_device_mesh(platform.name, (world,), mesh_dim_names=("cp",))
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((args.batch_size, args.seq_len, args.hidden))

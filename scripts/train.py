@@ -9,49 +9,84 @@
 
 Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code 1 when
 ``--check-parity`` finds a loss difference above ``--parity-tol``; 2 for a user error (a bad
-option, a missing or unreadable data file, model directory or checkpoint), which rank 0 reports
-in one line, without a traceback; 3 when a fault stopped the run (``--max-bad-steps``
-non-finite steps in a row, a checkpoint that could not be written under ``--on-save-error stop``, a
-rank that stopped answering for ``--timeout-s``), which every rank reports in one line.
+option, a missing or unreadable data file, model directory or checkpoint, a platform this
+machine lacks), which rank 0 reports in one line, without a traceback (token ids outside the
+model's vocabulary: every rank, ``train.py: rank R: error: ...``); 3 when a fault stopped the run
+(``--max-bad-steps`` non-finite steps in a row, a checkpoint that could not be written under
+``--on-save-error stop``, a rank that stopped answering for ``--timeout-s``), which every rank
+reports in one line (``train.py: rank R: stopped: ...``); 128 + N after signal N (SIGTERM,
+Ctrl-C), with one line naming the step reached and the last checkpoint. Under torchrun the shell
+sees torchrun's code (1 when a worker failed) instead.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from hyperpar_gdn.cli import launch_rank, run_script
 from hyperpar_gdn.platform import platform_name
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
-from hyperpar_gdn.train import FAULTS, USER_ERRORS, RankTimeoutError, Trainer, TrainResult, parse_args
+from hyperpar_gdn.train import (
+    FAULTS,
+    USER_ERRORS,
+    RankTimeoutError,
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    parse_args,
+)
+from hyperpar_gdn.train.checkpoint import MANIFEST, list_checkpoints
 from hyperpar_gdn.train.data import VocabularyError
 
 
+class _Run:
+    """The script's state that the stop line reports: the options and the trainer, once built."""
+
+    config: TrainConfig | None = None
+    trainer: Trainer | None = None
+
+    def where(self) -> str:
+        """``" at step N of M; ..."``: the step reached and the newest complete checkpoint."""
+        if self.config is None:
+            return " before training started"
+        step = self.trainer.step if self.trainer is not None else 0
+        text = f" at step {step} of {self.config.steps}"
+        if self.config.save is None:
+            return text + "; no checkpoints (--save DIR keeps them)"
+        saved = [d for _, d in list_checkpoints(self.config.save) if (d / MANIFEST).is_file()]
+        if not saved:
+            return text + f"; no checkpoint under --save {self.config.save} yet"
+        return text + f"; last checkpoint {saved[-1]} (the same command resumes from it)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    run = _Run()
+    body = functools.partial(_every_rank, lambda: _run(argv, run))
+    return run_script("train.py", body, user_errors=USER_ERRORS, where=run.where)
+
+
+def _every_rank(body: Callable[[], int]) -> int:
+    """``body()``, with the errors that each rank meets on its own reported by every rank."""
     try:
-        return _run(argv)
+        return body()
     except FAULTS as err:  # each rank saw it in its own way: every rank says so
-        print(f"train.py: rank {_rank()}: stopped: {err}", file=sys.stderr, flush=True)
+        print(f"train.py: rank {launch_rank()}: stopped: {err}", file=sys.stderr, flush=True)
         if isinstance(err, RankTimeoutError):  # a group with a silent peer hangs the interpreter's exit
             sys.stdout.flush()
             os._exit(3)
         return 3
     except VocabularyError as err:  # a bad input that every rank checks alone
-        print(f"train.py: rank {_rank()}: error: {err}", file=sys.stderr, flush=True)
-        return 2
-    except USER_ERRORS as err:
-        if _rank() == "0":
-            print(f"train.py: error: {err}", file=sys.stderr)
+        print(f"train.py: rank {launch_rank()}: error: {err}", file=sys.stderr, flush=True)
         return 2
 
 
-def _rank() -> str:
-    return os.environ.get("RANK", os.environ.get("RANK_ID", "0"))  # torchrun / msrun
-
-
-def _run(argv: Sequence[str] | None) -> int:
-    config = parse_args(argv)
+def _run(argv: Sequence[str] | None, run: _Run) -> int:
+    config = run.config = parse_args(argv)
     # a file-size limit (ulimit -f) then fails the write (EFBIG, a save error) instead of killing us
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if platform_name() == "cpu":  # activations live in host memory: reuse it rather than page-fault
@@ -61,15 +96,22 @@ def _run(argv: Sequence[str] | None) -> int:
         from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
 
         trainer_class = MindSporeTrainer
-    trainer = None
     result: TrainResult | None = None
     try:
-        trainer = trainer_class(config)
-        result = trainer.train()
+        run.trainer = trainer_class(config)
+        result = run.trainer.train()
     finally:
-        if trainer is not None:
-            trainer.close()
+        if run.trainer is not None:
+            run.trainer.close()
+    if config.export is not None and run.trainer.rank == 0:
+        print(f"train.py: exported the model to {config.export} ({_size(Path(config.export))})", flush=True)
     return 0 if result is not None and result.parity_ok else 1
+
+
+def _size(directory: Path) -> str:
+    """The total size of the files under ``directory``, in MiB."""
+    total = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    return f"{total / 2**20:.1f} MiB in {sum(1 for f in directory.rglob('*') if f.is_file())} files"
 
 
 if __name__ == "__main__":

@@ -318,12 +318,12 @@ def transformers_gdn_layer(*, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
     return layer
 
 
-def tiny_config(*, moe: bool, num_k_heads: int = 2) -> object:
+def tiny_config(*, moe: bool, num_k_heads: int = 2, vocab_size: int = 61) -> object:
     """A 4-layer transformers Qwen3.5 text config (3 GDN + 1 attention), dense or MoE."""
     import transformers
 
     common = dict(
-        vocab_size=61,
+        vocab_size=vocab_size,
         hidden_size=32,
         num_hidden_layers=4,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
@@ -351,12 +351,12 @@ def tiny_config(*, moe: bool, num_k_heads: int = 2) -> object:
     return config
 
 
-def tiny_model(*, moe: bool, num_k_heads: int = 2) -> torch.nn.Module:
+def tiny_model(*, moe: bool, num_k_heads: int = 2, vocab_size: int = 61) -> torch.nn.Module:
     """transformers' tiny Qwen3.5 causal LM in float64, parameters moved off their init."""
     import transformers
 
     torch.manual_seed(0)
-    config = tiny_config(moe=moe, num_k_heads=num_k_heads)
+    config = tiny_config(moe=moe, num_k_heads=num_k_heads, vocab_size=vocab_size)
     cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
     model = cls(config).to(torch.float64)
     with torch.no_grad():  # move every parameter off its init (zero norms, ones) so each gradient shows

@@ -76,3 +76,28 @@ def test_docstring_case_runs_on_two_ranks(tmp_path: Path) -> None:
     assert result["machine"]["cpu_count"] == os.cpu_count()
     assert out.with_suffix(".png").stat().st_size > 0
     assert "machine bound at cp=2" in done.stdout
+
+
+def test_scale_predictions_and_their_map(tmp_path: Path) -> None:
+    """bench_scale's far part (no ranks): both Qwen3.5 geometries on both machines, every point's
+    choice feasible, ulysses refused where cp does not divide the value heads, and the map of
+    winners drawn with one colour per mode in every panel."""
+    import bench_scale
+
+    from benchkit.output import save_png
+    from benchkit.scale import FAR_CPS, FAR_TOKENS, GEOMETRIES, predicted_rows
+
+    rows = predicted_rows()
+    assert len(rows) == len(GEOMETRIES) * 2 * len(FAR_TOKENS) * len(FAR_CPS)
+    assert all(r["seconds"][r["choice"]] is not None for r in rows)
+    big = [r for r in rows if r["model"] == "Qwen3.5-397B-A17B" and r["cp"] == 128]
+    assert big and all(r["seconds"]["ulysses"] is None for r in big)  # 64 value heads
+    assert all(
+        r["seconds"]["ulysses"] is not None
+        for r in rows
+        if r["model"] == "Qwen3.5-397B-A17B" and r["cp"] <= 64
+    )
+    panels = bench_scale.where_each_mode_wins(rows)
+    assert len(panels) == 4 and all(list(p.points) == list(panels[0].points) for p in panels)
+    save_png(tmp_path / "scale.png", panels)
+    assert (tmp_path / "scale.png").stat().st_size > 10_000

@@ -1,6 +1,7 @@
 """The docs cannot drift: every fenced Python block of README.md and docs/*.md whose info string is
 ``python runnable`` runs here, in a fresh process (``python runnable ranks=N``: on N forked gloo
-ranks, as ``torchrun --nproc-per-node N`` would run it), and must finish without an error."""
+ranks, as ``torchrun --nproc-per-node N`` would run it), and must finish without an error; any
+other Python block is marked ``python fragment``."""
 
 from __future__ import annotations
 
@@ -44,8 +45,23 @@ def test_the_docs_have_runnable_blocks() -> None:
     assert {"README.md", "training.md"} <= names, names
 
 
+def test_every_python_block_runs_or_says_it_is_a_fragment() -> None:
+    """A reader copies a bare ``python`` block as it is: each one is either run here (``python
+    runnable``) or marked ``python fragment`` (it needs a launcher or inputs the page names)."""
+    bare = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        for match in FENCE.finditer(text):
+            info = match["info"].strip()
+            if info.startswith("python") and not (RUNNABLE.match(info) or info == "python fragment"):
+                bare.append(f"{path.name}:{text.count(chr(10), 0, match.start()) + 1} {info!r}")
+    assert not bare, bare
+
+
 @pytest.mark.parametrize("name, ranks, code", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_block_runs(name: str, ranks: int, code: str) -> None:
+    if "transformers" in code:  # import once here: the forked ranks inherit it (tens of seconds each)
+        import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
     assert run_ranks(_run, ranks, name, code, timeout_s=120) == [True] * ranks
 
 

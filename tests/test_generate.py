@@ -1,11 +1,13 @@
 """scripts/generate.py on 2 gloo ranks with a model directory from scripts/make_tiny_qwen35.py:
-its greedy continuation equals transformers' one-device ``generate``; the JSON holds the timings;
+its greedy continuation equals transformers' one-device ``generate`` (decoding on one device and
+on the CP group, with the K/V cache bytes per rank); the JSON holds the timings;
 sampling is reproducible from its seed; bad options are refused."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +60,29 @@ def test_greedy_continuation_equals_transformers(model_dir: Path, tmp_path: Path
     expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
     assert result["new_tokens"] == expected
     assert result["prompt_tokens"] == ids.shape[1] and result["cp"] == 2
+    assert result["framework"] == "torch" and result["device"] == "cpu"
     assert len(result["prefill_s"]) == 2 and len(result["one_device_prefill_s"]) == 2
+
+
+def test_decoding_on_the_cp_group_equals_transformers(model_dir: Path, tmp_path: Path) -> None:
+    """--decode-on cp-group: the same greedy tokens as transformers' generate, every rank keeping
+    its share of the attention K/V (within one token of the others; together the prompt and the
+    15 appended tokens)."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT)
+    out = tmp_path / "result.json"
+    argv = ["--model", str(model_dir), "--prompt-file", str(prompt), "--decode-on", "cp-group"]
+    argv += ["--max-new-tokens", "16", "--out", str(out)]
+    assert run_ranks(_run, 2, argv, timeout_s=240) == [0, 0]
+    result = json.loads(out.read_text())
+    ids = transformers.AutoTokenizer.from_pretrained(model_dir)(PROMPT, return_tensors="pt")["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert result["new_tokens"] == expected and result["decode_on"] == "cp-group"
+    t, per_rank = result["prompt_tokens"], result["kv_cache_bytes_per_rank"]
+    per_token = result["kv_cache_bytes_one_device"] // t
+    assert per_token * t == result["kv_cache_bytes_one_device"]
+    assert sum(per_rank) == per_token * (t + 15) and max(per_rank) - min(per_rank) <= per_token
 
 
 def test_sampling_follows_the_seed(model_dir: Path, tmp_path: Path) -> None:
@@ -78,10 +102,12 @@ def test_sampling_follows_the_seed(model_dir: Path, tmp_path: Path) -> None:
     ("option", "message"),
     [
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1; got 0"),
-        (["--temperature", "0"], "--temperature=0.0 must be > 0"),
+        (["--sample", "--temperature", "0"], "--temperature=0.0 must be > 0"),
+        (["--top-k", "3"], "--top-k 3 only apply to sampling; add --sample"),
     ],
 )
-def test_bad_options(option: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
+def test_bad_options(option: list[str], message: str) -> None:
+    from hyperpar_gdn.cli import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(message)):
         load_script().parse_args(["--model", "m", "--prompt-file", "p", *option])
-    assert message in capsys.readouterr().err

@@ -9,26 +9,26 @@ from typing import Any
 
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, fragment_docs, shard_lengths
 from hyperpar_gdn.distributed.cp.conv_state import shard_conv_tail, whole_conv_state
+from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_conv_states
 from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
+from hyperpar_gdn.distributed.cp.two_level import (
+    TWO_LEVEL_MODES,
+    make_levels,
+    two_level_forward,
+    two_level_length_error,
+)
 from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward, ulysses_head_error
 from hyperpar_gdn.distributed.dtensor import DTensor
 from hyperpar_gdn.distributed.layout import TokenLayout, check_layout
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, refuse_unhandled
 from hyperpar_gdn.distributed.sequence import GlobalSequence
-from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
-from hyperpar_gdn.ops.gdn.varlen import packed_doc_starts
+from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens, packed_doc_starts
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
-MODES = ("ulysses", "p2p", "all_gather")
-
-
-def prefill_layout_error(layout: str) -> str | None:
-    """Why a prefill cannot record decoding states in ``layout``: it reads contiguous pieces."""
-    if layout == "contiguous":
-        return None
-    return f"prefill supports layout='contiguous' only; got {layout!r}"
+MODES = ("ulysses", "p2p", "all_gather", "scan")
 
 
 class LinearAttentionContextParallel(ParallelStyle):
@@ -40,19 +40,30 @@ class LinearAttentionContextParallel(ParallelStyle):
     single-device result. Parameters are untouched (state dict and optimizer
     as before); their gradients are this rank's share: sum them over the CP ranks with
     :func:`~hyperpar_gdn.sync_context_parallel_grads` (FSDP2 does it in its reduce-scatter).
-    ``undo(module)`` restores the original forward.
+    ``undo(module)`` restores the original forward. The forward also takes ``prefill_states=``
+    (:class:`~hyperpar_gdn.ops.prefill_states.PrefillStates`, an inference prefill's record): the
+    layer then hands it its decoding state of the whole sequence, on every rank, in any mode and
+    layout (with packed documents, one state per document; contiguous layout).
 
     Works on ``hyperpar_gdn.models.GatedDeltaNet``, on transformers' ``Qwen3_5GatedDeltaNet``
     (without a cache) and on the MindSpore layer.
 
     Args:
         mode: ``"ulysses"`` (head parallel, two all-to-alls; num_v_heads divisible by cp),
-            ``"p2p"`` (state passing along a chain) or ``"all_gather"`` (one all-gather of
-            fp32 state summaries). See docs/modes.md.
+            ``"p2p"`` (state passing along a chain), ``"all_gather"`` (one all-gather of
+            fp32 state summaries) or ``"scan"`` (a prefix scan of the summaries in
+            ceil(log2 cp) rounds of point-to-point exchange); two levels, ``"ulysses+p2p"``,
+            ``"ulysses+all_gather"`` or ``"ulysses+scan"``: ulysses inside groups of
+            ``inner_size`` consecutive CP ranks (a node), the state mode across them
+            (:mod:`.cp.two_level`). See docs/modes.md.
         chunk_size: tokens per chunk of the gated delta rule.
         layout: which tokens a rank holds (:mod:`hyperpar_gdn.distributed.layout`):
             ``"contiguous"`` (the r-th piece) or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp,
             concatenated: the layout that balances causal softmax attention).
+        inner_size: for the two-level modes only (required there): ranks per inner group; it
+            divides cp and the value heads. The CP groups must be blocks of cp consecutive ranks
+            (the whole world, or the cp axis of a row-major ``(dp, cp)`` mesh): every process
+            applies the style, as the inner and outer groups are made collectively.
 
     Example::
 
@@ -61,11 +72,29 @@ class LinearAttentionContextParallel(ParallelStyle):
         y_local = layer(x_local)        # x_local: [B, T/4, hidden]
     """
 
-    def __init__(self, mode: str = "ulysses", *, chunk_size: int = 64, layout: str = "contiguous") -> None:
-        if mode not in MODES:
+    def __init__(
+        self,
+        mode: str = "ulysses",
+        *,
+        chunk_size: int = 64,
+        layout: str = "contiguous",
+        inner_size: int | None = None,
+    ) -> None:
+        if mode not in MODES + TWO_LEVEL_MODES:
             raise ValueError(
-                f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}"
+                f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES + TWO_LEVEL_MODES)}"
             )
+        if (mode in TWO_LEVEL_MODES) != (inner_size is not None):
+            raise ValueError(
+                f"inner_size is given with the two-level modes ({', '.join(TWO_LEVEL_MODES)}) and only then; "
+                f"got mode={mode!r}, inner_size={inner_size!r}"
+            )
+        if inner_size is not None and (not isinstance(inner_size, int) or inner_size < 1):
+            raise ValueError(f"inner_size must be a positive int; got {inner_size!r}")
+        if inner_size is not None and layout != "contiguous":
+            raise NotImplementedError(f"mode={mode!r} supports layout='contiguous' only; got {layout!r}")
+        self.inner_size = inner_size
+        self._levels_by_ranks: dict[tuple[int, ...], Any] = {}
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
         self.mode = mode
@@ -90,18 +119,47 @@ class LinearAttentionContextParallel(ParallelStyle):
         if head_error is not None:
             raise ValueError(head_error)
         group = CPGroup.of(cp_mesh)
+        ranks = tuple(cp_mesh.rank_list)
+        if self.inner_size is not None and ranks not in self._levels_by_ranks:  # once per CP group
+            self._levels_by_ranks[ranks] = self._levels(cp_mesh, group, dims)
 
         def make_forward(original: Callable) -> Callable:
             bind = _signature_binder(original)
 
-            def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-                return self._forward(module, group, hidden_states, bind(hidden_states, *args, **kwargs))
+            def forward(
+                hidden_states: Any, *args: Any, prefill_states: PrefillStates | None = None, **kwargs: Any
+            ) -> Any:
+                call_args = bind(hidden_states, *args, **kwargs)
+                return self._forward(module, group, hidden_states, call_args, prefill_states)
 
             return forward
 
         return self._install(module, make_forward, layout=self.layout)
 
-    def _forward(self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs) -> Any:
+    def _levels(self, cp_mesh: Any, group: CPGroup, dims: LayerDims) -> Any:
+        """The inner and outer groups of a two-level mode (made collectively, every process)."""
+        inner, cp = self.inner_size, group.size
+        if cp % inner:
+            raise ValueError(f"mode={self.mode!r}: inner_size={inner} does not divide cp={cp}")
+        head_error = ulysses_head_error(dims, inner)
+        if head_error is not None:
+            raise ValueError(f"mode={self.mode!r} runs ulysses over inner_size={inner} ranks: {head_error}")
+        world, ranks = cp_mesh.platform.world_size(), list(cp_mesh.rank_list)
+        # every process makes every CP group's inner and outer groups: it must know them all, as
+        # it does when the CP groups are blocks of consecutive ranks (a row-major (dp, cp) mesh)
+        replicas = [list(range(d * cp, (d + 1) * cp)) for d in range(world // cp)]
+        if world % cp or ranks not in replicas:
+            raise NotImplementedError(
+                f"mode={self.mode!r} needs the CP groups to be blocks of cp={cp} consecutive ranks of the "
+                f"{world} processes (a (dp, cp) mesh with cp last); this CP mesh has ranks {ranks}"
+            )
+        return make_levels(cp_mesh.platform, group, ranks, inner, replicas=replicas)
+
+    def _forward(
+        self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs, states: PrefillStates | None
+    ) -> Any:
+        """The CP forward of one call; ``states``: an inference prefill's record, handed the
+        layer's decoding state of the whole sequence on every rank (any mode, any layout)."""
         attention_mask, cu_seqlens = call_args.attention_mask, call_args.cu_seqlens
         known = None  # the shard lengths, when the model's forward already exchanged them
         if isinstance(attention_mask, GlobalSequence):
@@ -119,15 +177,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         dims = LayerDims.of(module)
         error = _shard_error(dims, x, attention_mask)
         call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
-        states = active_prefill_states()  # None unless an inference prefill records them
-        if states is not None and prefill_layout_error(self.layout):  # the same on every rank
-            raise ValueError(prefill_layout_error(self.layout))
-        if (
-            states is not None
-            and error is None
-            and (cu_seqlens is not None or call_args.position_ids is not None)
-        ):
-            error = "recording prefill states (a decoder's cache) is not supported with packed documents"
+        error = error or self._packed_prefill_error(cp, call_args, states)
         if cp.size == 1:
             if error is not None:
                 raise ValueError(error)
@@ -159,6 +209,9 @@ class LinearAttentionContextParallel(ParallelStyle):
             tokens = TokenLayout.of(
                 self.layout, lengths
             )  # the same lengths, so the same error, on every rank
+            if self._levels_by_ranks:
+                y = self._two_level(cp, call, x, attention_mask, lengths, cu_seqlens, states)
+                return y if placements is None else DTensor.from_local(y, mesh, placements)
             _check_lengths(self.mode, dims, tokens)
             layout = None if tokens.is_contiguous else tokens
             docs = None
@@ -170,15 +223,70 @@ class LinearAttentionContextParallel(ParallelStyle):
                     else fragment_docs(cu_seqlens, tokens, cp.rank, width)
                 )
             final = {"final_state": True} if states is not None else {}
+            pieces = None
+            if states is not None and cu_seqlens is not None:  # packed prompts: a state per prompt
+                pieces = ShardPieces(docs.whole, lengths, cp.rank)
             if self.mode == "ulysses":
                 y = ulysses_forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
             else:
-                y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout, **final)
+                packed = {} if pieces is None else {"pieces": pieces}
+                y = state_passing_forward(
+                    self.mode, cp, call, x, attention_mask, docs, layout, **final, **packed
+                )
             if states is not None:
                 y, s = y
-                tail = shard_conv_tail(cp, call.weights, x, attention_mask)
-                states.keep_gdn(module, whole_conv_state(cp, tail, lengths), s)
+                states.keep_gdn(module, self._conv_state(cp, call, x, attention_mask, tokens, pieces), s)
         return y if placements is None else DTensor.from_local(y, mesh, placements)
+
+    def _packed_prefill_error(self, cp: CPGroup, call: CallArgs, states: PrefillStates | None) -> str | None:
+        """Why this layer cannot record a state per packed prompt, or None."""
+        packed = call.cu_seqlens is not None or call.position_ids is not None
+        if states is None or not packed or (cp.size > 1 and self.layout == "contiguous"):
+            return None
+        return (
+            "a prefill of packed prompts (a decoder's cache per prompt) needs context parallelism "
+            f"over contiguous shards; got cp={cp.size}, layout={self.layout!r}"
+        )
+
+    @staticmethod
+    def _conv_state(
+        cp: CPGroup,
+        call: LayerCall,
+        x: Tensor,
+        attention_mask: Tensor | None,
+        tokens: TokenLayout,
+        pieces: ShardPieces | None,
+    ) -> Tensor:
+        """The conv state of the whole sequence ``[B, C, W]`` or, for packed prompts, of every
+        prompt ``[N, C, W]`` (the same on every rank)."""
+        if pieces is not None:
+            mixed = cp.xp.linear(x, call.weights.qkv)
+            return doc_conv_states(cp, pieces, mixed, tokens.lengths, call.dims.conv_kernel_size)
+        tail = shard_conv_tail(cp, call.weights, x, attention_mask, tokens.mine(cp.rank))
+        return whole_conv_state(cp, tail, tokens)
+
+    def _two_level(
+        self,
+        cp: CPGroup,
+        call: LayerCall,
+        x: Any,
+        attention_mask: Any,
+        lengths: list[int],
+        cu_seqlens: Any,
+        states: PrefillStates | None,
+    ) -> Any:
+        """A two-level mode on this rank's shard, once the lengths are known on every rank."""
+        if states is not None:
+            raise NotImplementedError(
+                f"mode={self.mode!r} does not record prefill states; use a one-level mode"
+            )
+        error = two_level_length_error(self.mode, lengths, self.inner_size, call.dims.conv_kernel_size)
+        if error is not None:
+            raise ValueError(error)
+        whole = None if cu_seqlens is None else doc_starts_from_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
+        state_mode = self.mode.split("+")[1]
+        levels = next(v for v in self._levels_by_ranks.values() if v.flat_group is cp.group)
+        return two_level_forward(state_mode, levels, call, x, attention_mask, lengths, whole)
 
 
 @dataclass(frozen=True)

@@ -13,22 +13,34 @@ A transformers model also gets forward pre-hooks that make its inputs right for 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
 from hyperpar_gdn.distributed.cp.ulysses import ulysses_head_error
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, text_model_of
 from hyperpar_gdn.distributed.layout import check_layout, layout_mismatch
 from hyperpar_gdn.distributed.linear_attention_style import MODES, LinearAttentionContextParallel
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
+from hyperpar_gdn.distributed.planner import plan_for_model
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 
 __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
 
+logger = logging.getLogger(__name__)
+
 
 def apply_context_parallel(
-    model: Any, mesh: Any, *, mode: str, chunk_size: int = 64, layout: str = "contiguous"
+    model: Any,
+    mesh: Any,
+    *,
+    mode: str,
+    chunk_size: int = 64,
+    layout: str = "contiguous",
+    seq_len: int | None = None,
+    inner_size: int | None = None,
 ) -> Any:
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
@@ -46,26 +58,50 @@ def apply_context_parallel(
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
         mesh: the CP axis (e.g. ``mesh["cp"]``).
-        mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"`` for the GDN layers.
+        mode: ``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"scan"`` for the GDN layers, or
+            ``"auto"``: the one :func:`~hyperpar_gdn.plan_context_parallel` predicts fastest for
+            this model, mesh and ``seq_len`` (logged, with why; docs/modes.md), two-level modes
+            included when ``inner_size`` is given or the mesh spans nodes.
         chunk_size: chunk of the gated delta rule.
         layout: ``"contiguous"`` (rank r holds tokens ``[r*T/cp, (r+1)*T/cp)``) or ``"head_tail"``
             (pieces r and 2cp-1-r of 2*cp: equal softmax-attention work on every rank). The model
             takes ``cp_layout=`` (a keyword of its forward, which
             ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut for another.
+        seq_len: the whole sequence's tokens, for ``mode="auto"`` only (required there).
+        inner_size: for the two-level GDN modes (``"ulysses+p2p"``, ``"ulysses+all_gather"``,
+            ``"ulysses+scan"``) and ``"auto"`` only: ranks per inner group (a node); the softmax
+            layers use the whole group.
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
     check_layout(layout)
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}")
+    if mode not in (*MODES, *TWO_LEVEL_MODES, "auto"):
+        raise ValueError(
+            f"mode={mode!r} is not a context-parallel mode; choose one of "
+            f"{', '.join((*MODES, *TWO_LEVEL_MODES))} or auto"
+        )
+    if (mode == "auto") != (seq_len is not None):
+        raise ValueError(
+            f"seq_len is given with mode='auto' and only then; got mode={mode!r}, seq_len={seq_len!r}"
+        )
+    if mode == "auto":
+        plan = plan_for_model(model, mesh, seq_len=seq_len, layout=layout, inner_size=inner_size)
+        logger.info("apply_context_parallel(mode='auto'): %s", plan.why())
+        mode, inner_size = plan.choice, plan.inner_size
     cp_mesh = as_cp_mesh(mesh)
     outer, text_model = find_decoder(model)
     mixers = [mixer_of(i, block) for i, block in enumerate(text_model.layers)]
     cp = cp_mesh.size()
+    linear_style = LinearAttentionContextParallel(
+        mode, chunk_size=chunk_size, layout=layout, inner_size=inner_size
+    )
+    heads_over = cp if mode == "ulysses" else inner_size  # ranks ulysses splits the heads over
+    if inner_size is not None and cp % inner_size:
+        raise ValueError(f"mode={mode!r}: inner_size={inner_size} does not divide cp={cp}")
     for i, (kind, module) in enumerate(mixers):
         error = (
-            ulysses_head_error(LayerDims.of(module), cp)
-            if mode == "ulysses" and kind == "linear_attn"
+            ulysses_head_error(LayerDims.of(module), heads_over)
+            if heads_over is not None and kind == "linear_attn"
             else None
         )
         if error is not None:
@@ -78,7 +114,6 @@ def apply_context_parallel(
         installed = False
     if not installed:  # HybridLM: its forward takes cp_layout= and checks it
         ParallelStyle._install(model, lambda original: _checking_layout(original, layout))
-    linear_style = LinearAttentionContextParallel(mode, chunk_size=chunk_size, layout=layout)
     softmax_style = SoftmaxAttentionContextParallel(layout=layout)
     for kind, module in mixers:
         (linear_style if kind == "linear_attn" else softmax_style).apply(module, cp_mesh)

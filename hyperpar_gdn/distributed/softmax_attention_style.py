@@ -36,9 +36,9 @@ from hyperpar_gdn.distributed.layout import check_layout
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
 from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths, gather_pieces
-from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.ops.attention.plan import Tokens
 from hyperpar_gdn.ops.attention.softmax import attention, doc_ids_tensor
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
 
 
@@ -56,19 +56,24 @@ class OwnAttention:
 
 
 def attention_forward(
-    adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
+    adapter: Any,
+    mesh: DeviceMesh,
+    x_BTC: Tensor,
+    seq: GlobalSequence,
+    *,
+    cos_sin: Any = None,
+    prefill_states: PrefillStates | None = None,
 ) -> Tensor:
     """x ``[B, T_r, hidden]`` (this rank's piece of the sequence ``seq``) -> ``[B, T_r, hidden]``.
 
-    While an inference prefill records the decoding states
-    (:func:`~hyperpar_gdn.inference.states.record_prefill_states`), every rank gathers the keys
-    and values of the whole sequence (the same one all-gather) and keeps them."""
+    ``prefill_states`` (an inference prefill's record): every rank gathers the keys and values of
+    the whole sequence (the same one all-gather) and hands them over in global order."""
+    states = prefill_states
     if seq.layout != "contiguous" and mesh.size() > 1:
-        return _fragments_attention(adapter, mesh, x_BTC, seq, cos_sin=cos_sin)
+        return _fragments_attention(adapter, mesh, x_BTC, seq, cos_sin=cos_sin, states=states)
     rank = mesh.get_local_rank()
     offset, visible = seq.offset(rank), seq.offset(rank + 1)  # keys [0, visible) can be seen
     xp = mesh.platform.ops
-    states = active_prefill_states()
     q_BHTD, k_BHTD, v_BHTD, gate = adapter.project(x_BTC, position_offset=offset, cos_sin=cos_sin)
     if mesh.size() > 1:
         hkv = k_BHTD.shape[1]
@@ -91,7 +96,13 @@ def attention_forward(
 
 
 def _fragments_attention(
-    adapter: Any, mesh: DeviceMesh, x_BTC: Tensor, seq: GlobalSequence, *, cos_sin: Any = None
+    adapter: Any,
+    mesh: DeviceMesh,
+    x_BTC: Tensor,
+    seq: GlobalSequence,
+    *,
+    cos_sin: Any = None,
+    states: PrefillStates | None = None,
 ) -> Tensor:
     """:func:`attention_forward` for a shard of several fragments (head_tail): all keys are
     gathered and put in global order; the rank's queries, at their global positions, attend over
@@ -109,6 +120,8 @@ def _fragments_attention(
         gate = xp.cat([p[3] for p in parts], 1)
     hkv = k_BHTD.shape[1]
     kv_BHTD = tokens.to_global(xp, gather_pieces(mesh, xp.cat([k_BHTD, v_BHTD], 1), seq.lengths, 2), 2)
+    if states is not None:
+        states.keep_kv(adapter.module, kv_BHTD[:, :hkv], kv_BHTD[:, hkv:])
     positions = tokens.positions(rank)
     docs = None if seq.doc_ids is None else np.asarray(xp.to_numpy(seq.doc_ids)).reshape(-1)
     queries = Tokens(positions, None if docs is None else docs[positions])
@@ -128,7 +141,9 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
 
     After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard
     ``[B, T_r, hidden]`` (shards may differ in length) and gives exactly the single-device rows;
-    ours also take ``cu_seqlens=`` (packed documents: the whole sequence's boundaries).
+    ours also take ``cu_seqlens=`` (packed documents: the whole sequence's boundaries). Both take
+    ``prefill_states=`` (an inference prefill's record: handed K and V of the whole sequence in
+    global order, on every rank).
     Parameters are untouched; their gradients are this rank's share (sum them over the CP ranks:
     :func:`~hyperpar_gdn.sync_context_parallel_grads`).
     ``undo(module)`` restores the original forward.
@@ -170,7 +185,9 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
                 )
         adapter = OwnAttention(module)
 
-        def forward(hidden_states: Tensor, *, cu_seqlens: Any = None) -> Tensor:
+        def forward(
+            hidden_states: Tensor, *, cu_seqlens: Any = None, prefill_states: PrefillStates | None = None
+        ) -> Tensor:
             error = shard_error(hidden_states, module.hidden_size)
             if error is None and cu_seqlens is not None and hidden_states.shape[0] != 1:
                 error = f"packed documents (cu_seqlens) need batch size B=1; got B={hidden_states.shape[0]}"
@@ -181,7 +198,7 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
                 doc_ids = doc_ids_tensor(xp, cu_seqlens, seq_len=sum(lengths), like=hidden_states)
             seq = GlobalSequence(lengths, doc_ids=doc_ids, layout=self.layout)
             seq.token_layout()  # head_tail: every rank holds two equal pieces (the same error on every rank)
-            return attention_forward(adapter, cp_mesh, hidden_states, seq)
+            return attention_forward(adapter, cp_mesh, hidden_states, seq, prefill_states=prefill_states)
 
         return self._install(module, lambda original: forward, layout=self.layout)
 

@@ -4,7 +4,7 @@ greedy generation, written once for ``HybridLM`` (torch and MindSpore) and the M
 
 The decoding state (:class:`DecodingState`) holds, per block, the GDN layer's conv state
 ``[B, C, W]`` and recurrent state ``[B, H, K, V]``, or the attention layer's K and V
-``[B, Hkv, T, D]`` (:mod:`hyperpar_gdn.inference.states`), and the number of tokens read. A
+``[B, Hkv, T, D]`` (:mod:`hyperpar_gdn.ops.prefill_states`), and the number of tokens read. A
 prompt's state comes from one forward of the prompt (:func:`prefill` on one device, or
 ``hyperpar_gdn.prefill_context_parallel`` under context parallelism); :func:`decode_step` then
 reads one token per row and :func:`greedy_continue` picks the argmax token step by step.
@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.inference.states import PrefillStates, record_prefill_states
 from hyperpar_gdn.ops.attention.softmax import causal_attention
-from hyperpar_gdn.ops.blocks import lm_logits
+from hyperpar_gdn.ops.blocks import decoder_block, lm_logits
 from hyperpar_gdn.ops.gdn.decode import gdn_decode_step
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
 __all__ = [
@@ -90,12 +90,18 @@ def inference_mode(model: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def last_hidden(parts: LMParts, input_ids: Tensor) -> Tensor:
+def last_hidden(parts: LMParts, input_ids: Tensor, states: PrefillStates) -> Tensor:
     """The final-normed hidden states ``[B, T, C]`` of a prompt (of a shard under context
-    parallelism)."""
+    parallelism); every mixer is handed ``states`` and records its decoding state in it."""
     x_BTC = parts.embed(input_ids)
     for block in parts.blocks:
-        x_BTC = block(x_BTC)
+        x_BTC = decoder_block(
+            x_BTC,
+            mixer=lambda h, mixer=block.mixer: mixer(h, prefill_states=states),
+            mlp=block.mlp,
+            input_norm=block.input_layernorm,
+            post_norm=block.post_attention_layernorm,
+        )
     return parts.norm(x_BTC)
 
 
@@ -121,8 +127,9 @@ def prefill(model: Any, input_ids: Tensor) -> tuple[Tensor, DecodingState]:
     """
     check_prompt(input_ids)
     parts = lm_parts(model)
-    with inference_mode(model), record_prefill_states() as states:
-        hidden = last_hidden(parts, input_ids)
+    states = PrefillStates()
+    with inference_mode(model):
+        hidden = last_hidden(parts, input_ids, states)
         t = hidden.shape[1]
         logits = lm_logits(ops_for(hidden), hidden[:, t - 1 :], parts.head)
     return logits[:, 0], state_from_prefill(model, states, int(input_ids.shape[1]))

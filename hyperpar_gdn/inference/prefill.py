@@ -9,7 +9,7 @@ decoder on one device (docs/inference.md).
 
 Every rank passes the whole prompt; rank r reads the r-th contiguous piece (the pieces differ by
 at most one token, the longer ones first). While the prompt runs, every mixer hands its state of
-the whole prompt to every rank (:mod:`hyperpar_gdn.inference.states`): a GDN layer's recurrent
+the whole prompt to every rank (:mod:`hyperpar_gdn.ops.prefill_states`): a GDN layer's recurrent
 state (p2p: the last rank's leaving state, summed with zeros from the others; all_gather: the fold
 of the gathered summaries carried to the end, no communication; ulysses: each rank's heads ran
 the whole prompt, one all-gather over heads) and its conv state (the last W pre-conv inputs, which
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
-from hyperpar_gdn.distributed.linear_attention_style import prefill_layout_error
+from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import applied_layout, from_transformers, is_parallelized
 from hyperpar_gdn.inference.decoding import (
@@ -43,8 +43,9 @@ from hyperpar_gdn.inference.decoding import (
     lm_parts,
     state_from_prefill,
 )
-from hyperpar_gdn.inference.states import record_prefill_states
+from hyperpar_gdn.inference.packed import packed_bounds, packed_positions
 from hyperpar_gdn.ops.blocks import lm_logits
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
 __all__ = ["prefill_context_parallel", "prompt_lengths"]
@@ -66,27 +67,42 @@ def prefill_context_parallel(
     *,
     attention_mask: Tensor | None = None,
     lengths: Sequence[int] | None = None,
+    cu_seqlens: Any = None,
+    position_ids: Tensor | None = None,
 ) -> tuple[Tensor, Any]:
-    """Read a prompt under context parallelism; no gradients are kept.
+    """Read a prompt (or N prompts packed in one row) under context parallelism; no gradients
+    are kept.
 
     Args:
-        model: under :func:`~hyperpar_gdn.apply_context_parallel` (any mode): transformers'
-            ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``, or ``HybridLM`` (torch or
-            MindSpore) or the MindSpore ``Qwen3_5ForCausalLM``.
+        model: under :func:`~hyperpar_gdn.apply_context_parallel` (any mode, either layout):
+            transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``, or ``HybridLM``
+            (torch or MindSpore) or the MindSpore ``Qwen3_5ForCausalLM``.
         mesh: the CP mesh the model was parallelized over.
-        input_ids: the whole prompt ``[B, T]``, the same on every rank.
+        input_ids: the whole prompt ``[B, T]``, the same on every rank (``layout="head_tail"``:
+            T divisible by 2*cp).
         attention_mask: ``[B, T]`` (1 = token, 0 = left padding), the same on every rank;
             transformers' models only.
-        lengths: the tokens of each rank (contiguous, in rank order, summing to T); None:
-            :func:`prompt_lengths`. p2p and all_gather need at least W-1 (the conv halo) per rank.
+        lengths: the tokens of each rank (contiguous layout only; in rank order, summing to T);
+            None: :func:`prompt_lengths`. p2p and all_gather need at least W-1 (the conv halo)
+            per rank (per piece in head_tail).
+        cu_seqlens, position_ids: packed prompts (transformers' models, contiguous layout):
+            ``input_ids`` ``[1, T]`` holds N prompts, prompt n is tokens
+            ``[cu_seqlens[n], cu_seqlens[n+1])`` (int ``[N+1]``), or ``position_ids`` ``[1, T]``
+            count 0, 1, ... within each prompt (:mod:`hyperpar_gdn.inference.packed`). Each prompt
+            is read as if alone.
 
     Returns, on every rank, ``(logits, cache)``: the logits of the last prompt token ``[B, V]``
     (fp32 at least) and, for transformers' models, their ``DynamicCache`` filled as their own
     prefill fills it (after ``undo_context_parallel(model)`` one device continues with
     ``model(input_ids=next_ids, cache=cache, ...)`` or ``model.generate``); for ours a
     :class:`~hyperpar_gdn.inference.decoding.DecodingState` (continue with
-    :func:`~hyperpar_gdn.inference.decoding.greedy_continue` or ``decode_step``).
+    :func:`~hyperpar_gdn.inference.decoding.greedy_continue` or ``decode_step``). The cache is
+    the same whichever layout and mode the model was parallelized with. Packed prompts:
+    ``(logits [N, V], caches)``, ``caches[n]`` the ``DynamicCache`` of prompt n alone (continue
+    it with ``generate`` from that prompt, as from the prompt's own prefill).
     """
+    # Over 80 lines with its docstring: the checks every rank makes before any communication, then
+    # the one forward; each check is a helper below.
     cp_mesh = as_cp_mesh(mesh)
     check_prompt(input_ids)
     text_model = text_model_of(model)
@@ -95,54 +111,152 @@ def prefill_context_parallel(
         from hyperpar_gdn.integrations.transformers import cache as hf
 
         hf.check_causal_lm(model)
+    b, t = (int(n) for n in input_ids.shape)
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    layout = model_layout(model, text_model)
+    xp = ops_for(input_ids)
+    cu = None
+    if cu_seqlens is not None or position_ids is not None:
+        cu = _check_packed(model, xp, input_ids, layout, attention_mask, cu_seqlens, position_ids)
+    check_position_range(model, t if cu is None else int(np.diff(cu).max()))
+    tokens = prompt_layout(layout, t, cp, lengths)
+    index = tokens.positions(rank)  # this rank's tokens, by global position
+    mask_np = None if attention_mask is None else padding_mask(xp, attention_mask, (b, t))
+    if not transformers_model and attention_mask is not None:
+        raise NotImplementedError(
+            f"{type(model).__name__} takes no attention mask: pass prompts without padding"
+        )
+    ends = [t - 1] if cu is None else [int(c) - 1 for c in cu[1:]]  # the tokens whose logits we return
+    states = PrefillStates()
+    with inference_mode(model):
+        if transformers_model:
+            positions = None if cu is None else packed_positions(cu)
+            hidden = hf.prefill_hidden(text_model, input_ids, mask_np, index, states, positions)
+            head = model.lm_head.weight
+        else:
+            parts = lm_parts(model)
+            hidden = last_hidden(parts, _take_tokens(xp, input_ids, index), states)
+            head = parts.head
+        logits = _end_logits(cp_mesh, hidden, head, index, ends)  # [B, len(ends), V]
+    if cu is not None:
+        return logits[0], hf.dynamic_caches(model, text_model, states, cu)
+    if transformers_model:
+        return logits[:, 0], hf.dynamic_cache(model, text_model, states)
+    return logits[:, 0], state_from_prefill(model, states, t)
+
+
+def _end_logits(cp_mesh: Any, hidden: Tensor, head: Tensor, index: np.ndarray, ends: list[int]) -> Tensor:
+    """The logits ``[B, E, V]`` of the tokens at global positions ``ends`` (E of them) on every
+    rank: each from the rank holding it (``index``: this rank's global positions), zeros from the
+    others, summed."""
+    hx = ops_for(hidden)
+    where = {int(p): i for i, p in enumerate(index)}
+    rows = []
+    for end in ends:
+        i = where.get(end, len(index) - 1)  # any row of ours stands in; it is zeroed below
+        logits = lm_logits(hx, hidden[:, i : i + 1], head)[:, 0]  # [B, V]
+        rows.append(logits if end in where else hx.zeros(tuple(logits.shape), like=logits))
+    out = hx.stack(rows, 1)
+    if cp_mesh.size() > 1:
+        out = cp_mesh.platform.collectives.all_reduce_sum(out, cp_mesh.get_group())
+    return out
+
+
+def _check_packed(
+    model: Any,
+    xp: Any,
+    input_ids: Tensor,
+    layout: str,
+    attention_mask: Tensor | None,
+    cu_seqlens: Any,
+    position_ids: Tensor | None,
+) -> np.ndarray:
+    """The bounds of packed prompts, after the rules only a packed prefill has (the same
+    ValueError or NotImplementedError on every rank, before any communication)."""
+    if not from_transformers(model):
+        raise NotImplementedError(
+            f"packed prompts are supported for transformers' Qwen3.5 models; {type(model).__name__} "
+            "has no per-prompt positions: prefill its prompts one by one"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "packed prompts have no padding: pass cu_seqlens or position_ids, not attention_mask"
+        )
+    if layout != "contiguous":
+        raise ValueError(
+            f"packed prompts need a model parallelized with layout='contiguous'; got layout={layout!r}"
+        )
+    return packed_bounds(xp, input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids)
+
+
+def model_layout(model: Any, text_model: Any) -> str:
+    """The token layout every mixer of ``model`` was parallelized with (a ValueError naming the
+    layer when one is not under context parallelism or the layouts differ)."""
+    layouts = []
     for i, block in enumerate(text_model.layers):
-        if not is_parallelized(mixer_of(i, block)[1]):
+        module = mixer_of(i, block)[1]
+        if not is_parallelized(module):
             raise ValueError(
                 f"layer {i} of {type(model).__name__} is not under context parallelism: call "
                 "apply_context_parallel(model, mesh, mode=...) first"
             )
-    for i, block in enumerate(text_model.layers):
-        error = prefill_layout_error(applied_layout(mixer_of(i, block)[1]) or "contiguous")
+        layouts.append(applied_layout(module) or "contiguous")
+    if len(set(layouts)) > 1:
+        raise ValueError(
+            f"the layers of {type(model).__name__} were parallelized with different layouts {layouts}"
+        )
+    return layouts[0]
+
+
+def check_position_range(model: Any, seq_len: int) -> None:
+    """Refuse a prompt longer than the model's position range (``max_position_embeddings`` of
+    its config, when it has one)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ValueError(
+            f"the prompt has T={seq_len} tokens, more than the model's position range "
+            f"max_position_embeddings={limit}"
+        )
+
+
+def prompt_layout(layout: str, seq_len: int, cp: int, lengths: Sequence[int] | None) -> TokenLayout:
+    """Which tokens of a ``seq_len`` prompt each rank reads (the same ValueError on every rank)."""
+    if layout == "head_tail":
+        if lengths is not None:
+            raise ValueError(
+                f"lengths={list(lengths)} chooses contiguous pieces; a model parallelized with "
+                "layout='head_tail' reads 2*cp equal pieces (pass lengths=None)"
+            )
+        error = layout_error(layout, seq_len, cp)
         if error is not None:
-            raise ValueError(
-                f"{error} (layer {i}): apply_context_parallel(model, mesh, mode=...) without layout="
-            )
-    b, t = (int(n) for n in input_ids.shape)
-    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    lengths = prompt_lengths(t, cp) if lengths is None else _check_lengths(lengths, t, cp)
-    start, stop = sum(lengths[:rank]), sum(lengths[: rank + 1])
-    xp = ops_for(input_ids)
-    mask_np = None
-    if attention_mask is not None:
-        if not transformers_model:
-            raise NotImplementedError(
-                f"{type(model).__name__} takes no attention mask: pass prompts without padding"
-            )
-        if tuple(attention_mask.shape) != (b, t):
-            raise ValueError(f"attention_mask must be [B, T] = {(b, t)}; got {tuple(attention_mask.shape)}")
-        mask_np = xp.to_numpy(attention_mask) != 0
-        if not mask_np[:, -1].all():
-            rows = np.flatnonzero(~mask_np[:, -1]).tolist()
-            raise ValueError(
-                f"rows {rows} end in padding: a prompt is left-padded (its last token must be a token)"
-            )
-    with inference_mode(model), record_prefill_states() as states:
-        if transformers_model:
-            hidden = hf.prefill_hidden(text_model, input_ids, mask_np, start, stop)
-            head = model.lm_head.weight
-        else:
-            parts = lm_parts(model)
-            hidden = last_hidden(parts, input_ids[:, start:stop])
-            head = parts.head
-        hx = ops_for(hidden)
-        last = lm_logits(hx, hidden[:, stop - start - 1 :], head)[:, 0]  # [B, V]
-        if rank != cp - 1:
-            last = hx.zeros(tuple(last.shape), like=last)
-        if cp > 1:
-            last = cp_mesh.platform.collectives.all_reduce_sum(last, cp_mesh.get_group())
-    if transformers_model:
-        return last, hf.dynamic_cache(model, text_model, states)
-    return last, state_from_prefill(model, states, t)
+            raise ValueError(f"{error}: pad the prompt on the left or apply layout='contiguous'")
+        return TokenLayout.of(layout, [seq_len // cp] * cp)
+    lengths = prompt_lengths(seq_len, cp) if lengths is None else _check_lengths(lengths, seq_len, cp)
+    return TokenLayout.of(layout, lengths)
+
+
+def padding_mask(xp: Any, attention_mask: Tensor, shape: tuple[int, int]) -> np.ndarray:
+    """The left-padding mask as bool ``[B, T]`` (ValueError when its shape is not ``shape`` or a
+    row ends in padding)."""
+    if tuple(attention_mask.shape) != shape:
+        raise ValueError(f"attention_mask must be [B, T] = {shape}; got {tuple(attention_mask.shape)}")
+    mask_np = xp.to_numpy(attention_mask) != 0
+    if not mask_np[:, -1].all():
+        rows = np.flatnonzero(~mask_np[:, -1]).tolist()
+        raise ValueError(
+            f"rows {rows} end in padding: a prompt is left-padded (its last token must be a token)"
+        )
+    return mask_np
+
+
+def _take_tokens(xp: Any, ids_BT: Tensor, index: np.ndarray) -> Tensor:
+    """Columns ``index`` of ``ids_BT`` (a slice when they are consecutive)."""
+    start, stop = int(index[0]), int(index[-1]) + 1
+    if stop - start == len(index):
+        return ids_BT[:, start:stop]
+    return xp.take(ids_BT, index, 1)
 
 
 def _check_lengths(lengths: Sequence[int], seq_len: int, cp: int) -> list[int]:

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.models.norm import RMSNorm
 from hyperpar_gdn.ops.attention.softmax import (
     causal_attention,
@@ -29,6 +28,7 @@ from hyperpar_gdn.ops.attention.softmax import (
     rope_cos_sin,
     self_attention,
 )
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import ops_for
 
 _TORCH = ops_for(torch.empty(0))
@@ -121,16 +121,22 @@ class CausalSelfAttention(nn.Module):
         """Sigmoid output gate, then ``o_proj``: ``[B, T, H*D]`` -> ``[B, T, hidden]``."""
         return finish_attention(_TORCH, o_BTX, gate_BTX, self.o_proj)
 
-    def forward(self, hidden_states: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        prefill_states: PrefillStates | None = None,
+    ) -> torch.Tensor:
         """hidden_states ``[B, T, hidden]`` -> ``[B, T, hidden]``; ``cu_seqlens`` (int ``[N+1]``,
-        B = 1): packed documents, each attending only to itself."""
+        B = 1): packed documents, each attending only to itself; ``prefill_states``: an inference
+        prefill's record, handed K and V ``[B, Hkv, T, D]``."""
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states must be [B, T, hidden_size={self.hidden_size}]; "
                 f"got {tuple(hidden_states.shape)}"
             )
         q, k, v, gate = self.project(hidden_states)
-        states = active_prefill_states()  # an inference prefill keeps K and V
-        if states is not None:
-            states.keep_kv(self, k, v)
+        if prefill_states is not None:
+            prefill_states.keep_kv(self, k, v)
         return self.finish(self_attention(_TORCH, q, k, v, cu_seqlens=cu_seqlens), gate)

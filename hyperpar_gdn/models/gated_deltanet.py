@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hyperpar_gdn.ops.gdn.layer import init_layer_dims, layer_forward
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 
 
 class GatedRMSNorm(nn.Module):
@@ -84,6 +85,7 @@ class GatedDeltaNet(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        prefill_states: PrefillStates | None = None,
     ) -> torch.Tensor:
         """The layer on ``hidden_states`` ``[B, T, hidden]`` -> ``[B, T, hidden]``.
 
@@ -96,11 +98,19 @@ class GatedDeltaNet(nn.Module):
             position_ids: ``[B, T]`` restarting at 0 at every document (transformers' packed
                 convention); one device only (a shard's positions cannot say where the documents
                 of other shards start).
+            prefill_states: an inference prefill's record
+                (:class:`~hyperpar_gdn.ops.prefill_states.PrefillStates`): the layer hands it its
+                decoding state after the last token.
 
         After :class:`~hyperpar_gdn.LinearAttentionContextParallel` ``.apply``, ``hidden_states``
         and the result are this rank's shard ``[B, T_r, hidden]`` (and ``attention_mask`` its
         ``[B, T_r]`` shard).
         """
         return layer_forward(
-            self, hidden_states, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids
+            self,
+            hidden_states,
+            attention_mask,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            prefill_states=prefill_states,
         )

@@ -37,6 +37,7 @@ from hyperpar_gdn.platform.base import (
     Collectives,
     Group,
     Platform,
+    PlatformUnavailableError,
     Tensor,
     TensorOps,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "Collectives",
     "Group",
     "Platform",
+    "PlatformUnavailableError",
     "Tensor",
     "TensorOps",
     "get_platform",

@@ -146,6 +146,11 @@ class TensorOps(ABC):
         """``x`` gathered along ``dim`` at the positions of ``index`` (a 1-D numpy int array);
         the gradient adds back into the positions taken."""
 
+    @abstractmethod
+    def add_rows(self, x: Tensor, index: Any, rows: Tensor) -> Tensor:
+        """``x`` ``[N, ...]`` with ``rows[i]`` added to ``x[index[i]]`` (``index`` a 1-D numpy int
+        array, repeats add up), as a new tensor; not differentiable (for hand-written backwards)."""
+
     # --- linear algebra ----------------------------------------------------------------------
     @abstractmethod
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
@@ -254,6 +259,11 @@ class AttentionKernel(ABC):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """-> (dq, dk, dv) of the rectangle, with ``o`` and ``lse`` those of the whole row (every
         rectangle of these queries merged)."""
+
+
+class PlatformUnavailableError(RuntimeError):
+    """The platform asked for (``HP_PLATFORM``, a ``device_type``) is not on this machine: no CUDA
+    device, no ``torch_npu``. The message names the platform and what to use instead."""
 
 
 class CollectiveError(RuntimeError):

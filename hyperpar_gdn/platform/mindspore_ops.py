@@ -307,6 +307,9 @@ class MindSporeOps(TensorOps):
     def take(self, x: ms.Tensor, index: Any, dim: int) -> ms.Tensor:
         return ops.gather(x, ms.Tensor(np.asarray(index, dtype=np.int64)), dim % x.ndim)
 
+    def add_rows(self, x: ms.Tensor, index: Any, rows: ms.Tensor) -> ms.Tensor:
+        return ops.tensor_scatter_add(x, ms.Tensor(np.asarray(index, dtype=np.int64).reshape(-1, 1)), rows)
+
     # --- linear algebra ----------------------------------------------------------------------
     def matmul(self, a: ms.Tensor, b: ms.Tensor) -> ms.Tensor:
         if self._ascend or a.ndim != b.ndim or a.ndim < 2 or a.shape[:-2] != b.shape[:-2]:

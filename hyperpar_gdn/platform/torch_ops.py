@@ -124,6 +124,9 @@ class TorchOps(TensorOps):
     def take(self, x: torch.Tensor, index: Any, dim: int) -> torch.Tensor:
         return torch.index_select(x, dim, torch.as_tensor(index, dtype=torch.int64, device=x.device))
 
+    def add_rows(self, x: torch.Tensor, index: Any, rows: torch.Tensor) -> torch.Tensor:
+        return x.index_add(0, torch.as_tensor(index, dtype=torch.int64, device=x.device), rows)
+
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         # The state maths multiply in their own dtype (fp32 states, chunk products) also under
         # bf16 autocast, which would round them to bf16; projections use linear(), which it casts.

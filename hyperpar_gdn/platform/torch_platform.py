@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hyperpar_gdn.platform.base import Group, Platform
+from hyperpar_gdn.platform.base import Group, Platform, PlatformUnavailableError
 from hyperpar_gdn.platform.torch_collectives import TorchCollectives
 from hyperpar_gdn.platform.torch_ops import TorchOps
 
@@ -94,11 +94,14 @@ class TorchPlatform(Platform):
             try:
                 importlib.import_module("torch_npu")
             except ImportError as err:
-                raise RuntimeError(
+                raise PlatformUnavailableError(
                     "platform 'npu' needs torch_npu (and Ascend CANN); importing it failed: " + str(err)
                 ) from err
         elif name == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("platform 'cuda' selected but torch.cuda.is_available() is False")
+            raise PlatformUnavailableError(
+                "platform 'cuda' (HP_PLATFORM=cuda or device 'cuda') needs a CUDA device, but "
+                "torch.cuda.is_available() is False on this machine; use the CPU (HP_PLATFORM=cpu, --device cpu)"
+            )
         self.ops = TorchOps()
         self.collectives = TorchCollectives()
 

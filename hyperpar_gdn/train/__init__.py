@@ -13,6 +13,7 @@
 - :mod:`.sharding`: FSDP2 and activation checkpointing for torch.
 """
 
+from hyperpar_gdn.platform.base import PlatformUnavailableError
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hyperpar_gdn.train.config import MODEL_SIZES, TrainConfig, UsageError, parse_args
@@ -28,6 +29,7 @@ USER_ERRORS = (
     NotImplementedError,
     ModuleNotFoundError,
     CheckpointError,
+    PlatformUnavailableError,
 )
 
 # Faults that stopped a run (scripts/train.py: one line on every rank, exit code 3).

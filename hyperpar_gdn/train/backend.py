@@ -27,7 +27,26 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.config import TrainConfig
 
-__all__ = ["TrainBackend"]
+__all__ = ["TrainBackend", "apply_cp_mode"]
+
+
+def apply_cp_mode(backend: Any, config: TrainConfig, model: Any, cp_mesh: DeviceMesh) -> None:
+    """Make ``model`` context parallel over ``cp_mesh`` in --cp-mode, and set ``backend.cp_mode``
+    (for ``auto``: the cost model's choice, whose reason is ``backend.cp_plan.why()``)."""
+    from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+    from hyperpar_gdn.distributed.planner import plan_for_model
+
+    backend.cp_mode, backend.cp_plan = config.cp_mode, None
+    if config.cp_mode == "auto":
+        dtype = "bfloat16" if config.dtype == "bf16" else "float32"
+        backend.cp_plan = plan_for_model(
+            model, cp_mesh, seq_len=config.seq_len, layout=config.token_layout(), dtype=dtype
+        )
+        backend.cp_mode = backend.cp_plan.choice
+    inner_size = config.cp_inner_size if backend.cp_plan is None else backend.cp_plan.inner_size
+    apply_context_parallel(
+        model, cp_mesh, mode=backend.cp_mode, layout=config.token_layout(), inner_size=inner_size
+    )
 
 
 class TrainBackend(ABC):

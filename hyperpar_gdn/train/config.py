@@ -14,10 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
 from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.linear_attention_style import MODES
 from hyperpar_gdn.models.config import HybridLMConfig
 
+CP_MODES = (*MODES, *TWO_LEVEL_MODES, "auto")
 DTYPES = ("fp32", "bf16")
 SAVE_ERROR_POLICIES = ("stop", "continue")
 
@@ -69,12 +71,16 @@ class TrainConfig:
     """Every option of ``scripts/train.py`` (its flag is the field name with dashes).
 
     Attributes:
-        cp_mode: context-parallel mode of the GDN layers (softmax layers all-gather K and V).
+        cp_mode: context-parallel mode of the GDN layers (softmax layers all-gather K and V);
+            "auto": the mode the cost model predicts fastest (the run header says which and why).
         cp_layout: which tokens a CP rank holds: "contiguous" or "head_tail" (pieces r and
             2cp-1-r of 2*cp: equal softmax-attention work on every rank). None: head_tail when
             the model has softmax-attention layers, else contiguous (:meth:`token_layout`).
         cp_size: ranks per CP group; the world is split into world/cp_size data-parallel
             replicas. None: every rank in one CP group.
+        cp_inner_size: for the two-level modes ("ulysses+p2p", "ulysses+all_gather",
+            "ulysses+scan") only: ranks per inner group (ulysses inside it, the state mode
+            across); the CP group must be the whole world and the layout contiguous.
         steps: optimizer steps to reach (a resumed run continues up to this step).
         seq_len: tokens per sequence (the whole sequence, before the CP split).
         batch_size: sequences per step over all DP replicas (the global batch).
@@ -117,6 +123,7 @@ class TrainConfig:
     cp_mode: str = "ulysses"
     cp_layout: str | None = None
     cp_size: int | None = None
+    cp_inner_size: int | None = None
     steps: int = 60
     seq_len: int = 128
     batch_size: int = 8
@@ -147,8 +154,15 @@ class TrainConfig:
     on_save_error: str = "stop"
 
     def __post_init__(self) -> None:
-        if self.cp_mode not in MODES:
-            raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(MODES)}")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(CP_MODES)}")
+        if (self.cp_mode in TWO_LEVEL_MODES) != (self.cp_inner_size is not None):
+            raise ValueError(
+                f"--cp-inner-size goes with the two-level modes ({', '.join(TWO_LEVEL_MODES)}) and only then; "
+                f"got --cp-mode {self.cp_mode} and --cp-inner-size {self.cp_inner_size}"
+            )
+        if self.cp_inner_size is not None and self.cp_layout != "contiguous":
+            raise ValueError(f"--cp-mode {self.cp_mode} needs --cp-layout contiguous; got {self.cp_layout}")
         if self.cp_layout is not None and self.cp_layout not in LAYOUTS:
             raise ValueError(
                 f"--cp-layout {self.cp_layout!r} is not a token layout; choose one of {', '.join(LAYOUTS)}"
@@ -236,6 +250,12 @@ class TrainConfig:
                 f"be split into CP groups of --cp-size {cp}: --cp-size must divide {world_size}"
             )
         dp = world_size // cp
+        inner = self.cp_inner_size
+        if inner is not None and (cp % inner or self.gdn_dims()[1] % inner):
+            raise ValueError(
+                f"--cp-mode {self.cp_mode}: --cp-inner-size {inner} must divide cp={cp} and the "
+                f"{self.gdn_dims()[1]} GDN value heads"
+            )
         if self.seq_len % cp:
             raise ValueError(f"--seq-len {self.seq_len} must be divisible by the CP size {cp} (--cp-size)")
         if self.batch_size % dp:
@@ -252,7 +272,7 @@ class TrainConfig:
             )
         local = self.seq_len // pieces
         halo = conv_width - 1
-        if cp > 1 and self.cp_mode != "ulysses" and local < halo:
+        if cp > 1 and self.cp_mode != "ulysses" and inner is None and local < halo:
             raise ValueError(
                 f"--cp-mode {self.cp_mode}: --seq-len {self.seq_len} / {pieces} = {local} tokens per piece "
                 f"(cp {cp}, --cp-layout {self.token_layout()}), fewer than the conv halo {halo}; use a longer "
@@ -262,7 +282,7 @@ class TrainConfig:
             raise ValueError(
                 f"--cp-mode ulysses splits the GDN value heads over cp={cp}, but {self.model_name} has "
                 f"{num_k_heads} key and {num_v_heads} value heads; "
-                "use --cp-mode p2p or all_gather, or a smaller --cp-size"
+                "use --cp-mode p2p, all_gather, scan or auto, or a smaller --cp-size"
             )
         return dp, cp
 
@@ -303,19 +323,31 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     add = parser.add_argument
-    add("--cp-mode", choices=MODES, default=defaults.cp_mode, help="CP mode of the GDN layers")
+    add(
+        "--cp-mode",
+        choices=CP_MODES,
+        default=defaults.cp_mode,
+        help="CP mode of the GDN layers (auto: the cost model's choice, see docs/modes.md)",
+    )
     add(
         "--cp-layout",
         choices=LAYOUTS,
         default=None,
-        help="tokens per CP rank: contiguous, or head_tail (pieces r and 2cp-1-r of 2cp); "
-        "None = head_tail when the model has softmax-attention layers",
+        help="tokens per CP rank: contiguous, or head_tail (pieces r and 2cp-1-r of 2cp; "
+        "default: head_tail when the model has softmax-attention layers, else contiguous)",
     )
     add(
         "--cp-size",
         type=int,
         default=None,
         help="ranks per CP group (default: all ranks); the other ranks do data parallelism",
+    )
+    add(
+        "--cp-inner-size",
+        type=int,
+        default=None,
+        help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node "
+        "(default: none, one level)",
     )
     add("--steps", type=int, default=defaults.steps, help="optimizer steps to reach")
     add("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence, before the CP split")
@@ -326,8 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="built-in model preset (default: tiny; not with --model)",
     )
-    add("--model", dest="model_dir", default=None, help="a transformers Qwen3.5 model directory to train")
-    add("--export", default=None, help="with --model: write the trained model as a transformers directory")
+    add(
+        "--model",
+        dest="model_dir",
+        default=None,
+        help="a transformers Qwen3.5 model directory to train (default: the built-in model)",
+    )
+    add(
+        "--export",
+        default=None,
+        help="with --model: write the trained model as a transformers directory (default: none)",
+    )
     add("--lr", type=float, default=defaults.lr, help="peak AdamW learning rate")
     add("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear warmup steps")
     add("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (matrices)")
@@ -345,7 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train on plain windows of the concatenated documents (no restart at document starts; "
         "default: off, documents restart)",
     )
-    add("--metrics-json", default=None, help="JSON file for per-step losses, tokens/s, peak memory (rank 0)")
+    add(
+        "--metrics-json",
+        default=None,
+        help="JSON file for per-step losses, tokens/s, peak memory (rank 0; default: none)",
+    )
     add("--save", default=None, help="checkpoint root directory (step-N/ under it; default: no checkpoints)")
     add("--save-every", type=int, default=defaults.save_every, help="save every N steps (0: at the end)")
     add("--keep-last", type=int, default=defaults.keep_last, help="keep the newest N checkpoints (0: all)")
@@ -355,7 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="start at step 1 even when --save DIR holds checkpoints (by default: resume from the newest)",
     )
-    add("--resume", default=None, help="a step-N checkpoint directory, or a root (its latest step-N)")
+    add(
+        "--resume",
+        default=None,
+        help="a step-N checkpoint directory, or a root (its latest step-N; default: none)",
+    )
     add("--fsdp", action="store_true", help="shard parameters, gradients, optimizer state (FSDP2)")
     add("--ac", action="store_true", help="activation checkpointing per decoder layer")
     add(

@@ -49,6 +49,7 @@ from hyperpar_gdn.train.faults import (
     is_finite,
     timeout_message,
 )
+from hyperpar_gdn.train.header import run_header
 from hyperpar_gdn.train.log import logger, setup_logging
 from hyperpar_gdn.train.metrics import StepRecord, TrainResult, metrics_document, step_line, summary_lines
 from hyperpar_gdn.train.optim import learning_rate
@@ -244,24 +245,21 @@ class Trainer:
         return loss_sum / total, False
 
     def _log_header(self, tokens_per_step: int) -> None:
-        config = self.config
-        logger.info(
-            "platform %s, %d ranks = dp %d x cp %d (--cp-mode %s, --cp-layout %s%s), model %s: %s parameters, "
-            "--dtype %s, %d tokens per step, steps %d..%d",
-            self.platform.name,
-            self.world_size,
-            self.dp,
-            self.cp,
-            config.cp_mode,
-            config.token_layout(),
-            "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name)),
-            config.model_name,
-            f"{self.backend.num_parameters():,}",
-            config.dtype,
-            tokens_per_step,
-            self.step + 1,
-            config.steps,
-        )
+        """The run header (:func:`~hyperpar_gdn.train.header.run_header`), on rank 0."""
+        plan = getattr(self.backend, "cp_plan", None)
+        for line in run_header(
+            self.config,
+            platform=self.platform.name,
+            world_size=self.world_size,
+            dp=self.dp,
+            cp=self.cp,
+            parameters=self.backend.num_parameters(),
+            first_step=self.step + 1,
+            cp_mode=None if plan is None else self.backend.cp_mode,
+        ):
+            logger.info(line)
+        if plan is not None:
+            logger.info("--cp-mode auto chose %s: %s", self.backend.cp_mode, plan.why())
 
     def _run_facts(self) -> dict[str, Any]:
         return {

@@ -37,12 +37,11 @@ from hyperpar_gdn.distributed.batch import ContextParallelBatch, context_paralle
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
 from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh
-from hyperpar_gdn.distributed.parallelize import apply_context_parallel
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_tokenizer
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
 from hyperpar_gdn.platform import Platform
-from hyperpar_gdn.train.backend import TrainBackend
+from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.loop import Trainer
 
@@ -265,8 +264,9 @@ class MindSporeBackend(TrainBackend):
             build = functools.partial(HybridLM.from_torch, TorchHybridLM(config.model))
         self.model = build()
         cp_mesh = mesh["cp"]
+        self.cp_mode, self.cp_plan = config.cp_mode, None
         if cp_mesh.size() > 1 or self.tokenizer is not None:
-            apply_context_parallel(self.model, cp_mesh, mode=config.cp_mode, layout=config.token_layout())
+            apply_cp_mode(self, config, self.model, cp_mesh)
         if config.ac:  # every decoder block recomputes its forward in the backward
             for block in text_model_of(self.model).layers:
                 block.recompute()

@@ -32,7 +32,7 @@ from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_model_dir
 from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.platform import Platform
-from hyperpar_gdn.train.backend import TrainBackend
+from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.optim import adamw_step, build_adamw, clip_gradients, torch_optimizer_step
 from hyperpar_gdn.train.sharding import (
@@ -73,12 +73,12 @@ class TorchBackend(TrainBackend):
         self.reference = copy.deepcopy(self.model) if reference else None
         if self.reference is not None and self.tokenizer is not None:  # our layers, on one rank
             solo = DeviceMesh.from_group(platform, None, [platform.rank()], mesh_dim_name="cp")
-            apply_context_parallel(self.reference, solo, mode=config.cp_mode)
+            # one rank: every mode is the one-device layer (auto and two-level need the CP group)
+            apply_context_parallel(self.reference, solo, mode="p2p")
         self.ref_optimizer = None if self.reference is None else build_adamw(self.reference, config)
+        self.cp_mode, self.cp_plan = config.cp_mode, None
         if self.cp_mesh.size() > 1 or self.tokenizer is not None:
-            apply_context_parallel(
-                self.model, self.cp_mesh, mode=config.cp_mode, layout=config.token_layout()
-            )
+            apply_cp_mode(self, config, self.model, self.cp_mesh)
         if config.ac:
             apply_activation_checkpointing(self.model)
         if config.fsdp:

@@ -20,8 +20,10 @@ def write_json(path: Path, payload: Any) -> None:
 
 @dataclass
 class Panel:
-    """One plot: ``lines`` label -> [(x, y), ...]; ``bars`` label -> (height, colour) in order;
-    ``hlines`` label -> (y, style) reference lines (targets, bounds)."""
+    """One plot: ``lines`` label -> [(x, y), ...]; ``points`` label -> [(x, y), ...] drawn as
+    unconnected square markers (a map of where something holds; a label's colour follows its
+    place in the dict, so give every panel the same labels, empty ones too); ``bars`` label -> (height,
+    colour) in order; ``hlines`` label -> (y, style) reference lines (targets, bounds)."""
 
     title: str
     xlabel: str
@@ -29,7 +31,9 @@ class Panel:
     lines: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     bars: dict[str, tuple[float, str]] = field(default_factory=dict)
     hlines: dict[str, tuple[float, str]] = field(default_factory=dict)
+    points: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     log2_x: bool = False
+    log2_y: bool = False
     ylim: tuple[float, float] | None = None
 
 
@@ -45,6 +49,9 @@ def save_png(path: Path, panels: Sequence[Panel], *, width: float = 5.0, dpi: in
         for label, points in panel.lines.items():
             if points:
                 ax.plot(*zip(*sorted(points), strict=True), "o-", label=label)
+        for i, (label, points) in enumerate(panel.points.items()):  # colour by place: stable across panels
+            if points:
+                ax.scatter(*zip(*points, strict=True), marker="s", s=80, color=f"C{i}", label=label)
         if panel.bars:
             names = list(panel.bars)
             ax.bar(
@@ -57,6 +64,8 @@ def save_png(path: Path, panels: Sequence[Panel], *, width: float = 5.0, dpi: in
             ax.axhline(y, color="k" if style == "--" else "C2", ls=style, lw=1, label=label)
         if panel.log2_x:
             ax.set_xscale("log", base=2)
+        if panel.log2_y:
+            ax.set_yscale("log", base=2)
         if panel.ylim is not None:
             ax.set_ylim(*panel.ylim)
         ax.set(xlabel=panel.xlabel, ylabel=panel.ylabel, title=panel.title)

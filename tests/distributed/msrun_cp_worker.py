@@ -26,6 +26,9 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
   and of the head weight;
 - ``grads`` (4 workers, tests/distributed/test_grads.py): ``sync_context_parallel_grads`` on a
   (dp=2, cp=2) mesh, MindSpore gradient tensors of rank-dependent values;
+- ``scan`` (4 workers, tests/distributed/test_context_parallel_scan_mindspore.py): ``mode="scan"``
+  with uneven shards and head_tail, packed documents, against the torch layer per document
+  (float64), and the shapes of this rank's sends;
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
   within the communication timeout with a ``CollectiveError``.
 
@@ -66,6 +69,7 @@ SECTIONS = (
     "grads",
     "lm_loss",
     "prefill",
+    "scan",
     "stall",
 )
 HIDDEN = 32
@@ -781,6 +785,62 @@ def section_lm_loss(platform: Platform, world: int) -> dict[str, Any]:
     }
 
 
+# mode="scan" at cp 4: uneven contiguous shards and head_tail, packed documents crossing them.
+SCAN_SHARDS = (20, 30, 16, 30)
+
+
+def section_scan(platform: Platform, world: int) -> dict[str, Any]:
+    """``mode="scan"`` (float64) against the torch layer run on each document alone, with uneven
+    contiguous shards and in the head_tail layout; and the shapes this rank sent, forward and
+    backward (the test counts the rounds)."""
+    from hyperpar_gdn.distributed.layout import TokenLayout
+    from hyperpar_gdn.models.mindspore import GatedDeltaNet
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    layer_t = torch_layer(Case(2, 4, PACKED_T, dtype="float64"))
+    rng = np.random.default_rng(4)
+    x, cot = rng.standard_normal((1, PACKED_T, HIDDEN)), rng.standard_normal((1, PACKED_T, HIDDEN))
+    comm, results = platform.collectives, {}
+    cases = {
+        "uneven": ("contiguous", SCAN_SHARDS, PACKED_CASES["tiny-and-long"]),
+        "head_tail": ("head_tail", [PACKED_T // world] * world, HEAD_TAIL_CU),
+    }
+    for name, (layout, lengths, cu) in cases.items():
+        local = TokenLayout.of(layout, lengths).positions(mesh.get_local_rank())
+        pieces = [
+            torch_reference(layer_t, x[:, a:b], cot[:, a:b], None, "float64")
+            for a, b in zip(cu[:-1], cu[1:], strict=True)
+        ]
+        reference = (
+            np.concatenate([p[0] for p in pieces], 1),
+            np.concatenate([p[1] for p in pieces], 1),
+            {k: sum(p[2][k] for p in pieces) for k in PARAMS},
+        )
+        style = LinearAttentionContextParallel(mode="scan", chunk_size=8, layout=layout)
+        layer = style.apply(GatedDeltaNet.from_torch(layer_t), mesh)
+        sent: list[list[int]] = []
+        send = comm.send
+        comm.send = lambda t, dst, group, sent=sent, send=send: (
+            sent.append(list(t.shape)),
+            send(t, dst, group),
+        )[1]
+        try:
+            out, (dx,), grads = platform.value_and_grads(
+                lambda inp, layer=layer, cu_t=cu: layer(inp, cu_seqlens=np.asarray(cu_t)),
+                [platform.from_numpy(x[:, local], dtype="float64")],
+                platform.from_numpy(cot[:, local], dtype="float64"),
+                layer,
+            )
+        finally:
+            del comm.send  # the class's send again
+        totals = {k: platform.to_numpy(comm.all_reduce_sum(g, mesh.get_group())) for k, g in grads.items()}
+        results[name] = {
+            "errors": _errors((platform.to_numpy(out), platform.to_numpy(dx), totals), reference, local),
+            "sends": sent,
+        }
+    return results
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "collectives": section_collectives,
     "cp": section_cp,
@@ -792,6 +852,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "grads": section_grads,
     "prefill": section_prefill,
     "stall": section_stall,
+    "scan": section_scan,
 }
 
 

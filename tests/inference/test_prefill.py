@@ -1,8 +1,9 @@
 """Prefill under context parallelism hands transformers' decoding the prompt's state: the greedy
 continuation after a CP prefill equals transformers' one-device ``generate`` token for token
 (fp32), and the cache's states equal those of transformers' own prefill (fp64), dense and MoE,
-every mode, cp 2 and 4, prompts that do not divide evenly, a conv state spanning ranks and
-left-padded batches. Real gloo groups; the oracle is transformers' model code on one process.
+every mode, both token layouts (contiguous and head_tail, whose caches equal each other to fp64
+rounding), cp 2 and 4, prompts that do not divide evenly, a conv state spanning ranks (and
+head_tail pieces) and left-padded batches. Real gloo groups; the oracle is transformers' model code on one process.
 
 transformers computes the gated delta rule in fp32 whatever the model's dtype, so in fp64 every
 state after the first GDN layer agrees with its prefill to fp32 rounding (STATE_TOL, relative;
@@ -29,7 +30,7 @@ from hyperpar_gdn.inference.prefill import prompt_lengths
 
 transformers = pytest.importorskip("transformers")
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "p2p", "all_gather", "scan")
 NEW_TOKENS = 16
 EXACT_TOL = 1e-12
 STATE_TOL = 2e-5
@@ -129,12 +130,15 @@ def cache_states(cache, model) -> dict[str, torch.Tensor]:
     return states
 
 
-def references(moe: bool, cases: list[tuple[int, bool, list[int] | None]]) -> dict[str, Any]:
+Case = tuple[int, bool, "list[int] | None", tuple[str, ...]]  # T, padded, lengths, layouts
+
+
+def references(moe: bool, cases: list[Case]) -> dict[str, Any]:
     """One process, before the ranks fork: the models, transformers' greedy continuation (fp32)
     and its prefill's states and last logits (fp64) per case."""
     base32, base64 = tiny_model(moe=moe, dtype=torch.float32), tiny_model(moe=moe, dtype=torch.float64)
     refs = {"base32": base32, "base64": base64, "cases": []}
-    for t, padded, _ in cases:
+    for t, padded, _, _ in cases:
         ids, mask = prompt(t, padded=padded)
         with torch.no_grad():
             expected = base32.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -143,22 +147,23 @@ def references(moe: bool, cases: list[tuple[int, bool, list[int] | None]]) -> di
     return refs
 
 
-def _worker(
-    rank: int, world: int, refs: dict[str, Any], cases: list[tuple[int, bool, list[int] | None]]
-) -> list[str]:
-    """Every mode on every case; returns the failures seen by this rank. Rank 0 also continues
-    each prefill with transformers' generate (the states are the same on every rank)."""
+def _worker(rank: int, world: int, refs: dict[str, Any], cases: list[Case]) -> list[str]:
+    """Every mode and layout on every case; returns the failures seen by this rank. Rank 0 also
+    continues each prefill with transformers' generate (the states are the same on every rank)."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     failures = []
-    for (t, padded, lengths), (expected, ref_logits, ref_states) in zip(cases, refs["cases"], strict=True):
+    for (t, padded, lengths, layouts), (expected, ref_logits, ref_states) in zip(
+        cases, refs["cases"], strict=True
+    ):
         ids, mask = prompt(t, padded=padded)
-        name = f"T{t}-{'padded' if padded else 'full'}-{lengths or prompt_lengths(t, world)}"
         first_mode_states = None
-        for mode in MODES:
+        for layout, mode in ((layout, mode) for layout in layouts for mode in MODES):
+            cut = lengths or (prompt_lengths(t, world) if layout == "contiguous" else "2cp pieces")
+            name = f"T{t}-{'padded' if padded else 'full'}-{layout}-{cut}"
             if mode != "ulysses" and lengths is not None and min(lengths) < 3:
                 continue  # p2p and all_gather need W-1 tokens per shard
             # fp32: greedy continuation token for token (the prefill on every rank, generate on rank 0)
-            model = apply_context_parallel(copy.deepcopy(refs["base32"]), mesh, mode=mode)
+            model = apply_context_parallel(copy.deepcopy(refs["base32"]), mesh, mode=mode, layout=layout)
             logits, cache = prefill_context_parallel(model, mesh, ids, attention_mask=mask, lengths=lengths)
             undo_context_parallel(model)
             if rank == 0:
@@ -168,7 +173,7 @@ def _worker(
                         f"{name} {mode}: continuation {got.tolist()} != generate's {expected.tolist()}"
                     )
             # fp64: the cache's states on every rank
-            model = apply_context_parallel(copy.deepcopy(refs["base64"]), mesh, mode=mode)
+            model = apply_context_parallel(copy.deepcopy(refs["base64"]), mesh, mode=mode, layout=layout)
             logits, cache = prefill_context_parallel(model, mesh, ids, attention_mask=mask, lengths=lengths)
             err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
             if err > STATE_TOL:
@@ -191,13 +196,16 @@ def _worker(
                 for key, ref in first_mode_states.items():
                     err = ((states[key] - ref).abs().max() / ref.abs().max()).item()
                     if err > MODES_TOL:
-                        failures.append(f"{name} {mode} {key}: differs from {MODES[0]} by {err:.1e}")
+                        failures.append(
+                            f"{name} {mode} {key}: differs from {layouts[0]} {MODES[0]} by {err:.1e}"
+                        )
     return failures
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_prefill_cp2_continues_like_generate(moe: bool) -> None:
-    cases = [(37, False, None), (30, True, None)]  # 19 + 18 tokens; left padding
+    # 19 + 18 tokens; left padding in both layouts (head_tail: pieces of 8)
+    cases = [(37, False, None, ("contiguous",)), (32, True, None, ("contiguous", "head_tail"))]
     for failures in run_ranks(_worker, 2, references(moe, cases), cases, timeout_s=300):
         assert not failures, "\n".join(failures)
 
@@ -205,40 +213,48 @@ def test_prefill_cp2_continues_like_generate(moe: bool) -> None:
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_prefill_cp4_continues_like_generate(moe: bool) -> None:
     # 10+9+9+9; the conv state (W=4) spanning the last two ranks (12+12+10+3); a last shard
-    # shorter than the conv halo (ulysses: 12+12+11+2) with left padding.
-    cases = [(37, False, None), (37, False, [12, 12, 10, 3]), (37, True, [12, 12, 11, 2])]
+    # shorter than the conv halo (ulysses: 12+12+11+2) with left padding; head_tail with pieces of
+    # 3 (the conv state spans rank 0's and rank 1's tail pieces) and, left-padded, of 4.
+    cases = [
+        (37, False, None, ("contiguous",)),
+        (37, False, [12, 12, 10, 3], ("contiguous",)),
+        (37, True, [12, 12, 11, 2], ("contiguous",)),
+        (24, False, None, ("contiguous", "head_tail")),
+        (32, True, None, ("head_tail",)),
+    ]
     for failures in run_ranks(_worker, 4, references(moe, cases), cases, timeout_s=400):
         assert not failures, "\n".join(failures)
 
 
 def _hybrid_worker(rank: int, world: int, base: torch.nn.Module) -> list[str]:
-    """HybridLM: every mode's prefill state continues greedily like the one-device prefill, and
-    the states equal its states (fp64)."""
+    """HybridLM: every mode's prefill state, in both layouts, continues greedily like the
+    one-device prefill, and the states equal its states (fp64)."""
     from hyperpar_gdn.inference.decoding import greedy_continue, prefill
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    ids = torch.randint(0, 61, (2, 29), generator=torch.Generator().manual_seed(5))
-    ref_logits, ref_state = prefill(base, ids)
-    expected = greedy_continue(base, ref_logits, ref_state, max_new_tokens=NEW_TOKENS)
     failures = []
-    for mode in MODES:
-        model = apply_context_parallel(copy.deepcopy(base), mesh, mode=mode)
-        logits, state = prefill_context_parallel(model, mesh, ids)
-        undo_context_parallel(model)
-        got = greedy_continue(model, logits, state, max_new_tokens=NEW_TOKENS)
-        if not torch.equal(got, expected):
-            failures.append(f"{mode}: {got.tolist()} != {expected.tolist()}")
-        if state.length != 29:
-            failures.append(f"{mode}: state.length={state.length}")
-        pairs = [(logits, ref_logits)] + [
-            (a, b)
-            for pair, ref in zip(state.layers, ref_state.layers, strict=True)
-            for a, b in zip(pair, ref, strict=True)
-        ]
-        for i, (a, b) in enumerate(pairs):
-            err = ((a - b).abs().max() / b.abs().max()).item()
-            if err > MODES_TOL:
-                failures.append(f"{mode}: tensor {i} relative error {err:.1e}")
+    for layout, t in (("contiguous", 29), ("head_tail", 28)):
+        ids = torch.randint(0, 61, (2, t), generator=torch.Generator().manual_seed(5))
+        ref_logits, ref_state = prefill(base, ids)
+        expected = greedy_continue(base, ref_logits, ref_state, max_new_tokens=NEW_TOKENS)
+        for mode in MODES:
+            model = apply_context_parallel(copy.deepcopy(base), mesh, mode=mode, layout=layout)
+            logits, state = prefill_context_parallel(model, mesh, ids)
+            undo_context_parallel(model)
+            got = greedy_continue(model, logits, state, max_new_tokens=NEW_TOKENS)
+            if not torch.equal(got, expected):
+                failures.append(f"{layout} {mode}: {got.tolist()} != {expected.tolist()}")
+            if state.length != t:
+                failures.append(f"{layout} {mode}: state.length={state.length}")
+            pairs = [(logits, ref_logits)] + [
+                (a, b)
+                for pair, ref in zip(state.layers, ref_state.layers, strict=True)
+                for a, b in zip(pair, ref, strict=True)
+            ]
+            for i, (a, b) in enumerate(pairs):
+                err = ((a - b).abs().max() / b.abs().max()).item()
+                if err > MODES_TOL:
+                    failures.append(f"{layout} {mode}: tensor {i} relative error {err:.1e}")
     return failures
 
 
@@ -257,6 +273,8 @@ def _refusals_worker(rank: int, world: int, base: torch.nn.Module) -> list[str]:
     right_padded = torch.ones(2, 12, dtype=torch.int64)
     right_padded[1, -2:] = 0
     model = copy.deepcopy(base)
+    short_range = copy.deepcopy(base)
+    short_range.config.max_position_embeddings = 8
     messages = []
     calls = [
         lambda: prefill_context_parallel(model, mesh, ids),  # not under CP yet
@@ -266,12 +284,22 @@ def _refusals_worker(rank: int, world: int, base: torch.nn.Module) -> list[str]:
         lambda: prefill_context_parallel(model, mesh, ids, attention_mask=right_padded),
         lambda: prefill_context_parallel(model, mesh, ids[0]),
         lambda: prefill_context_parallel(
+            apply_context_parallel(short_range, mesh, mode="p2p"), mesh, ids
+        ),  # 12 tokens, positions up to 8
+        lambda: prefill_context_parallel(
             apply_context_parallel(undo_context_parallel(model), mesh, mode="p2p", layout="head_tail"),
             mesh,
-            ids,
+            ids[:, :10],
         ),
+        lambda: prefill_context_parallel(model, mesh, ids, lengths=[6, 6]),
         # on rank 0 alone: a refusal after any collective would hang here instead
-        lambda: prefill_context_parallel(model, mesh, ids) if rank == 0 else "not called",
+        lambda: prefill_context_parallel(model, mesh, ids[:, :10]) if rank == 0 else "not called",
+        lambda: prefill_context_parallel(model, mesh, ids[:1], cu_seqlens=[0, 5, 12]),  # head_tail
+        lambda: prefill_context_parallel(short_range, mesh, ids[:1], cu_seqlens=torch.tensor([0, 5, 5, 12])),
+        lambda: prefill_context_parallel(short_range, mesh, ids, cu_seqlens=[0, 5, 12]),
+        lambda: prefill_context_parallel(
+            short_range, mesh, ids[:1], position_ids=torch.arange(12).reshape(1, 12) % 7
+        ),
     ]
     for call in calls:
         try:
@@ -289,6 +317,24 @@ def test_refuses_bad_input() -> None:
         assert "lengths=[5, 5] must give each of cp=2 ranks at least one token and sum to T=12" in messages[1]
         assert "rows [1] end in padding" in messages[2]
         assert "the prompt must be input_ids [B, T] with T >= 1; got shape (12,)" in messages[3]
-        assert "prefill supports layout='contiguous' only; got 'head_tail' (layer 0)" in messages[4]
+        assert messages[4] == (
+            "the prompt has T=12 tokens, more than the model's position range max_position_embeddings=8"
+        )
+        assert messages[5].startswith(
+            "layout='head_tail' cuts the sequence into 4 equal pieces: T=10 is not divisible by 4 (2*cp, cp=2)"
+        )
+        assert (
+            "lengths=[6, 6] chooses contiguous pieces; a model parallelized with layout='head_tail'"
+            in messages[6]
+        )
         # rank 0 alone refused without waiting for rank 1
-        assert messages[5] == (messages[4] if rank == 0 else "not called")
+        assert messages[7] == (messages[5] if rank == 0 else "not called")
+        assert messages[8] == (
+            "packed prompts need a model parallelized with layout='contiguous'; got layout='head_tail'"
+        )
+        assert messages[9] == (
+            "the packed row holds an empty prompt: prompts [1] of cu_seqlens=[0, 5, 5, 12] have no tokens"
+        )
+        assert messages[10] == "packed prompts are one row: input_ids must be [1, T]; got B=2"
+        # packed prompts of 7 and 5 tokens: within the position range of 8
+        assert messages[11] == "no error"

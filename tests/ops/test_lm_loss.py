@@ -117,3 +117,45 @@ def test_mindspore_equals_torch() -> None:
     np.testing.assert_allclose(got.asnumpy(), want.item(), rtol=TOL_FP64)
     np.testing.assert_allclose(dh.asnumpy(), th.grad.numpy(), rtol=0, atol=TOL_FP64)
     np.testing.assert_allclose(dw.asnumpy(), tw.grad.numpy(), rtol=0, atol=TOL_FP64)
+
+
+@pytest.mark.parametrize("case", ["all_labelled", "none_labelled"])
+def test_every_or_no_token_labelled(case: str) -> None:
+    """float64: with no ignored label (the tokens are not compacted) the loss and gradients equal
+    cross-entropy over the logits; with every label ignored the loss and both gradients are 0."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(B, T, C, dtype=torch.float64, generator=gen, requires_grad=True)
+    head = torch.randn(V, C, dtype=torch.float64, generator=gen, requires_grad=True)
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    if case == "none_labelled":
+        labels[:] = -100
+    want = _logits_path(hidden, head, labels)
+    want_grads = torch.autograd.grad(want * 0.37, (hidden, head))
+    got = lm_loss_sum(hidden, head, labels, chunk_tokens=7)
+    got_grads = torch.autograd.grad(got * 0.37, (hidden, head))
+    torch.testing.assert_close(got, want, rtol=TOL_FP64, atol=0)
+    for name, g, w in zip(["hidden", "head"], got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=TOL_FP64, atol=TOL_FP64, msg=f"d{name}")
+    if case == "none_labelled":
+        assert got.item() == 0 and all(g.abs().max() == 0 for g in got_grads)
+
+
+def test_add_rows_adds_repeated_rows() -> None:
+    """The platform's row update behind the loss's one-hot gradient: repeated rows add up, on
+    torch and (where installed) MindSpore, against numpy."""
+    from hyperpar_gdn.platform import ops_for
+
+    base, rows = np.arange(15.0).reshape(5, 3), np.ones((4, 3)) * [[1.0], [2.0], [3.0], [4.0]]
+    index = np.array([1, 1, 4, 0])
+    want = base.copy()
+    np.add.at(want, index, rows)
+    x = torch.tensor(base)
+    got = ops_for(x).add_rows(x, index, torch.tensor(rows))
+    np.testing.assert_array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(x.numpy(), base)  # a new tensor, the input unchanged
+    try:
+        import mindspore as ms
+    except ImportError:
+        return
+    xm = ms.Tensor(base)
+    np.testing.assert_array_equal(ops_for(xm).add_rows(xm, index, ms.Tensor(rows)).asnumpy(), want)

@@ -63,3 +63,11 @@ def test_header_and_resume_warning(tmp_path: Path) -> None:
     assert "(--cp-mode ulysses, --cp-layout head_tail)" in resumed, resumed
     assert resumed.count("resuming with changed options") == 1, resumed
     assert "--lr 0.001 (now 0.002)" in resumed
+
+
+def test_header_says_which_mode_auto_chose_and_why(tmp_path: Path) -> None:
+    out = _torchrun(tmp_path, "--steps", "1", "--cp-mode", "auto")
+    header = next(line for line in out.splitlines() if "ranks = dp" in line)
+    chosen = header.split("(--cp-mode auto: ")[1].split(",")[0]
+    assert chosen in ("ulysses", "p2p", "all_gather", "scan"), header
+    assert f"--cp-mode auto chose {chosen}: mode {chosen} predicted fastest for T=32, cp=2" in out, out

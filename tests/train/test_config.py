@@ -56,6 +56,12 @@ def rank_batch(
             {"cp_layout": "zigzag"},
             "--cp-layout 'zigzag' is not a token layout; choose one of contiguous, head_tail",
         ),
+        ({"cp_mode": "ulysses+scan"}, "--cp-inner-size goes with the two-level modes"),
+        ({"cp_mode": "p2p", "cp_inner_size": 2}, "got --cp-mode p2p and --cp-inner-size 2"),
+        (
+            {"cp_mode": "ulysses+p2p", "cp_inner_size": 2},
+            "--cp-mode ulysses+p2p needs --cp-layout contiguous",
+        ),
     ],
 )
 def test_option_errors_name_the_option(options: dict[str, object], message: str) -> None:
@@ -89,6 +95,11 @@ def test_option_errors_name_the_option(options: dict[str, object], message: str)
             {"model_size": "small", "seq_len": 64},
             16,
             "--cp-mode ulysses splits the GDN value heads over cp=16",
+        ),
+        (
+            {"cp_mode": "ulysses+scan", "cp_inner_size": 3, "cp_layout": "contiguous"},
+            4,
+            "--cp-inner-size 3 must divide cp=4",
         ),
     ],
 )
@@ -225,3 +236,11 @@ def test_documents_pack_the_rows_of_a_replica() -> None:
         Batch(tokens, starts), dp_rank=0, dp_size=1, cp_rank=0, cp_size=1, doc_boundaries=False
     )
     assert plain.cu_seqlens is None and plain.labels.tolist() == tokens[:, 1:].tolist()
+
+
+def test_two_level_beside_data_parallelism() -> None:
+    """--cp-size below the world with a two-level mode: dp replicas of (inner x outer) CP."""
+    config = TrainConfig(cp_mode="ulysses+scan", cp_inner_size=2, cp_layout="contiguous", cp_size=4)
+    assert config.layout(8) == (2, 4)  # 2 replicas of cp 4 = 2 x 2
+    with pytest.raises(ValueError, match=re.escape("--cp-inner-size 2 must divide cp=3")):
+        TrainConfig(cp_mode="ulysses+scan", cp_inner_size=2, cp_layout="contiguous", cp_size=3).layout(6)

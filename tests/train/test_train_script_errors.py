@@ -62,7 +62,7 @@ def test_user_error_is_one_line(case: str, tmp_path: Path) -> None:
     make_args, expected = CASES[case]
     result = _torchrun(*make_args(tmp_path), cwd=tmp_path)
     assert result.returncode != 0
-    ours = [line for line in result.stderr.splitlines() if "train.py: error:" in line]
-    assert len(ours) == 1, result.stderr  # rank 0 only
+    ours = [line for line in result.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert len(ours) == 1, result.stderr  # rank 0 only (torchrun's summary repeats it as the root cause)
     assert expected.format(tmp=tmp_path) in ours[0], ours[0]
     assert "hyperpar_gdn" not in result.stderr and 'train.py", line' not in result.stderr, result.stderr

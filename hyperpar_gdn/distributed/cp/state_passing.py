@@ -1,11 +1,12 @@
-"""The p2p and all_gather modes: one local pass, an exchange for the entering state, the outputs.
+"""The state modes (p2p, all_gather, scan): one local pass, an exchange for the entering state, the outputs.
 
-Both run the same pipeline on the local shard; they differ only in how rank r obtains S_in:
+All run the same pipeline on the local shard; they differ only in how rank r obtains S_in:
 
 - p2p: S_in arrives from rank r-1, rank r forwards M_r S_in + S_ext_r to rank r+1 (a chain in
   which only this affine step is sequential); backward sends dS_in back to rank r-1.
 - all_gather: every rank gathers the packed summaries [S_ext | M] of all ranks and folds those of
   ranks < r; backward reduce-scatters the summaries' gradients to their owners.
+- scan: an exclusive prefix scan of the summaries in ceil(log2 n) rounds (:mod:`.scan`).
 
 One pass, no second output pass (docs/maths.md, :func:`hyperpar_gdn.ops.gdn.onepass.shard_outputs`):
 before any communication each rank runs its chunks once on the widened state [S | M], which gives
@@ -29,7 +30,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hyperpar_gdn.distributed.cp.chain import Chain, split_fragments
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
+from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_final_states
+from hyperpar_gdn.distributed.cp.scan import ScanExchange
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops import prepare_chunks
 from hyperpar_gdn.ops.gdn.layer import finish, gates, head_dims, mask_padding, project, split_heads
@@ -39,34 +43,6 @@ from hyperpar_gdn.platform import Tensor
 
 def _t(xp, x: Tensor) -> Tensor:
     return xp.swapaxes(x, -1, -2)
-
-
-def _rows(xp, x: Tensor, n: int) -> list[Tensor]:
-    """x ``[n*B, ...]`` -> the n fragments' ``[B, ...]`` (x itself when n = 1)."""
-    return [x] if n == 1 else xp.split(x, [x.shape[0] // n] * n, 0)
-
-
-@dataclass(frozen=True)
-class Chain:
-    """The fragments of the sequence in global order, as ``(rank, slot)``, and the global indices
-    of this rank's fragments in slot order (:class:`~hyperpar_gdn.distributed.layout.TokenLayout`;
-    contiguous: fragment r is rank r's only one)."""
-
-    order: tuple[tuple[int, int], ...]
-    mine: tuple[int, ...]
-
-    @classmethod
-    def of(cls, cp: CPGroup, layout: TokenLayout | None) -> Chain:
-        if layout is None:
-            return cls(order=tuple((r, 0) for r in range(cp.size)), mine=(cp.rank,))
-        order = tuple((f.rank, f.slot) for f in layout.fragments)
-        return cls(order=order, mine=tuple(order.index((cp.rank, f.slot)) for f in layout.mine(cp.rank)))
-
-    def previous(self, i: int) -> tuple[int, int] | None:
-        return self.order[i - 1] if i > 0 else None
-
-    def next(self, i: int) -> tuple[int, int] | None:
-        return self.order[i + 1] if i + 1 < len(self.order) else None
 
 
 @dataclass
@@ -87,7 +63,7 @@ class P2PExchange:
         cp, xp = self.cp, self.cp.xp
         chain = Chain.of(cp, self.layout)
         n = len(chain.mine)
-        s_exts, ms = _rows(xp, s_ext, n), None if m is None else _rows(xp, m, n)
+        s_exts, ms = split_fragments(xp, s_ext, n), None if m is None else split_fragments(xp, m, n)
         s_ins: list[Tensor] = []
         s_outs: list[Tensor] = []
         for slot, i in enumerate(chain.mine):
@@ -117,11 +93,15 @@ class P2PExchange:
         mine = self.s_outs[slot] if cp.rank == owner else xp.zeros(like.shape, like=like)
         return cp.comm.all_reduce_sum(mine, cp.group)
 
+    def entering_state(self) -> Tensor:
+        """The state entering this rank's (first) fragment ``[B, H, K, V]``."""
+        return self.saved[1][0]
+
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
         chain, s_ins, ms = self.saved
         n = len(chain.mine)
-        ds_ins = None if ds_in is None else _rows(xp, ds_in, n)
+        ds_ins = None if ds_in is None else split_fragments(xp, ds_in, n)
         ds_outs: list[Tensor | None] = [None] * n
         to_previous: dict[int, Tensor] = {}  # dS_in + M^T dS_out of a slot whose predecessor is local
         for slot, i in reversed(list(enumerate(chain.mine))):
@@ -193,12 +173,17 @@ class AllGatherExchange:
             s = xp.matmul(packed[..., dv:], s) + packed[..., :dv]
         return s
 
+    def entering_state(self) -> Tensor:
+        """The state entering this rank's (first) fragment ``[B, H, K, V]``."""
+        chain, _, _, states = self.saved
+        return states[chain.mine[0]]
+
     def backward(self, ds_in: Tensor | None) -> Tensor:
         cp, xp = self.cp, self.cp.xp
         chain, shape, summaries, states = self.saved
         n = len(chain.mine)
         dv = states[0].shape[-1]
-        ds_ins = {} if ds_in is None else dict(zip(chain.mine, _rows(xp, ds_in, n), strict=True))
+        ds_ins = {} if ds_in is None else dict(zip(chain.mine, split_fragments(xp, ds_in, n), strict=True))
         rows = shape[1] // n
         grads = {}
         ds = None
@@ -220,7 +205,7 @@ class AllGatherExchange:
         return xp.sum(received, 0)[..., :dv]
 
 
-EXCHANGES = {"p2p": P2PExchange, "all_gather": AllGatherExchange}
+EXCHANGES = {"p2p": P2PExchange, "all_gather": AllGatherExchange, "scan": ScanExchange}
 
 
 def state_passing_forward(
@@ -233,6 +218,7 @@ def state_passing_forward(
     layout: TokenLayout | None = None,
     *,
     final_state: bool = False,
+    pieces: ShardPieces | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """x ``[B, T_r, hidden]`` (this rank's shard) -> ``[B, T_r, hidden]``.
 
@@ -246,14 +232,14 @@ def state_passing_forward(
     the shard), so the exchange is unchanged; the conv and the local chunks restart at every
     start.
 
-    ``final_state`` (contiguous shards only): also return the state after the whole sequence's
-    last token ``[B, H, K, V]`` (compute dtype) on every rank, from the summaries (an inference
-    prefill; no gradient)."""
+    ``final_state``: also return the state after the whole sequence's last token (that of the
+    last fragment in global order) ``[B, H, K, V]`` (compute dtype) on every rank, from the summaries (an inference
+    prefill; no gradient). With ``pieces`` (packed prompts, contiguous shards): the state after
+    every prompt's last token ``[N, H, K, V]`` instead
+    (:func:`~hyperpar_gdn.distributed.cp.packed_states.doc_final_states`)."""
     per_fragment = None if docs is None else ((docs,) if isinstance(docs, ShardDocs) else tuple(docs))
     if layout is not None and not layout.is_contiguous:
-        if final_state:
-            raise NotImplementedError(f"final_state needs contiguous shards; got layout {layout.kind!r}")
-        return _fragments_forward(mode, cp, call, x, attention_mask, per_fragment, layout)
+        return _fragments_forward(mode, cp, call, x, attention_mask, per_fragment, layout, final_state)
     docs = None if per_fragment is None else per_fragment[0]
     xp, w, dims = cp.xp, call.weights, call.dims
     x = mask_padding(xp, x, attention_mask)
@@ -273,7 +259,12 @@ def state_passing_forward(
     exchange = EXCHANGES[mode](cp, keep_final=final_state)
     o = xp.cast(shard_outputs(prep, exchange, widened=cp.rank > 0), prep.out_dtype)
     y = finish(xp, w, dims, o, z)
-    return (y, exchange.final_state()) if final_state else y
+    if not final_state:
+        return y
+    if pieces is None:
+        return y, exchange.final_state()
+    s_in = exchange.entering_state()
+    return y, doc_final_states(cp, pieces, q, k, v, g, beta, s_in, chunk_size=call.chunk_size)
 
 
 def _fragments_forward(
@@ -284,9 +275,11 @@ def _fragments_forward(
     attention_mask: Tensor | None,
     docs: tuple[ShardDocs, ...] | None,
     layout: TokenLayout,
-) -> Tensor:
+    final_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The shard's n fragments as n rows of one batch; every fragment is widened (the first
-    fragment of the sequence gets a zero S_in from the exchange)."""
+    fragment of the sequence gets a zero S_in from the exchange). ``final_state``: as in
+    :func:`state_passing_forward`."""
     xp, w, dims = cp.xp, call.weights, call.dims
     mine = layout.mine(cp.rank)
     n, lengths = len(mine), [f.length for f in mine]
@@ -310,5 +303,7 @@ def _fragments_forward(
         use_qk_l2norm_in_kernel=True,
         doc_starts=None if docs is None else np.stack([d.local for d in docs]),  # [n, P] (B = 1)
     )
-    o = xp.cast(shard_outputs(prep, EXCHANGES[mode](cp, layout), widened=True), prep.out_dtype)
-    return finish(xp, w, dims, xp.cat(xp.split(o, [o.shape[0] // n] * n, 0), 1), z)
+    exchange = EXCHANGES[mode](cp, layout, keep_final=final_state)
+    o = xp.cast(shard_outputs(prep, exchange, widened=True), prep.out_dtype)
+    y = finish(xp, w, dims, xp.cat(xp.split(o, [o.shape[0] // n] * n, 0), 1), z)
+    return (y, exchange.final_state()) if final_state else y

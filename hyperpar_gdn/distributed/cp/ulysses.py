@@ -25,7 +25,7 @@ head dims, hv = H/cp value heads per rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,6 +179,74 @@ def _from_token_blocks(xp: TensorOps, flat: Tensor, bsz: int, lengths: Sequence[
     )
 
 
+@dataclass(frozen=True)
+class HeadsIn:
+    """What the first all-to-all leaves on rank r: ``full`` ``[B, T, width_r]`` (the group's
+    tokens in rank order; its heads' conv channels, beta and decay logits), the output gate ``z``
+    of its own tokens, and the head shares of the group."""
+
+    full: Tensor
+    z: Tensor
+    shares: tuple[HeadShare, ...]
+    t_local: int
+
+
+def heads_in(
+    cp: CPGroup, call: LayerCall, x: Tensor, attention_mask: Tensor | None, lengths: Sequence[int]
+) -> HeadsIn:
+    """Project this rank's tokens and trade them for 1/cp of the heads over the group's tokens."""
+    xp, dims, n, r = cp.xp, call.dims, cp.size, cp.rank
+    shares = tuple(HeadShare.of(dims, n, j) for j in range(n))
+    x = mask_padding(xp, x, attention_mask)
+    mixed, z, b, a = project(xp, call.weights, x)
+    bsz, t_local = mixed.shape[0], lengths[r]
+    widths = [s.width(dims) for s in shares]
+    received = cp.comm.all_to_all(
+        _send_buffer(xp, mixed, b, a, dims, shares),
+        [bsz * t_local * w for w in widths],
+        [bsz * t * widths[r] for t in lengths],
+        cp.group,
+    )
+    return HeadsIn(_from_token_blocks(xp, received, bsz, lengths, widths[r]), z, shares, t_local)
+
+
+def local_heads(xp: TensorOps, call: LayerCall, mine: HeadShare, full: Tensor, conv: Callable) -> tuple:
+    """q, k, v, g, beta of this rank's heads from ``full`` ``[B, T, width]`` (global order);
+    ``conv(conv_in, weight)``: the causal conv + SiLU of its channels with their weight slice."""
+    dims, w, hv = call.dims, call.weights, mine.v_count
+    conv_in, b_mine, a_mine = xp.split(full, [mine.conv_width(dims), hv, hv], 2)
+    mixed_local = conv(conv_in, xp.take(w.conv, mine.conv_channels(dims), 0))
+    q, k, v = split_heads(
+        xp,
+        mixed_local,
+        num_k_heads=mine.k_count,
+        num_v_heads=hv,
+        head_k_dim=dims.head_k_dim,
+        head_v_dim=dims.head_v_dim,
+    )
+    index = mine.k_index(dims)
+    heads = slice(mine.v_start, mine.v_start + hv)
+    g, beta = gates(xp, b_mine, a_mine, w.a_log[heads], w.dt_bias[heads])
+    return _per_value_head(xp, q, index), _per_value_head(xp, k, index), v, g, beta
+
+
+def heads_out(cp: CPGroup, call: LayerCall, hin: HeadsIn, o: Tensor, lengths: Sequence[int]) -> Tensor:
+    """This rank's heads' outputs ``[B, T, hv*Dv]`` (rank order) back to "all heads, own tokens",
+    then the gated norm and the output projection: ``[B, T_r, hidden]``."""
+    xp, dims, n = cp.xp, call.dims, cp.size
+    bsz, width = o.shape[0], o.shape[-1]
+    back = cp.comm.all_to_all(
+        _to_token_blocks(xp, o, lengths),
+        [bsz * t * width for t in lengths],
+        [bsz * hin.t_local * width] * n,
+        cp.group,
+    )
+    o = _from_rank_major(xp, back, bsz, hin.t_local, n)  # [B, T_r, H*Dv], heads in order
+    return finish(
+        xp, call.weights, dims, o.reshape(bsz, hin.t_local, dims.num_v_heads, dims.head_v_dim), hin.z
+    )
+
+
 def ulysses_forward(
     cp: CPGroup,
     call: LayerCall,
@@ -198,44 +266,16 @@ def ulysses_forward(
 
     ``final_state``: also return the state after the sequence's last token ``[B, H, K, V]``
     (compute dtype) on every rank: each rank's heads ran the whole sequence; one all-gather puts
-    them together (an inference prefill, without packed documents; no gradient)."""
-    if final_state and docs is not None:
-        raise NotImplementedError("final_state with packed documents is not supported")
-    xp, w, dims, n, r = cp.xp, call.weights, call.dims, cp.size, cp.rank
-    shares = [HeadShare.of(dims, n, j) for j in range(n)]
-    mine, t_local = shares[r], lengths[r]
-    hv, dv = mine.v_count, dims.head_v_dim
-    x = mask_padding(xp, x, attention_mask)
-    mixed, z, b, a = project(xp, w, x)
-    bsz = mixed.shape[0]
-
-    widths = [s.width(dims) for s in shares]
-    width = widths[r]
-    received = cp.comm.all_to_all(
-        _send_buffer(xp, mixed, b, a, dims, shares),
-        [bsz * t_local * w for w in widths],
-        [bsz * t * width for t in lengths],
-        cp.group,
-    )
-    full = _from_token_blocks(xp, received, bsz, lengths, width)  # [B, T, width], rank order
-    if layout is not None:
-        full = layout.to_global(xp, full, 1)
-    conv_width = mine.conv_width(dims)
+    them together (an inference prefill; no gradient). With packed documents (``docs``): the state
+    after every document's last token ``[N, H, K, V]``."""
+    xp, dims = cp.xp, call.dims
+    hin = heads_in(cp, call, x, attention_mask, lengths)
+    mine = hin.shares[cp.rank]
+    full = hin.full if layout is None else layout.to_global(xp, hin.full, 1)
     whole = None if docs is None else docs.whole
-    conv_in, b_mine, a_mine = xp.split(full, [conv_width, hv, hv], 2)
-    mixed_local = conv_silu(xp, conv_in, xp.take(w.conv, mine.conv_channels(dims), 0), doc_starts=whole)
-    q, k, v = split_heads(
-        xp,
-        mixed_local,
-        num_k_heads=mine.k_count,
-        num_v_heads=hv,
-        head_k_dim=dims.head_k_dim,
-        head_v_dim=dv,
+    q, k, v, g, beta = local_heads(
+        xp, call, mine, full, lambda conv_in, weight: conv_silu(xp, conv_in, weight, doc_starts=whole)
     )
-    index = mine.k_index(dims)
-    q, k = _per_value_head(xp, q, index), _per_value_head(xp, k, index)
-    heads = slice(mine.v_start, mine.v_start + hv)
-    g, beta = gates(xp, b_mine, a_mine, w.a_log[heads], w.dt_bias[heads])
     if whole is None:
         o, s_mine = chunk_gated_delta_rule(
             q,
@@ -247,26 +287,33 @@ def ulysses_forward(
             use_qk_l2norm_in_kernel=True,
             output_final_state=final_state,
         )
+    elif final_state:  # a packed prefill: fla's cu_seqlens form gives every document's last state
+        o, s_mine = chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            chunk_size=call.chunk_size,
+            use_qk_l2norm_in_kernel=True,
+            output_final_state=True,
+            cu_seqlens=np.unique(np.concatenate([[0], np.flatnonzero(whole), [len(whole)]])),
+        )
     else:
         prep = prepare_chunks(
             q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True, doc_starts=whole
         )
         o, _ = outputs_from(prep, None)
-
     # [B, T, hv*Dv]: the tokens of rank i go back to rank i; rank j's heads arrive from rank j
-    o = o.reshape(bsz, sum(lengths), hv * dv)
+    bsz = o.shape[0]
+    o = o.reshape(bsz, sum(lengths), mine.v_count * dims.head_v_dim)
     if layout is not None:
         o = layout.to_rank_order(xp, o, 1)
-    back = cp.comm.all_to_all(
-        _to_token_blocks(xp, o, lengths),
-        [bsz * t * hv * dv for t in lengths],
-        [bsz * t_local * hv * dv] * n,
-        cp.group,
-    )
-    o = _from_rank_major(xp, back, bsz, t_local, n)  # [B, T_r, H*Dv], heads in order
-    y = finish(xp, w, dims, o.reshape(bsz, t_local, dims.num_v_heads, dv), z)
+    y = heads_out(cp, call, hin, o, lengths)
     if not final_state:
         return y
-    gathered = cp.comm.all_gather(s_mine, cp.group)  # [cp, B, hv, Dk, Dv], rank j's heads
-    s_all = xp.permute(gathered, (1, 0, 2, 3, 4)).reshape(bsz, dims.num_v_heads, dims.head_k_dim, dv)
+    gathered = cp.comm.all_gather(s_mine, cp.group)  # [cp, B or N, hv, Dk, Dv], rank j's heads
+    s_all = xp.permute(gathered, (1, 0, 2, 3, 4)).reshape(
+        s_mine.shape[0], dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
+    )
     return y, s_all

@@ -2,5 +2,20 @@
 class or keyword lives in this package.
 
 - :mod:`.model_dir`: load a model directory for training, export one, make a tiny one;
-- :mod:`.lm_head`: the final hidden states and head weight of a model the trainer trains.
+- :mod:`.lm_head`: the final hidden states and head weight of a model the trainer trains;
+- :mod:`.trainer`: ``ContextParallelTrainer`` and ``ContextParallelMixin`` (transformers'
+  ``Trainer`` and its subclasses, TRL's ``SFTTrainer`` among them), loaded on first use.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {"ContextParallelMixin", "ContextParallelTrainer"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.trainer"), name)

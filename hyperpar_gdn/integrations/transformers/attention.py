@@ -15,6 +15,7 @@ from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
 from hyperpar_gdn.distributed.sequence import GlobalSequence
 from hyperpar_gdn.distributed.softmax_attention_style import attention_forward, shard_error
 from hyperpar_gdn.ops.attention.softmax import finish_attention, project_attention
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
 __all__ = ["TransformersAttention", "transformers_attention_forward"]
@@ -57,6 +58,7 @@ def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str) -
         position_embeddings: tuple[Tensor, Tensor],
         attention_mask: Any = None,
         cache: Any = None,
+        prefill_states: PrefillStates | None = None,
         **kwargs: Any,
     ) -> tuple[Tensor, None]:
         # position_ids and cu_seq_lens_q: the model's hook already turned them into the GlobalSequence
@@ -82,7 +84,12 @@ def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str) -
         if error is not None:
             raise ValueError(error)
         return attention_forward(
-            adapter, mesh, hidden_states, attention_mask, cos_sin=position_embeddings
+            adapter,
+            mesh,
+            hidden_states,
+            attention_mask,
+            cos_sin=position_embeddings,
+            prefill_states=prefill_states,
         ), None
 
     return forward

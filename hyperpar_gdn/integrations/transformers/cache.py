@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn.distributed.decoder_layers import mixer_of
-from hyperpar_gdn.inference.states import PrefillStates
 from hyperpar_gdn.integrations.transformers.discovery import CAUSAL_LMS
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
-__all__ = ["check_causal_lm", "dynamic_cache", "prefill_hidden"]
+__all__ = ["check_causal_lm", "dynamic_cache", "dynamic_caches", "prefill_hidden"]
 
 
 def check_causal_lm(model: Any) -> None:
@@ -24,22 +24,31 @@ def check_causal_lm(model: Any) -> None:
 
 
 def prefill_hidden(
-    text_model: Any, input_ids: Tensor, mask_np: np.ndarray | None, start: int, stop: int
+    text_model: Any,
+    input_ids: Tensor,
+    mask_np: np.ndarray | None,
+    index: np.ndarray,
+    states: PrefillStates,
+    positions: np.ndarray | None = None,
 ) -> Tensor:
-    """This rank's final hidden states ``[B, T_r, C]`` through transformers' text model, with the
-    global positions ``generate`` would give (from the padding mask when there is one)."""
+    """This rank's final hidden states ``[B, T_r, C]`` through transformers' text model: the
+    prompt's tokens at the global positions ``index`` (int ``[T_r]``, this rank's tokens in its
+    layout) with the positions ``generate`` would give them (from the padding mask when there is
+    one) or ``positions`` ``[1, T]`` (packed prompts: restarting at 0 per prompt); every mixer is
+    handed ``states`` (the decoder layers pass their keywords on)."""
     xp = ops_for(input_ids)
     b, t = input_ids.shape
-    if mask_np is None:
+    if positions is None and mask_np is None:
         positions = np.tile(np.arange(t), (b, 1))
-    else:
+    elif positions is None:
         positions = np.where(mask_np, np.cumsum(mask_np, 1) - 1, 0)
     inputs = {
-        "input_ids": input_ids[:, start:stop],
-        "position_ids": xp.constant(np.ascontiguousarray(positions[:, start:stop]), like=input_ids),
+        "input_ids": xp.take(input_ids, index, 1),
+        "position_ids": xp.constant(np.ascontiguousarray(positions[:, index]), like=input_ids),
+        "prefill_states": states,
     }
     if mask_np is not None:
-        inputs["attention_mask"] = xp.constant(mask_np[:, start:stop].astype(np.int64), like=input_ids)
+        inputs["attention_mask"] = xp.constant(mask_np[:, index].astype(np.int64), like=input_ids)
     return text_model(**inputs).last_hidden_state
 
 
@@ -59,3 +68,27 @@ def dynamic_cache(model: Any, text_model: Any, states: PrefillStates) -> Any:
             k, v = states.kv[id(module)]
             cache.update(k, v, i)
     return cache
+
+
+def dynamic_caches(model: Any, text_model: Any, states: PrefillStates, cu: np.ndarray) -> list[Any]:
+    """One ``DynamicCache`` per packed prompt (bounds ``cu`` int ``[N+1]``): the GDN layers
+    recorded a row per prompt (conv ``[N, C, W]``, S ``[N, H, K, V]``), the attention layers the K
+    and V of the whole row ``[1, Hkv, T, D]``, cut at the bounds."""
+    from transformers import DynamicCache
+
+    caches = []
+    for n in range(len(cu) - 1):
+        cache = DynamicCache(config=model.config)
+        for i, block in enumerate(text_model.layers):
+            kind, module = mixer_of(i, block)
+            if kind == "linear_attn":
+                conv, s = states.gdn[id(module)]
+                conv_n = conv[n : n + 1].to(module.conv1d.weight.dtype)
+                cache.update_conv_state(conv_n, i, conv_kernel_size=conv.shape[-1])
+                cache.update_recurrent_state(s[n : n + 1], i)
+            else:
+                k, v = states.kv[id(module)]
+                start, stop = int(cu[n]), int(cu[n + 1])
+                cache.update(k[:, :, start:stop].contiguous(), v[:, :, start:stop].contiguous(), i)
+        caches.append(cache)
+    return caches

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperpar_gdn.distributed.decoder_layers import has_mixer
-
 __all__ = ["TEXT_MODELS", "MULTIMODAL_MODELS", "CAUSAL_LMS", "find_text_model", "is_text_model"]
 
 TEXT_MODELS = ("Qwen3_5TextModel", "Qwen3_5MoeTextModel")
@@ -23,8 +21,7 @@ def find_text_model(model: Any) -> tuple[Any, Any]:
         return model, model.language_model
     inner = getattr(model, "model", None)
     for candidate in (model, inner):
-        layers = getattr(candidate, "layers", None)
-        if layers is not None and any(has_mixer(block) for block in layers):
+        if type(candidate).__name__ in TEXT_MODELS:
             return None, candidate
     if type(inner).__name__ in MULTIMODAL_MODELS:
         return inner, inner.language_model

@@ -14,7 +14,6 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 
-from hyperpar_gdn.inference.states import active_prefill_states
 from hyperpar_gdn.models.mindspore.norm import RMSNorm
 from hyperpar_gdn.ops.attention.softmax import (
     causal_attention,
@@ -24,6 +23,7 @@ from hyperpar_gdn.ops.attention.softmax import (
     rope_cos_sin,
     self_attention,
 )
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import ops_for
 
 __all__ = ["CausalSelfAttention"]
@@ -106,13 +106,15 @@ class CausalSelfAttention(nn.Cell):
         xp = ops_for(o_BTX)
         return finish_attention(xp, o_BTX, gate_BTX, lambda x: xp.linear(x, self.o_proj.weight))
 
-    def construct(self, hidden_states: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
-        """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents, each attending only to itself."""
+    def construct(
+        self, hidden_states: ms.Tensor, cu_seqlens: Any = None, prefill_states: PrefillStates | None = None
+    ) -> ms.Tensor:
+        """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents, each attending only to itself;
+        ``prefill_states``: an inference prefill's record, handed K and V ``[B, Hkv, T, D]``."""
         shape = tuple(hidden_states.shape)
         if len(shape) != 3 or shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [B, T, hidden_size={self.hidden_size}]; got {shape}")
         q, k, v, gate = self.project(hidden_states)
-        states = active_prefill_states()  # an inference prefill keeps K and V
-        if states is not None:
-            states.keep_kv(self, k, v)
+        if prefill_states is not None:
+            prefill_states.keep_kv(self, k, v)
         return self.finish(self_attention(ops_for(q), q, k, v, cu_seqlens=cu_seqlens), gate)

@@ -21,6 +21,7 @@ from mindspore import Parameter, nn
 
 from hyperpar_gdn.models.mindspore.weights import assign_parameters, torch_values
 from hyperpar_gdn.ops.gdn.layer import LayerDims, gated_rms_norm, init_layer_dims, layer_forward
+from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import ops_for
 
 __all__ = ["CausalDepthwiseConv1d", "GatedDeltaNet", "GatedRMSNorm"]
@@ -122,6 +123,7 @@ class GatedDeltaNet(nn.Cell):
         *,
         cu_seqlens: ms.Tensor | None = None,
         position_ids: ms.Tensor | None = None,
+        prefill_states: PrefillStates | None = None,
     ) -> ms.Tensor:
         """The layer on ``hidden_states`` ``[B, T, hidden]`` -> ``[B, T, hidden]``.
 
@@ -134,13 +136,21 @@ class GatedDeltaNet(nn.Cell):
             position_ids: ``[B, T]`` restarting at 0 at every document (transformers' packed
                 convention); one device only (a shard's positions cannot say where the documents
                 of other shards start).
+            prefill_states: an inference prefill's record
+                (:class:`~hyperpar_gdn.ops.prefill_states.PrefillStates`): the layer hands it its
+                decoding state after the last token.
 
         After :class:`~hyperpar_gdn.LinearAttentionContextParallel` ``.apply``, ``hidden_states``
         and the result are this rank's shard ``[B, T_r, hidden]`` (and ``attention_mask`` its
         ``[B, T_r]`` shard).
         """
         return layer_forward(
-            self, hidden_states, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids
+            self,
+            hidden_states,
+            attention_mask,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            prefill_states=prefill_states,
         )
 
     @classmethod

@@ -1,6 +1,6 @@
 """One decoding step of a GDN layer from its decoding state, on any framework.
 
-The state after a prompt (:mod:`hyperpar_gdn.inference.states`) is the conv state, the last W
+The state after a prompt (:mod:`hyperpar_gdn.ops.prefill_states`) is the conv state, the last W
 pre-conv inputs ``[B, C, W]``, and the recurrent state S ``[B, H, K, V]``. A new token x
 ``[B, 1, hidden]``:
 

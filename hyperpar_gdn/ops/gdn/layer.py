@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.inference.states import active_prefill_states, conv_state_of
 from hyperpar_gdn.ops.gdn.chunk import chunk_gated_delta_rule, outputs_from, prepare_chunks
 from hyperpar_gdn.ops.gdn.varlen import check_doc_starts, conv_tap_masks, packed_doc_starts
+from hyperpar_gdn.ops.prefill_states import PrefillStates, conv_state_of
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
 REQUIRED_ATTRIBUTES = (
@@ -155,8 +155,12 @@ def layer_forward(
     *,
     cu_seqlens: Any = None,
     position_ids: Any = None,
+    prefill_states: PrefillStates | None = None,
 ) -> Tensor:
     """The single-device forward of a GDN layer module (ours on either framework).
+
+    ``prefill_states``: an inference prefill's record; the layer hands it its decoding state
+    (conv ``[B, C, W]``, S ``[B, H, K, V]``) after the last token (not with packed documents).
 
     Packed documents (B = 1): ``cu_seqlens`` int ``[N+1]`` (fla's) or ``position_ids`` ``[1, T]``
     restarting at 0 per document (transformers'); both may be given if they agree. The conv and
@@ -169,7 +173,7 @@ def layer_forward(
         batch_size=shape[0], seq_len=shape[1], cu_seqlens=cu_seqlens, position_ids=position_ids
     )
     xp = ops_for(hidden_states)
-    states = active_prefill_states()
+    states = prefill_states
     if states is None:
         return gdn_layer_forward(
             xp, LayerWeights.of(module), dims, hidden_states, attention_mask, doc_starts=doc_starts
@@ -355,7 +359,7 @@ def gdn_layer_forward(
     every True (token 0 starts the first document whatever it says).
 
     ``output_final_state``: return ``(y, (conv_state [B, C, W], S [B, H, K, V]))``, the decoding
-    state after the last token (see :mod:`hyperpar_gdn.inference.states`); not with packed
+    state after the last token (see :mod:`hyperpar_gdn.ops.prefill_states`); not with packed
     documents."""
     if output_final_state and doc_starts is not None:
         raise NotImplementedError("output_final_state with packed documents (doc_starts) is not supported")

@@ -1,0 +1,264 @@
+"""The cost terms of the GDN context-parallel modes on a machine of nodes of devices.
+
+Per GDN layer and rank, forward plus backward, for T tokens over cp ranks (B rows, H value heads
+and Hk key heads of dims K and V, conv width W, n fragments = cp, or 2 cp for head_tail). Rank r
+sits in node r // devices_per_node; a message between two nodes takes the ``inter`` link, one
+inside a node the ``intra`` link; a round of messages lasts as long as its slowest message.
+
+======================  ==================================  =====================================
+mode                    bytes sent (worst rank)             on the critical path
+======================  ==================================  =====================================
+ulysses                 2 B T/cp (conv_dim+2H+value_dim)    4 all-to-alls; the bytes to other
+                        (cp-1)/cp e  (e: input dtype; more  nodes go over ``inter`` meanwhile
+                        when cp does not divide Hk)
+p2p                     2 B H K V 4                         2 (n-1) hops (one state and one
+                                                            K x K x V step each; those from
+                                                            node to node over ``inter``)
+all_gather              2 (cp-1) B H K (V+K) 4              a ring of cp-1 steps each way
+scan                    2 ceil(log2 n) B H K (V+K) 4        2 ceil(log2 n) rounds, two K x K x
+                                                            (K+V) products each
+ulysses+<state mode>    ulysses over k = inner ranks on     then the state mode over cp/k ranks
+                        the node's T k/cp tokens            for H/k heads
+======================  ==================================  =====================================
+
+The state modes also move the conv halo (2 B (W-1) conv_dim e) and run a widened pass on every
+shard but the first: about B T/cp H (6 K^2 + 2 C K + 2 K V) FLOPs more than the plain pass (the
+K extra state columns and Q_eff forward, Q_eff^T dO backward; C = 64), about a quarter of the
+rule's own work (measured: +33%, 244 ms against 184 ms for a T=4096, H=4, K=V=128 shard). The shard's
+own rule work, the same in every mode, is ``shared_seconds``: about 16.6 B T/cp H (K V + C (K + V))
+FLOPs (fwd+bwd, 8.9 GFLOP at T=4096, H=4, K=V=128, C=64, as counted for the kernel); it does not
+change the ranking but says how much a mode adds to a layer.
+
+Predicted seconds = latency x messages in sequence + bytes in sequence / bandwidth + extra FLOPs /
+flops, each message on the link it crosses. Left out: the projections and the 8-byte length
+exchange; overlap of communication with compute (none in this implementation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hyperpar_gdn.distributed.cp.scan import scan_rounds
+
+__all__ = ["MACHINES", "Geometry", "Link", "Machine", "ModeCost", "mode_cost"]
+
+SHARED_FLOPS_PER_UNIT = 16.6  # rule fwd+bwd FLOPs per token, head and (K V + C (K + V))
+CHUNK = 64  # C, the chunk size
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: ``bandwidth`` bytes/s per device, ``latency`` s per message."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Nodes of ``devices_per_node`` devices: ``intra`` links inside a node, ``inter`` between
+    nodes (per device), and ``flops`` FLOP/s of the rule's chunk work on one device."""
+
+    intra: Link
+    inter: Link
+    devices_per_node: int
+    flops: float
+
+
+# Published orders of magnitude, not measurements of a cluster (override them): NVLink-class
+# 200-450 GB/s per GPU, HCCS on Ascend 910B 56 GB/s per link (a send uses one link), 200-400 Gb/s
+# NICs between nodes (25-50 GB/s per device), 5-20 us per message; cpu: gloo on one machine.
+MACHINES = {
+    "gpu": Machine(Link(300e9, 10e-6), Link(40e9, 20e-6), devices_per_node=8, flops=50e12),
+    "npu": Machine(Link(56e9, 15e-6), Link(25e9, 20e-6), devices_per_node=8, flops=50e12),
+    "cpu": Machine(Link(2e9, 50e-6), Link(2e9, 50e-6), devices_per_node=1 << 20, flops=50e9),
+}
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    """One mode's predicted cost per GDN layer and rank, forward plus backward."""
+
+    mode: str
+    feasible: bool
+    bytes_sent: float
+    messages: float  # on the critical path
+    extra_flops: float
+    summary_bytes: float
+    seconds: float
+    shared_seconds: float = 0.0  # the shard's own rule work, the same in every mode
+    reason: str = ""  # why not feasible
+    inner_size: int | None = None  # the two-level modes' ranks per inner group
+
+    def describe(self) -> str:
+        name = self.mode if self.inner_size is None else f"{self.mode} (inner_size={self.inner_size})"
+        if not self.feasible:
+            return f"{name}: not possible ({self.reason})"
+        return (
+            f"{name}: {self.seconds * 1e3:.3f} ms/layer (sent {self.bytes_sent / 2**20:.2f} MiB, "
+            f"{self.messages:.0f} messages in sequence, {self.extra_flops / 1e9:.2f} GFLOP extra, "
+            f"summaries {self.summary_bytes / 2**20:.2f} MiB)"
+        )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The layer and the split: ``t`` tokens over ``cp`` ranks, ``b`` rows, ``hk``/``h`` key and
+    value heads of dims ``k``/``v``, conv width ``w``, ``e`` bytes per input element, ``head_tail``."""
+
+    t: float
+    cp: int
+    hk: float
+    h: float
+    k: int
+    v: int
+    w: int
+    b: int
+    e: int
+    head_tail: bool = False
+
+    @property
+    def n(self) -> int:  # fragments in the chain
+        return 2 * self.cp if self.head_tail else self.cp
+
+    @property
+    def conv_dim(self) -> float:
+        return 2 * self.hk * self.k + self.h * self.v
+
+    def halo_bytes(self) -> float:
+        return 2 * self.b * (self.w - 1) * self.conv_dim * self.e
+
+    def widened_flops(self) -> float:
+        # forward: K more state columns (4 K^2) and Q_eff (2 K^2 + 2 C K); backward: Q_eff^T dO (2 K V)
+        return self.b * self.t / self.cp * self.h * (6 * self.k**2 + 2 * CHUNK * self.k + 2 * self.k * self.v)
+
+    def shared_flops(self) -> float:
+        unit = self.k * self.v + CHUNK * (self.k + self.v)
+        return SHARED_FLOPS_PER_UNIT * self.b * self.t / self.cp * self.h * unit
+
+    def summary(self) -> float:  # one packed map [S | M], fp32
+        return self.b * self.h * self.k * (self.v + self.k) * 4
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a group's ranks sit: ``size`` ranks, ``stride`` apart in the CP group (node = rank //
+    devices_per_node); the group's first rank is 0 (the worst case: every group looks alike)."""
+
+    size: int
+    stride: int
+    devices_per_node: int
+
+    def node(self, j: int) -> int:
+        return j * self.stride // self.devices_per_node
+
+    def crosses(self) -> bool:
+        return self.node(self.size - 1) != self.node(0)
+
+    def peers_in_node(self) -> int:
+        return sum(1 for j in range(self.size) if self.node(j) == self.node(0))
+
+
+def _link(machine: Machine, crosses: bool) -> Link:
+    return machine.inter if crosses else machine.intra
+
+
+def _ulysses_sent(g: Geometry) -> float:
+    """Bytes the worst rank sends in ulysses' all-to-alls, forward and backward: rank j takes
+    H/cp value heads and the kc_j q/k heads they use, w_j = 2 K kc_j + (H/cp)(V + 2) channels
+    per token; the worst rank r sends T/cp [sum_{j != r} w_j + (cp-1) w_r] + 2 (cp-1) T/cp
+    (H/cp) V elements (the table's formula when cp divides the q/k heads)."""
+    per_rank = round(g.h) // g.cp
+    group = max(round(g.h) // max(round(g.hk), 1), 1)  # value heads per q/k head
+    kc = [len({i // group for i in range(j * per_rank, (j + 1) * per_rank)}) for j in range(g.cp)]
+    w = [2 * g.k * c + per_rank * (g.v + 2) for c in kc]
+    elements = g.t / g.cp * (sum(w) + (g.cp - 2) * max(w) + 2 * (g.cp - 1) * per_rank * g.v)
+    return g.b * elements * g.e
+
+
+def _ulysses(g: Geometry, span: Span, m: Machine) -> tuple[float, float, float]:
+    """(bytes sent, messages, seconds) of the two all-to-alls each way."""
+    sent = _ulysses_sent(g)
+    per_peer = sent / max(g.cp - 1, 1)
+    near = span.peers_in_node() - 1
+    far = g.cp - 1 - near
+    seconds = max(near * per_peer / m.intra.bandwidth, far * per_peer / m.inter.bandwidth)
+    messages = 4 * (g.cp - 1)
+    return sent, messages, seconds + messages * _link(m, far > 0).latency
+
+
+def _chain_hops(g: Geometry, span: Span) -> tuple[int, int]:
+    """(hops inside a node, hops between nodes) along the fragments' chain, one direction."""
+    owners = list(range(g.cp)) + (list(reversed(range(g.cp))) if g.head_tail else [])
+    far = sum(1 for a, b in zip(owners[:-1], owners[1:], strict=True) if span.node(a) != span.node(b))
+    return len(owners) - 1 - far, far
+
+
+def _state_mode(mode: str, g: Geometry, span: Span, m: Machine) -> tuple[float, float, float, float, float]:
+    """(bytes sent, messages, seconds, extra FLOPs, summary memory) of p2p, all_gather or scan."""
+    halo = g.halo_bytes()
+    link = _link(m, span.crosses())
+    seconds = 2 * link.latency + halo / link.bandwidth  # the halo's two messages
+    if mode == "p2p":
+        state = g.b * g.h * g.k * g.v * 4
+        step = 2 * g.b * g.h * g.k**2 * g.v
+        near, far = _chain_hops(g, span)
+        flops = g.widened_flops() + 2 * (near + far) * step
+        for count, hop in ((near, m.intra), (far, m.inter)):
+            seconds += 2 * count * (hop.latency + state / hop.bandwidth)
+        return 2 * state + halo, 2 * (near + far) + 2, seconds + flops / m.flops, flops, 2 * state
+    if mode == "all_gather":
+        sent = 2 * (g.cp - 1) * g.summary()
+        flops = g.widened_flops() + 4 * (g.n - 1) * g.b * g.h * g.k**2 * g.v
+        seconds += 2 * (g.cp - 1) * link.latency + sent / link.bandwidth + flops / m.flops
+        return sent + halo, 2 * (g.cp - 1) + 2, seconds, flops, g.cp * g.summary()
+    rounds = 2 * scan_rounds(g.n)
+    flops = g.widened_flops() + rounds * 4 * g.b * g.h * g.k**2 * (g.k + g.v)
+    seconds += rounds * (link.latency + g.summary() / link.bandwidth) + flops / m.flops
+    return rounds * g.summary() + halo, rounds + 2, seconds, flops, 3 * g.summary()
+
+
+def mode_cost(mode: str, g: Geometry, m: Machine, *, inner_size: int | None = None) -> ModeCost:
+    """The cost of ``mode`` (one of ulysses, p2p, all_gather, scan, or ``ulysses+<state mode>``
+    with ``inner_size``) for ``g`` on ``m``; infeasible (with the reason) where heads forbid it."""
+    shared = g.shared_flops() / m.flops
+    span = Span(g.cp, 1, m.devices_per_node)
+    if mode == "ulysses":
+        if g.h % g.cp:
+            return _refused(mode, shared, f"num_v_heads={g.h:g} is not divisible by cp={g.cp}")
+        sent, messages, seconds = _ulysses(g, span, m)
+        return ModeCost(mode, True, sent, messages, 0.0, 0.0, seconds, shared)
+    if "+" not in mode:
+        sent, messages, seconds, flops, memory = _state_mode(mode, g, span, m)
+        return ModeCost(mode, True, sent, messages, flops, memory, seconds, shared)
+    k = inner_size
+    if k is None or g.cp % k or g.h % k:
+        why = f"inner_size={k} must divide cp={g.cp} and num_v_heads={g.h:g}"
+        return _refused(mode, shared, why, inner_size=k)
+    outer = g.cp // k
+    # ulysses inside each group of k ranks on the group's T k/cp tokens, then the state mode over
+    # the cp/k groups (ranks k apart) for H/k heads and their conv channels
+    inner_g = Geometry(g.t * k / g.cp, k, g.hk, g.h, g.k, g.v, g.w, g.b, g.e)
+    sent_u, messages_u, seconds_u = _ulysses(inner_g, Span(k, 1, m.devices_per_node), m)
+    outer_g = Geometry(g.t, outer, g.hk / k, g.h / k, g.k, g.v, g.w, g.b, g.e)
+    outer_span = Span(outer, k, m.devices_per_node)
+    if outer == 1:
+        sent_s = messages_s = seconds_s = flops = memory = 0.0
+    else:
+        sent_s, messages_s, seconds_s, flops, memory = _state_mode(mode.split("+")[1], outer_g, outer_span, m)
+    return ModeCost(
+        mode,
+        True,
+        sent_u + sent_s,
+        messages_u + messages_s,
+        flops,
+        memory,
+        seconds_u + seconds_s,
+        shared,
+        inner_size=k,
+    )
+
+
+def _refused(mode: str, shared: float, reason: str, *, inner_size: int | None = None) -> ModeCost:
+    inf = float("inf")
+    return ModeCost(mode, False, inf, inf, inf, inf, inf, shared, reason, inner_size)

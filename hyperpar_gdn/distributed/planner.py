@@ -1,0 +1,227 @@
+"""Rank the GDN context-parallel modes by the cost model of :mod:`.cost_model`, and pick one.
+
+:func:`plan_context_parallel` takes a layer's geometry, T, cp, the dtype, a device kind's
+:data:`~.cost_model.MACHINES` entry (links inside and between nodes, devices per node, FLOP rate;
+every field overridable) and, for the two-level modes, ``inner_size``; it returns a :class:`Plan`,
+the modes ranked by predicted seconds. :func:`plan_for_model` does it for a model's GDN layers on
+a CP mesh (``mode="auto"`` of ``apply_context_parallel`` and ``scripts/train.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry, Link, Machine, ModeCost, mode_cost
+
+__all__ = ["MACHINES", "Link", "Machine", "ModeCost", "Plan", "plan_context_parallel"]
+
+PLANNED_MODES = ("ulysses", "p2p", "all_gather", "scan")
+TWO_LEVEL = ("ulysses+p2p", "ulysses+all_gather", "ulysses+scan")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The modes ranked by predicted seconds (feasible ones first) and the inputs of the model."""
+
+    ranking: tuple[ModeCost, ...]
+    inputs: dict
+
+    @property
+    def choice(self) -> str:
+        return self.ranking[0].mode
+
+    @property
+    def inner_size(self) -> int | None:
+        """The choice's ranks per inner group (two-level modes), else None."""
+        return self.ranking[0].inner_size
+
+    def why(self) -> str:
+        """One line: the choice, its cost, and the runner-up's."""
+        best = self.ranking[0]
+        shape = ", ".join(f"{k}={v}" for k, v in self.inputs.items())
+        rest = "; ".join(c.describe() for c in self.ranking[1:])
+        return f"mode {best.mode} predicted fastest for {shape}: {best.describe()}; then {rest}"
+
+
+def _check(name: str, value: object, *, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"plan_context_parallel: {name} must be an int >= {minimum}; got {value!r}")
+    return value
+
+
+def plan_context_parallel(
+    *,
+    seq_len: int,
+    cp: int,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    conv_kernel_size: int = 4,
+    batch: int = 1,
+    dtype: str = "bfloat16",
+    layout: str = "contiguous",
+    device: str = "gpu",
+    bandwidth: float | None = None,
+    latency: float | None = None,
+    inter_bandwidth: float | None = None,
+    inter_latency: float | None = None,
+    devices_per_node: int | None = None,
+    flops: float | None = None,
+    inner_size: int | None = None,
+    modes: Sequence[str] | None = None,
+) -> Plan:
+    """Rank the CP modes of a GDN layer by the cost model of :mod:`.cost_model`.
+
+    ``device`` picks a :data:`MACHINES` entry; ``bandwidth`` (bytes/s) and ``latency`` (s) override
+    its links inside a node, ``inter_bandwidth`` and ``inter_latency`` those between nodes,
+    ``devices_per_node`` and ``flops`` the rest. ``inner_size`` (ranks per inner group) adds the
+    two-level modes ``ulysses+p2p``, ``ulysses+all_gather``, ``ulysses+scan`` to the ranking
+    (contiguous layout only); ``modes`` restricts it. Returns a :class:`Plan`: ``plan.choice``,
+    ``plan.inner_size``, ``plan.ranking`` (every mode's :class:`ModeCost`, fastest first,
+    infeasible ones last), ``plan.why()``.
+
+    Example (Qwen3.5-27B's GDN heads, 128K tokens on 32 GPUs, 4 nodes of 8)::
+
+        plan = plan_context_parallel(seq_len=131072, cp=32, num_k_heads=16, num_v_heads=48,
+                                     head_k_dim=128, head_v_dim=128, inner_size=8)
+        plan.choice, plan.inner_size     # ('ulysses+scan', 8)
+    """
+    for name, value in (
+        ("seq_len", seq_len),
+        ("cp", cp),
+        ("batch", batch),
+        ("conv_kernel_size", conv_kernel_size),
+        ("num_k_heads", num_k_heads),
+        ("num_v_heads", num_v_heads),
+        ("head_k_dim", head_k_dim),
+        ("head_v_dim", head_v_dim),
+    ):
+        _check(name, value)
+    for name, value in (("devices_per_node", devices_per_node), ("inner_size", inner_size)):
+        if value is not None:
+            _check(name, value)
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"plan_context_parallel: dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    if device not in MACHINES:
+        raise ValueError(f"plan_context_parallel: device={device!r}; choose one of {', '.join(MACHINES)}")
+    if layout not in ("contiguous", "head_tail"):
+        raise ValueError(f"plan_context_parallel: layout={layout!r}; choose 'contiguous' or 'head_tail'")
+    if inner_size is not None and layout != "contiguous":
+        raise ValueError(
+            f"plan_context_parallel: inner_size={inner_size} needs layout='contiguous'; got {layout!r}"
+        )
+    allowed = PLANNED_MODES + (TWO_LEVEL if inner_size is not None else ())
+    modes = allowed if modes is None else tuple(modes)
+    unknown = [m for m in modes if m not in allowed]
+    if unknown or not modes:
+        raise ValueError(
+            f"plan_context_parallel: modes={list(modes)}; choose among {', '.join(allowed)}"
+            + ("" if inner_size is not None else " (the two-level modes need inner_size)")
+        )
+    machine = _machine(
+        MACHINES[device], bandwidth, latency, inter_bandwidth, inter_latency, devices_per_node, flops
+    )
+    geometry = Geometry(
+        seq_len, cp, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, batch,
+        DTYPE_BYTES[dtype], head_tail=layout == "head_tail",
+    )  # fmt: skip
+    costs = [mode_cost(m, geometry, machine, inner_size=inner_size) for m in modes]
+    ranking = tuple(sorted(costs, key=lambda c: (not c.feasible, c.seconds)))
+    inputs = {"T": seq_len, "cp": cp, "H": num_v_heads, "K": head_k_dim, "V": head_v_dim, "dtype": dtype}
+    return Plan(ranking=ranking, inputs=inputs | {"device": device})
+
+
+def _machine(
+    base: Machine,
+    bandwidth: float | None,
+    latency: float | None,
+    inter_bandwidth: float | None,
+    inter_latency: float | None,
+    devices_per_node: int | None,
+    flops: float | None,
+) -> Machine:
+    """``base`` with the given fields replaced, checked (bandwidths and flops > 0, latencies >= 0)."""
+
+    def link(old: Link, bw: float | None, lat: float | None) -> Link:
+        return Link(old.bandwidth if bw is None else float(bw), old.latency if lat is None else float(lat))
+
+    machine = replace(
+        base,
+        intra=link(base.intra, bandwidth, latency),
+        inter=link(base.inter, inter_bandwidth, inter_latency),
+        devices_per_node=base.devices_per_node if devices_per_node is None else devices_per_node,
+        flops=base.flops if flops is None else float(flops),
+    )
+    rates = (machine.intra.bandwidth, machine.inter.bandwidth, machine.flops)
+    if min(rates) <= 0 or min(machine.intra.latency, machine.inter.latency) < 0:
+        raise ValueError(
+            f"plan_context_parallel: bandwidth and flops must be > 0, latency >= 0; got {machine}"
+        )
+    return machine
+
+
+DEVICE_KINDS = {"cuda": "gpu", "npu": "npu"}  # a mesh's device_type -> a MACHINES entry (else cpu)
+MACHINE_KEYWORDS = ("bandwidth", "latency", "inter_bandwidth", "inter_latency", "devices_per_node", "flops")
+
+
+def plan_for_model(
+    model: object,
+    mesh: object,
+    *,
+    seq_len: int,
+    layout: str = "contiguous",
+    dtype: str = "bfloat16",
+    inner_size: int | None = None,
+    **machine: float,
+) -> Plan:
+    """:func:`plan_context_parallel` for the GDN layers of ``model`` (``HybridLM`` or transformers'
+    Qwen3.5 models; every GDN layer of a model has the same shape) over the 1-D CP ``mesh``, on the
+    machine of the mesh's device kind (``machine``: any of ``MACHINE_KEYWORDS``).
+
+    The two-level modes are ranked too when ``inner_size`` is given, or else when the layout is
+    contiguous, the CP groups are blocks of consecutive ranks (as they require) and one covers more
+    than one node: then ``inner_size`` is the devices per node (``devices_per_node=``, else torchrun's
+    ``LOCAL_WORLD_SIZE``, else the machine's default)."""
+    from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
+    from hyperpar_gdn.distributed.mesh import as_cp_mesh
+    from hyperpar_gdn.ops.gdn.layer import LayerDims
+
+    unknown = sorted(set(machine) - set(MACHINE_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"plan_for_model: unknown keywords {unknown}; the machine takes {', '.join(MACHINE_KEYWORDS)}"
+        )
+    cp_mesh = as_cp_mesh(mesh)
+    _, text_model = find_decoder(model)
+    gdn = [
+        m for i, b in enumerate(text_model.layers) for kind, m in [mixer_of(i, b)] if kind == "linear_attn"
+    ]
+    if not gdn:
+        raise ValueError(f"{type(model).__name__} has no GDN layers: there is no mode to choose")
+    dims = LayerDims.of(gdn[0])
+    device = DEVICE_KINDS.get(cp_mesh.device_type, "cpu")
+    cp = cp_mesh.size()
+    ranks = list(cp_mesh.rank_list)
+    blocks = ranks == list(range(ranks[0], ranks[0] + cp)) and ranks[0] % cp == 0  # what two levels need
+    if inner_size is None and layout == "contiguous" and blocks:
+        per_node = int(machine.get("devices_per_node") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
+        per_node = per_node or MACHINES[device].devices_per_node
+        inner_size = per_node if 1 < per_node < cp and cp % per_node == 0 else None
+    return plan_context_parallel(
+        seq_len=seq_len,
+        cp=cp,
+        num_k_heads=dims.num_k_heads,
+        num_v_heads=dims.num_v_heads,
+        head_k_dim=dims.head_k_dim,
+        head_v_dim=dims.head_v_dim,
+        conv_kernel_size=dims.conv_kernel_size,
+        dtype=dtype,
+        layout=layout,
+        device=device,
+        inner_size=inner_size,
+        **machine,
+    )

@@ -1,0 +1,305 @@
+"""transformers' ``Trainer`` (and any subclass, TRL's ``SFTTrainer`` among them) under context
+parallelism: a few lines added to an existing script::
+
+    trainer = ContextParallelTrainer(model=model, args=args, train_dataset=ds, cp_size=2, cp_mode="p2p")
+    trainer.train()
+
+    class CPSFTTrainer(ContextParallelMixin, SFTTrainer): ...   # any other Trainer subclass
+    trainer = CPSFTTrainer(model=model, args=sft_config, train_dataset=ds, cp_size=2)
+
+The launched world of W processes is a mesh ``(dp, cp)``, row-major: each CP group is ``cp``
+consecutive ranks, ``dp = W / cp``. What changes against a plain Trainer:
+
+- data: the loaders shard over the DP ranks only, so every rank of a CP group reads the same
+  batches ``[B, T]``; each rank keeps its tokens in the model's layout (``[B, T/cp]``);
+- loss: this rank's token sum (:func:`~hyperpar_gdn.ops.lm_loss.lm_loss_sum` on the final hidden
+  states and the head weight: no ``[B, T, V]`` logits) over ``num_items_in_batch``, the labelled
+  tokens of the global batch (all DP ranks and gradient-accumulation steps), times W: accelerate's
+  DDP (or FSDP) averages gradients over all W processes, which turns the CP shares into their sum
+  and the DP replicas into their mean. Clipping then sees the whole model's gradient;
+- logging and evaluation: the logged loss, grad_norm and eval_loss are one device's values
+  (evaluation gathers over the DP ranks only).
+
+Legend: B batch rows, T whole sequence, T/cp a rank's shard, V vocabulary, C hidden.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from hyperpar_gdn.distributed.batch import IGNORE_INDEX, context_parallel_lm_loss, shard_for_context_parallel
+from hyperpar_gdn.distributed.decoder_layers import text_model_of
+from hyperpar_gdn.distributed.layout import layout_error
+from hyperpar_gdn.distributed.mesh import init_device_mesh
+from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_trainer_setup
+from hyperpar_gdn.ops.lm_loss import lm_loss_sum
+
+__all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
+
+# the batch keys the CP path reads: transformers' collators (padding, DataCollatorWithFlattening)
+# and TRL's (padding-free packing) emit these; the packed-document keys must describe the same
+# documents as the position_ids
+_BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+class ContextParallelMixin:
+    """Context parallelism for a ``Trainer`` subclass: put it first among the bases.
+
+    Keyword-only options (the rest go to the Trainer unchanged):
+
+    - ``cp_size``: ranks per CP group; divides the launched world, the rest is data parallel.
+    - ``cp_mode``: the GDN layers' mode, ``"p2p"`` (default), ``"all_gather"`` or ``"ulysses"``.
+    - ``cp_layout``: ``"head_tail"`` or ``"contiguous"``; None: head_tail when the model has
+      softmax-attention layers (equal attention work per rank), else contiguous.
+    - ``cp_chunk_size``: chunk of the gated delta rule (64).
+
+    Batches ``[B, T]`` need T divisible by cp (2*cp for head_tail): pad with the collator's
+    ``pad_to_multiple_of``. Packed rows (``position_ids`` restarting per document, B = 1) train as
+    packed documents. ``compute_metrics`` is refused (no rank holds whole logits).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        cp_size: int,
+        cp_mode: str = "p2p",
+        cp_layout: str | None = None,
+        cp_chunk_size: int = 64,
+        **kwargs: Any,
+    ) -> None:
+        model = kwargs.get("model", args[0] if args else None)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        for name in ("compute_metrics", "compute_loss_func", "preprocess_logits_for_metrics"):
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(
+                    f"{name} is not supported under context parallelism: no rank holds the whole logits "
+                    "and the loss is the CP loss; leave it None"
+                )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.cp_setup: CPSetup = check_trainer_setup(
+            model,
+            training_args,
+            world=world,
+            cp_size=cp_size,
+            cp_mode=cp_mode,
+            cp_layout=cp_layout,
+            cp_chunk_size=cp_chunk_size,
+        )
+        super().__init__(*args, **kwargs)
+        setup = self.cp_setup
+        device_type = self.args.device.type
+        self.cp_mesh = init_device_mesh(device_type, (setup.dp, setup.cp), mesh_dim_names=("dp", "cp"))
+        apply_context_parallel(
+            self.model, self.cp_mesh["cp"], mode=setup.mode, chunk_size=setup.chunk_size, layout=setup.layout
+        )
+        # the loss below divides by num_items_in_batch: the Trainer must count it and not divide
+        # the loss by the accumulation steps again
+        self.model_accepts_loss_kwargs = True
+        self.loss_is_scaled_for_ga = True
+
+    # --- data ------------------------------------------------------------------------------------
+
+    def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loader, prepared by accelerate over the DP ranks only (the CP ranks of a
+        DP replica read the same batches)."""
+        accelerator = self.accelerator
+        accelerator.prepare_data_loader = self._prepare_over_dp
+        try:
+            return super()._get_dataloader(*args, **kwargs)
+        finally:
+            del accelerator.prepare_data_loader  # back to the class's method
+
+    def _prepare_over_dp(
+        self, data_loader: Any, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
+    ) -> Any:
+        """accelerate's ``Accelerator.prepare_data_loader`` with ``dp`` processes, this rank's DP index."""
+        from accelerate.data_loader import prepare_data_loader
+
+        accelerator = self.accelerator
+        if slice_fn_for_dispatch is not None:
+            raise NotImplementedError("dispatched batches (slice_fn_for_dispatch) are not supported under CP")
+        prepared = prepare_data_loader(
+            data_loader,
+            accelerator.device,
+            num_processes=self.cp_setup.dp,
+            process_index=self.cp_mesh.get_local_rank("dp"),
+            split_batches=accelerator.split_batches,
+            put_on_device=True if device_placement is None else device_placement,
+            rng_types=accelerator.rng_types.copy(),
+            dispatch_batches=False,  # every process reads its own shard of the data
+            even_batches=accelerator.even_batches,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed,
+            non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader,
+        )
+        accelerator._dataloaders.append(prepared)  # as accelerate's own prepare: end-of-epoch tracking
+        return prepared
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+        """Labelled tokens of the global batch (every DP replica, every accumulation step).
+
+        The count travels in one all-gather over all processes together with each rank's first
+        batch length the layout cannot cut (0 if none), so a bad batch on any rank stops every
+        rank here, before the model's collectives."""
+        if not batch_samples:
+            return None
+        counts, bad_length = 0, 0
+        for batch in batch_samples:
+            labels = batch.get("labels")
+            if labels is None:
+                raise ValueError(f"a batch without labels (keys {sorted(batch)}): CP training needs labels")
+            counts += int(labels[..., 1:].ne(IGNORE_INDEX).sum())
+            length = labels.shape[-1]
+            if not bad_length and layout_error(self.cp_setup.layout, length, self.cp_setup.cp):
+                bad_length = length
+        mine = torch.tensor([counts, bad_length], dtype=torch.float64, device=device)
+        every = self.accelerator.gather(mine.reshape(1, 2)) if self.cp_setup.world > 1 else mine.reshape(1, 2)
+        for rank, (_, length) in enumerate(every.tolist()):
+            if length:
+                reason = layout_error(self.cp_setup.layout, int(length), self.cp_setup.cp)
+                raise ValueError(
+                    f"rank {rank}'s batch: {reason}; pad batches with the collator's pad_to_multiple_of="
+                    f"{2 * self.cp_setup.cp if self.cp_setup.layout == 'head_tail' else self.cp_setup.cp}"
+                )
+        return (every[:, 0].sum() / self.cp_setup.cp).to(torch.float32)
+
+    # --- loss ------------------------------------------------------------------------------------
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """Training: this rank's term, ``sum of its token losses / num_items_in_batch * world``.
+        Evaluation (``num_items_in_batch`` None): the whole batch's mean loss, on every CP rank."""
+        if inputs.get("labels") is None:
+            raise ValueError(f"a batch without labels (keys {sorted(inputs)}): CP training needs labels")
+        cp_mesh = self.cp_mesh["cp"]
+        shard = shard_for_context_parallel(
+            cp_mesh,
+            inputs["input_ids"],
+            labels=inputs["labels"],
+            attention_mask=inputs.get("attention_mask"),
+            position_ids=inputs.get("position_ids"),
+            cu_seqlens=_packed_cu_seqlens(inputs),
+            layout=self.cp_setup.layout,
+        )
+        unwrapped = self.accelerator.unwrap_model(model)
+        hidden, head_weight = _hidden_and_head(model, unwrapped, shard.model_inputs())
+        if num_items_in_batch is None:  # evaluation: the batch mean, the same on every CP rank
+            loss = context_parallel_lm_loss(hidden, head_weight, shard.labels, cp_mesh).detach()
+            if self.cp_setup.cp > 1:
+                loss = cp_mesh.platform.collectives.all_reduce_sum(loss.reshape(1), cp_mesh.get_group())[0]
+        else:
+            loss = lm_loss_sum(hidden, head_weight, shard.labels) / num_items_in_batch * self.cp_setup.world
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, None, None]:
+        """The batch's loss only: no rank holds the whole logits."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop with its gathers over the DP ranks only (a CP group's ranks hold
+        the same batch loss)."""
+        self.gather_function = self._gather_over_dp
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.gather_function = self.accelerator.gather_for_metrics
+
+    def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` of every DP replica, concatenated along dim 0 in DP order."""
+        dp_mesh = self.cp_mesh["dp"]
+        if dp_mesh.size() == 1:
+            return tensor
+        stacked = dp_mesh.platform.collectives.all_gather(tensor.contiguous(), dp_mesh.get_group())
+        return stacked.reshape(-1, *tensor.shape[1:])
+
+
+class ContextParallelTrainer(ContextParallelMixin, Trainer):
+    """transformers' ``Trainer`` with context parallelism (see :class:`ContextParallelMixin`)::
+
+    trainer = ContextParallelTrainer(model=model, args=args, train_dataset=ds, cp_size=2)
+    """
+
+
+def _packed_cu_seqlens(inputs: dict[str, Any]) -> torch.Tensor | None:
+    """The documents ``cu_seq_lens_q`` int ``[N+1]`` of a padding-free batch (TRL's collator), or
+    None; its other packed keys must say the same (``shard_for_context_parallel`` checks it
+    against the ``position_ids``). Unknown keys are an error."""
+    unknown = sorted(set(inputs) - set(_BATCH_KEYS) - set(_PACKED_KEYS))
+    if unknown:
+        raise ValueError(
+            f"batch keys {unknown} are not handled under context parallelism; it reads "
+            f"{list(_BATCH_KEYS)} and the packed-document keys {list(_PACKED_KEYS)}"
+        )
+    cu = inputs.get("cu_seq_lens_q")
+    if cu is None:
+        present = [key for key in _PACKED_KEYS if key in inputs]
+        if present:
+            raise ValueError(f"batch keys {present} without cu_seq_lens_q: the packed documents are unknown")
+        return None
+    lengths = cu.diff()
+    derived = {
+        "cu_seq_lens_k": cu,
+        "max_length_q": int(lengths.max()),
+        "max_length_k": int(lengths.max()),
+        "seq_idx": torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)[None],
+    }
+    for key, expected in derived.items():
+        given = inputs.get(key)
+        same = given is None or (
+            given == expected if isinstance(expected, int) else torch.equal(given.long(), expected.long())
+        )
+        if not same:
+            raise ValueError(
+                f"batch key {key} does not describe the documents of cu_seq_lens_q={cu.tolist()}"
+            )
+    return cu
+
+
+def _hidden_and_head(
+    model: torch.nn.Module, unwrapped: torch.nn.Module, inputs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final hidden states ``[B, T/cp, C]``, head weight ``[V, C]``) from one call of ``model``
+    (the DDP/FSDP wrapper, so its hooks run); the head multiplies no token (``[B, 0, V]`` logits)."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(module: Any, args: Any, output: Any) -> None:
+        captured["hidden"] = output.last_hidden_state
+
+    def no_tokens(module: Any, args: tuple) -> tuple:
+        return (args[0][:, :0],)
+
+    head = unwrapped.get_output_embeddings()
+    handles: list[Callable[[], None]] = []
+    for hook in (
+        text_model_of(unwrapped).register_forward_hook(keep),
+        head.register_forward_pre_hook(no_tokens),
+    ):
+        handles.append(hook.remove)
+    try:
+        model(**inputs, use_cache=False)
+    finally:
+        for remove in handles:
+            remove()
+    return captured["hidden"], head.weight

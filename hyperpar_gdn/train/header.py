@@ -1,0 +1,47 @@
+"""The run header of ``scripts/train.py``: what runs where, and a note when CP cannot pay off."""
+
+from __future__ import annotations
+
+from hyperpar_gdn.distributed.payoff import cp_advice
+from hyperpar_gdn.train.config import TrainConfig
+
+
+def run_header(
+    config: TrainConfig,
+    *,
+    platform: str,
+    world_size: int,
+    dp: int,
+    cp: int,
+    parameters: int,
+    first_step: int,
+    cp_mode: str | None = None,
+) -> list[str]:
+    """The header lines: platform, ranks as dp x cp with the CP options (or "no context
+    parallelism" at cp=1), model, dtype, tokens per step, steps; then :func:`cp_advice`'s note.
+    ``cp_mode``: the mode ``--cp-mode auto`` chose (shown as ``auto: <mode>``), else None."""
+    flags = "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name))
+    mode = config.cp_mode if cp_mode is None else cp_mode
+    if cp > 1:
+        shown = config.cp_mode if cp_mode is None else f"auto: {cp_mode}"
+        what = f"--cp-mode {shown}, --cp-layout {config.token_layout()}{flags}"
+    else:
+        what = f"no context parallelism{flags}"
+    lines = [
+        f"platform {platform}, {world_size} rank{'s' if world_size > 1 else ''} = dp {dp} x cp {cp} ({what}), "
+        f"model {config.model_name}: {parameters:,} parameters, --dtype {config.dtype}, "
+        f"{config.batch_size * config.seq_len} tokens per step, steps {first_step}..{config.steps}"
+    ]
+    if config.batch_size % world_size == 0:
+        fewer = f"--cp-size 1 ({world_size} data-parallel replicas, whole sequences per rank)"
+    else:
+        fewer = "fewer ranks per CP group (--cp-size) or fewer processes"
+    advice = cp_advice(
+        platform=platform,
+        cp=cp,
+        tokens_per_rank=config.seq_len // cp,
+        mode=mode,
+        layout=config.token_layout(),
+        fewer=fewer,
+    )
+    return lines if advice is None else [*lines, advice]

@@ -1,0 +1,105 @@
+"""The GDN CP modes at growing rank counts: measured here beside the cost model, and predicted far.
+
+Two parts, one JSON (and a PNG of where each mode wins), from :mod:`benchkit.scale`:
+
+- measured: one GDN layer, forward+backward, on forked gloo ranks at each ``--cps`` (default 2, 4,
+  8), every mode the rank count allows (the two-level ones with ``--inner-size`` ranks per inner
+  group): the worst rank's bytes sent (the platform's ``bytes_sent``, less the 8-byte length
+  exchange; at cp 2 no rank sends both ways, so it is below the model's worst rank), its
+  message-sending calls, the median forward+backward time, and beside them
+  ``plan_context_parallel``'s bytes, messages in sequence and seconds for the ``cpu`` machine
+  (the model's seconds are what a mode adds; ``predicted_shared_seconds`` is the rule work every
+  mode shares);
+- predicted: ``plan_context_parallel`` for Qwen3.5-27B's and Qwen3.5-397B-A17B's GDN heads at cp
+  8..256 and T 128K..1M on the ``gpu`` and ``npu`` machines (nodes of 8; two-level modes with a
+  node as the inner group).
+
+Timing claims need a quiet machine; on a shared one run it small, to see that it works::
+
+    PYTHONPATH=. python scripts/bench_scale.py --seq-len 256 --cps 2 4 --repeats 1 --out /tmp/scale
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchkit.machine import load_average, machine_info
+from benchkit.output import Panel, save_png, write_json
+from benchkit.ranks import on_ranks
+from benchkit.scale import GEOMETRIES, ONE_LEVEL, TWO_LEVEL, measure_modes, measured_rows, predicted_rows
+from hyperpar_gdn.cli import HelpFormatter
+
+
+def where_each_mode_wins(rows: list[dict]) -> list[Panel]:
+    """One panel per (model, device): a square per (cp, T) in the colour of the model's choice."""
+    panels = []
+    for model in GEOMETRIES:
+        for device in ("gpu", "npu"):
+            points: dict[str, list[tuple[float, float]]] = {m: [] for m in ONE_LEVEL + TWO_LEVEL}
+            for r in rows:
+                if (r["model"], r["device"]) == (model, device):
+                    points[r["choice"]].append((r["cp"], r["seq_len"] / 1024))
+            title = f"{model}, {device}: fastest mode"
+            panels.append(Panel(title, "cp", "T (K tokens)", points=points, log2_x=True, log2_y=True))
+    return panels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens of the measured layer")
+    parser.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8], help="rank counts measured")
+    parser.add_argument("--inner-size", type=int, default=2, help="inner group of the two-level modes")
+    parser.add_argument("--repeats", type=int, default=3, help="timed forward+backward per mode")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the measured layer")
+    parser.add_argument(
+        "--heads",
+        type=int,
+        nargs=4,
+        default=[2, 8, 64, 64],
+        metavar=("HK", "HV", "DK", "DV"),
+        help="key heads, value heads, key and value head dims",
+    )
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="seconds per measurement")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench_scale"), help="folder for scale.json and scale.png"
+    )
+    args = parser.parse_args()
+    if args.seq_len % max(args.cps) or min(args.cps) < 2 or args.repeats < 1 or args.inner_size < 1:
+        parser.error(
+            f"--seq-len {args.seq_len} must divide by every --cps {args.cps} (each >= 2); "
+            f"--repeats {args.repeats} and --inner-size {args.inner_size} >= 1"
+        )
+    names = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+    job = {
+        "seq_len": args.seq_len,
+        "repeats": args.repeats,
+        "hidden": args.hidden,
+        "inner_size": args.inner_size,
+        "heads": dict(zip(names, args.heads, strict=True)),
+    }
+    result = {"machine": machine_info(), "job": job, "measured": [], "predicted": predicted_rows()}
+    json_path = args.out / "scale.json"
+    for cp in args.cps:
+        per_rank = on_ranks(measure_modes, cp, job, timeout_s=args.timeout_s)
+        result["measured"] += measured_rows(cp, job, per_rank)
+        write_json(json_path, result)  # after every finished part
+    save_png(args.out / "scale.png", where_each_mode_wins(result["predicted"]))
+    print(
+        f"{'cp':>3} {'mode':<19} {'bytes':>10} {'pred':>10} {'calls':>5} {'pred':>5} {'ms':>9} {'pred ms':>9}"
+    )
+    for r in result["measured"]:
+        print(
+            f"{r['cp']:>3} {r['mode']:<19} {r['bytes']:>10} {r['predicted_bytes']:>10.0f} {r['calls']:>5} "
+            f"{r['predicted_messages']:>5.0f} {r['seconds'] * 1e3:>9.2f} {r['predicted_seconds'] * 1e3:>9.3f}"
+        )
+    far = [r for r in result["predicted"] if r["seq_len"] == 1048576]
+    for r in far:
+        print(f"{r['model']:<18} {r['device']} T=1M cp={r['cp']:>3}: {r['choice']}")
+    print(
+        f"load average {load_average()[0]:.1f} (timings need a quiet machine); wrote {json_path} and scale.png"
+    )
+
+
+if __name__ == "__main__":
+    main()

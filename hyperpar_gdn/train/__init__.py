@@ -8,6 +8,7 @@
   and :mod:`.mindspore_loop` implement it.
 - :mod:`.optim` (AdamW settings, warm-up), :mod:`.resume` (``--resume`` and auto resume),
   :mod:`.metrics` (records, log lines, ``--metrics-json``), :mod:`.parity` (``--check-parity``).
+- :mod:`.model_sizes`: the built-in model's ``--model-size`` presets.
 - :mod:`.faults`: non-finite steps skipped, save errors, a rank that stopped answering.
 - :mod:`.checkpoint`: ``step-N/`` directories of named parts, written atomically.
 - :mod:`.sharding`: FSDP2 and activation checkpointing for torch.

@@ -18,52 +18,11 @@ from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
 from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.linear_attention_style import MODES
 from hyperpar_gdn.models.config import HybridLMConfig
+from hyperpar_gdn.train.model_sizes import MODEL_SIZES
 
 CP_MODES = (*MODES, *TWO_LEVEL_MODES, "auto")
 DTYPES = ("fp32", "bf16")
 SAVE_ERROR_POLICIES = ("stop", "continue")
-
-MODEL_SIZES: dict[str, HybridLMConfig] = {
-    # ~0.25M parameters: the embedded default, under a minute on two CPU ranks.
-    "tiny": HybridLMConfig(
-        hidden_size=64,
-        num_layers=4,
-        intermediate_size=192,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=4,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    ),
-    # ~6.9M parameters.
-    "small": HybridLMConfig(
-        hidden_size=256,
-        num_layers=8,
-        intermediate_size=768,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-    ),
-    # ~0.27B parameters, Qwen3.5-like head sizes: for accelerators.
-    "base": HybridLMConfig(
-        hidden_size=1024,
-        num_layers=16,
-        intermediate_size=3072,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        linear_num_key_heads=8,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-    ),
-}
 
 
 @dataclass(kw_only=True, frozen=True)

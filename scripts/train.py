@@ -25,10 +25,11 @@ import functools
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hyperpar_gdn.cli import launch_rank, run_script
+from hyperpar_gdn.cli import USER_ERROR_GRACE_S, Stopped, launch_rank, run_script
 from hyperpar_gdn.platform import platform_name
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 from hyperpar_gdn.train import (
@@ -79,10 +80,22 @@ def _every_rank(body: Callable[[], int]) -> int:
         if isinstance(err, RankTimeoutError):  # a group with a silent peer hangs the interpreter's exit
             sys.stdout.flush()
             os._exit(3)
+        _let_the_others_print()
         return 3
     except VocabularyError as err:  # a bad input that every rank checks alone
         print(f"train.py: rank {launch_rank()}: error: {err}", file=sys.stderr, flush=True)
+        _let_the_others_print()
         return 2
+
+
+def _let_the_others_print() -> None:
+    """The launcher stops every worker once one exits: wait (at most USER_ERROR_GRACE_S) so that
+    the other ranks, which meet the same fault at about the same time, print their line too."""
+    if int(os.environ.get("WORLD_SIZE", os.environ.get("MS_WORKER_NUM", "1")) or 1) > 1:
+        try:
+            time.sleep(USER_ERROR_GRACE_S)
+        except (Stopped, KeyboardInterrupt):
+            pass  # the launcher ends this rank once another exited: expected
 
 
 def _run(argv: Sequence[str] | None, run: _Run) -> int:

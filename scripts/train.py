@@ -10,22 +10,39 @@
 Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code 1 when
 ``--check-parity`` finds a loss difference above ``--parity-tol``; 2 for a user error (a bad
 option, a missing or unreadable data file, model directory or checkpoint, a platform this
-machine lacks), which rank 0 reports in one line, without a traceback; 128 + N after signal N
-(SIGTERM, Ctrl-C), with one line naming the step reached and the last checkpoint. Under torchrun
-the shell sees torchrun's code (1 when a worker failed) instead.
+machine lacks), which rank 0 reports in one line, without a traceback (token ids outside the
+model's vocabulary: every rank, ``train.py: rank R: error: ...``); 3 when a fault stopped the run
+(``--max-bad-steps`` non-finite steps in a row, a checkpoint that could not be written under
+``--on-save-error stop``, a rank that stopped answering for ``--timeout-s``), which every rank
+reports in one line (``train.py: rank R: stopped: ...``); 128 + N after signal N (SIGTERM,
+Ctrl-C), with one line naming the step reached and the last checkpoint. Under torchrun the shell
+sees torchrun's code (1 when a worker failed) instead.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hyperpar_gdn.cli import run_script
+from hyperpar_gdn.cli import USER_ERROR_GRACE_S, Stopped, launch_rank, run_script
 from hyperpar_gdn.platform import platform_name
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
-from hyperpar_gdn.train import USER_ERRORS, TrainConfig, Trainer, TrainResult, parse_args
+from hyperpar_gdn.train import (
+    FAULTS,
+    USER_ERRORS,
+    RankTimeoutError,
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    parse_args,
+)
 from hyperpar_gdn.train.checkpoint import MANIFEST, list_checkpoints
+from hyperpar_gdn.train.data import VocabularyError
 
 
 class _Run:
@@ -50,11 +67,41 @@ class _Run:
 
 def main(argv: Sequence[str] | None = None) -> int:
     run = _Run()
-    return run_script("train.py", lambda: _run(argv, run), user_errors=USER_ERRORS, where=run.where)
+    body = functools.partial(_every_rank, lambda: _run(argv, run))
+    return run_script("train.py", body, user_errors=USER_ERRORS, where=run.where)
+
+
+def _every_rank(body: Callable[[], int]) -> int:
+    """``body()``, with the errors that each rank meets on its own reported by every rank."""
+    try:
+        return body()
+    except FAULTS as err:  # each rank saw it in its own way: every rank says so
+        print(f"train.py: rank {launch_rank()}: stopped: {err}", file=sys.stderr, flush=True)
+        if isinstance(err, RankTimeoutError):  # a group with a silent peer hangs the interpreter's exit
+            sys.stdout.flush()
+            os._exit(3)
+        _let_the_others_print()
+        return 3
+    except VocabularyError as err:  # a bad input that every rank checks alone
+        print(f"train.py: rank {launch_rank()}: error: {err}", file=sys.stderr, flush=True)
+        _let_the_others_print()
+        return 2
+
+
+def _let_the_others_print() -> None:
+    """The launcher stops every worker once one exits: wait (at most USER_ERROR_GRACE_S) so that
+    the other ranks, which meet the same fault at about the same time, print their line too."""
+    if int(os.environ.get("WORLD_SIZE", os.environ.get("MS_WORKER_NUM", "1")) or 1) > 1:
+        try:
+            time.sleep(USER_ERROR_GRACE_S)
+        except (Stopped, KeyboardInterrupt):
+            pass  # the launcher ends this rank once another exited: expected
 
 
 def _run(argv: Sequence[str] | None, run: _Run) -> int:
     config = run.config = parse_args(argv)
+    # a file-size limit (ulimit -f) then fails the write (EFBIG, a save error) instead of killing us
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if platform_name() == "cpu":  # activations live in host memory: reuse it rather than page-fault
         keep_freed_host_memory()
     trainer_class: type[Trainer] = Trainer

@@ -208,11 +208,21 @@ class TorchCollectives(Collectives):
                 f"all_reduce_sum works in place and needs a contiguous x (shape {tuple(x.shape)})"
             )
         with torch.no_grad(), _named("all_reduce_sum", group):
-            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+            self._collective(dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
         self.bytes_sent += x.numel() * x.element_size() * (world - 1)
         return x
 
     # --- implementations (also used by the backwards) ---------------------------------------------
+    def _collective(self, collective: Any, /, *args: Any, **kwargs: Any) -> None:
+        """Run ``collective(*args, **kwargs)``. On the CPU (gloo) it is started asynchronously and waited with
+        the timeout: gloo's blocking all-gather and all-to-all were seen waiting past the
+        process-group timeout when a peer was stopped (SIGSTOP) mid-run. NCCL and HCCL keep the
+        blocking call (their waits order streams; their watchdogs enforce the timeout)."""
+        if self.device.type != "cpu" or self.timeout is None:
+            collective(*args, **kwargs)
+        else:
+            self._wait(collective(*args, async_op=True, **kwargs))
+
     def _wait(self, work: Any) -> None:
         if self.timeout is None:
             work.wait()
@@ -226,7 +236,9 @@ class TorchCollectives(Collectives):
         x = x.contiguous()
         out = x.new_empty((sum(recv), *x.shape[1:]))
         with _named("all_to_all", group):
-            dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+            self._collective(
+                dist.all_to_all_single, out, x, output_split_sizes=recv, input_split_sizes=send, group=group
+            )
         self.bytes_sent += (sum(send) - send[rank]) * _row_bytes(x)
         return out
 
@@ -236,7 +248,7 @@ class TorchCollectives(Collectives):
         out = flat.new_empty(world * flat.numel())
         if flat.numel():
             with _named("all_gather", group):
-                _all_gather_single(out, flat, group=group)
+                self._collective(_all_gather_single, out, flat, group=group)
         self.bytes_sent += flat.numel() * flat.element_size() * (world - 1)
         return out.view(world, *x.shape)
 
@@ -247,7 +259,7 @@ class TorchCollectives(Collectives):
         parts = flat.new_empty(flat.numel())
         if flat.numel():
             with _named("all_gather backward (reduce-scatter)", group):
-                dist.all_to_all_single(parts, flat, group=group)  # row j of every rank lands on rank j
+                self._collective(dist.all_to_all_single, parts, flat, group=group)  # row j lands on rank j
         self.bytes_sent += flat.numel() // world * flat.element_size() * (world - 1)
         return parts.view(world, *shape).sum(0)
 

@@ -8,6 +8,8 @@
   and :mod:`.mindspore_loop` implement it.
 - :mod:`.optim` (AdamW settings, warm-up), :mod:`.resume` (``--resume`` and auto resume),
   :mod:`.metrics` (records, log lines, ``--metrics-json``), :mod:`.parity` (``--check-parity``).
+- :mod:`.model_sizes`: the built-in model's ``--model-size`` presets.
+- :mod:`.faults`: non-finite steps skipped, save errors, a rank that stopped answering.
 - :mod:`.checkpoint`: ``step-N/`` directories of named parts, written atomically.
 - :mod:`.sharding`: FSDP2 and activation checkpointing for torch.
 """
@@ -16,6 +18,7 @@ from hyperpar_gdn.platform.base import PlatformUnavailableError
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hyperpar_gdn.train.config import MODEL_SIZES, TrainConfig, UsageError, parse_args
+from hyperpar_gdn.train.faults import RankTimeoutError, SaveError, TrainingStopped
 from hyperpar_gdn.train.loop import Trainer
 from hyperpar_gdn.train.metrics import TrainResult
 
@@ -30,7 +33,14 @@ USER_ERRORS = (
     PlatformUnavailableError,
 )
 
+# Faults that stopped a run (scripts/train.py: one line on every rank, exit code 3).
+FAULTS = (TrainingStopped, SaveError, RankTimeoutError)
+
 __all__ = [
+    "FAULTS",
+    "RankTimeoutError",
+    "SaveError",
+    "TrainingStopped",
     "MODEL_SIZES",
     "CheckpointError",
     "TrainBackend",

@@ -81,10 +81,20 @@ class TrainBackend(ABC):
         ``reference``, the no-CP copy with its own optimizer."""
 
     @abstractmethod
-    def train_step(self, shard: ContextParallelBatch, *, scale: float, lr: float) -> float:
-        """One optimizer step on this rank's ``shard`` (host tensors): the gradients of
-        ``scale x`` the rank's context-parallel LM loss, synced over the mesh, clipped, and AdamW at
-        learning rate ``lr``. Returns the unscaled loss (this rank's term of its CP group's mean)."""
+    def backward(self, shard: ContextParallelBatch, *, scale: float) -> tuple[float, float]:
+        """Forward and backward on this rank's ``shard`` (host tensors): the gradients of ``scale x``
+        the rank's context-parallel LM loss, synced over the mesh and clipped to ``--grad-clip``.
+        Returns (the unscaled loss: this rank's term of its CP group's mean, the global gradient
+        2-norm before clipping). The gradients wait for :meth:`apply_step` or :meth:`discard_step`."""
+
+    @abstractmethod
+    def apply_step(self, *, lr: float) -> None:
+        """AdamW at learning rate ``lr`` with the gradients of the last :meth:`backward`; clears them."""
+
+    @abstractmethod
+    def discard_step(self) -> None:
+        """Drop the gradients of the last :meth:`backward` (a skipped step: weights and optimizer
+        state stay as they were)."""
 
     @abstractmethod
     def reference_step(self, whole: ContextParallelBatch, *, lr: float) -> float:
@@ -123,6 +133,12 @@ class TrainBackend(ABC):
     def peak_memory(self) -> tuple[int, str]:
         """(bytes, kind) of this process: "allocated" (an accelerator's allocator) or "rss"."""
 
+    def silent_ranks(self, tag: str, *, wait_s: float) -> list[int] | None:
+        """After a collective timed out: a roll call among the ranks that are still answering
+        (each that calls this with the same ``tag`` answers); returns the ranks that did not answer
+        within ``wait_s`` seconds, or None when the platform has no channel for it."""
+        return None
+
     def synchronize(self) -> None:
         """Wait for the device's queued work (for step timing); nothing to wait for by default."""
         return None
@@ -138,3 +154,8 @@ class TrainBackend(ABC):
     @abstractmethod
     def model_config(self) -> dict[str, Any]:
         """The trained model's configuration, for the metrics file."""
+
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: token ids must be below it."""
+        config = self.model_config()
+        return int(config.get("vocab_size") or config["text_config"]["vocab_size"])

@@ -41,6 +41,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "nonfinite_entries",
     "prune_checkpoints",
     "remove_incomplete",
     "resolve_checkpoint",
@@ -104,6 +105,24 @@ def save_checkpoint(root: str | Path, step: int, parts: dict[str, Any], *, meta:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return directory
+
+
+def nonfinite_entries(state: Any, prefix: str = "") -> list[str]:
+    """The dotted names of the floating-point tensors in ``state`` (nested dicts and lists) that
+    hold a NaN or an inf; what a checkpoint must never hold."""
+    if isinstance(state, torch.Tensor):
+        finite = not state.is_floating_point() or bool(torch.isfinite(state).all())
+        return [] if finite else [prefix]
+    if isinstance(state, dict):
+        items: Any = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return []
+    found = []
+    for key, value in items:
+        found += nonfinite_entries(value, f"{prefix}.{key}" if prefix else str(key))
+    return found
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:

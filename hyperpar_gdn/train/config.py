@@ -18,51 +18,11 @@ from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
 from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.linear_attention_style import MODES
 from hyperpar_gdn.models.config import HybridLMConfig
+from hyperpar_gdn.train.model_sizes import MODEL_SIZES
 
 CP_MODES = (*MODES, *TWO_LEVEL_MODES, "auto")
 DTYPES = ("fp32", "bf16")
-
-MODEL_SIZES: dict[str, HybridLMConfig] = {
-    # ~0.25M parameters: the embedded default, under a minute on two CPU ranks.
-    "tiny": HybridLMConfig(
-        hidden_size=64,
-        num_layers=4,
-        intermediate_size=192,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=4,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    ),
-    # ~6.9M parameters.
-    "small": HybridLMConfig(
-        hidden_size=256,
-        num_layers=8,
-        intermediate_size=768,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-    ),
-    # ~0.27B parameters, Qwen3.5-like head sizes: for accelerators.
-    "base": HybridLMConfig(
-        hidden_size=1024,
-        num_layers=16,
-        intermediate_size=3072,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        linear_num_key_heads=8,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-    ),
-}
+SAVE_ERROR_POLICIES = ("stop", "continue")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -111,7 +71,12 @@ class TrainConfig:
         check_parity: rank 0 also trains a no-CP copy on the whole global batch and compares.
         parity_tol: the largest allowed per-step loss difference under ``check_parity``.
         log_every: print a step line every this many steps (and at the last step).
-        timeout_s: process-group timeout.
+        timeout_s: process-group timeout: a collective that waits longer (a rank that stopped
+            answering) ends the run on the ranks that wait, naming the step.
+        max_bad_steps: stop after this many steps in a row whose loss or gradient norm is not
+            finite (each is skipped: no update, never saved).
+        on_save_error: a checkpoint or export that cannot be written (a full or read-only disk):
+            "stop" the run (every rank, one line) or "continue" without it.
     """
 
     cp_mode: str = "ulysses"
@@ -144,6 +109,8 @@ class TrainConfig:
     parity_tol: float = 1e-4
     log_every: int = 1
     timeout_s: float = 600.0
+    max_bad_steps: int = 3
+    on_save_error: str = "stop"
 
     def __post_init__(self) -> None:
         if self.cp_mode not in CP_MODES:
@@ -163,7 +130,7 @@ class TrainConfig:
             raise ValueError(
                 f"--model-size {self.model_size!r} is unknown; choose one of {', '.join(MODEL_SIZES)}"
             )
-        for name in ("steps", "seq_len", "batch_size", "log_every"):
+        for name in ("steps", "seq_len", "batch_size", "log_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1; got {getattr(self, name)}")
         for name in ("warmup_steps", "save_every", "keep_last", "seed"):
@@ -178,6 +145,8 @@ class TrainConfig:
         if self.cp_size is not None:
             if self.cp_size < 1:
                 raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
+        if self.on_save_error not in SAVE_ERROR_POLICIES:
+            raise ValueError(f"--on-save-error {self.on_save_error!r} is not one of stop, continue")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.model_dir is not None and self.model_size is not None:
@@ -409,6 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--log-every", type=int, default=defaults.log_every, help="print a step line every N steps")
     add("--timeout-s", type=float, default=defaults.timeout_s, help="process-group timeout (seconds)")
+    add(
+        "--max-bad-steps",
+        type=int,
+        default=defaults.max_bad_steps,
+        help="stop after N non-finite steps in a row",
+    )
+    add(
+        "--on-save-error",
+        choices=SAVE_ERROR_POLICIES,
+        default=defaults.on_save_error,
+        help="a checkpoint or export that cannot be written: stop the run, or continue without it",
+    )
     return parser
 
 

@@ -65,6 +65,11 @@ def _file_documents(file: Path) -> list[str]:
     return documents
 
 
+class VocabularyError(ValueError):
+    """Token ids the model has no embedding for (a tokenizer that does not match the model);
+    raised on every rank before the first step."""
+
+
 @dataclass(frozen=True)
 class TokenStream:
     """The training data as one stream: ``tokens`` int64 ``[N]`` and ``doc_starts`` bool ``[N]``
@@ -169,3 +174,25 @@ class BatchSampler:
                 "--seed and --data to continue the same loss curve"
             )
         self.position = int(state["position"])
+
+
+def check_vocabulary(
+    stream: TokenStream, *, vocab_size: int, tokenizer: Any = None, model: str, data: str | None
+) -> None:
+    """Refuse token ids outside ``[0, vocab_size)`` before they reach the embedding (on CUDA an
+    index assertion with no useful message); with a tokenizer, also one that has more tokens than
+    the model's ``vocab_size`` (the tokenizer and the model directory do not match)."""
+    where = f"--data {data}" if data is not None else "the built-in corpus"
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        raise VocabularyError(
+            f"the tokenizer of {model} has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{vocab_size}: the tokenizer and the model do not match (use the tokenizer saved with it)"
+        )
+    bad = (stream.tokens < 0) | (stream.tokens >= vocab_size)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        raise VocabularyError(
+            f"{where}: {int(bad.sum())} token ids fall outside the vocabulary of {model} (vocab_size "
+            f"{vocab_size}: ids 0..{vocab_size - 1}), the first is {int(stream.tokens[first])} at "
+            f"token {first}; use the model's own tokenizer"
+        )

@@ -18,8 +18,10 @@ components: :mod:`.optim` (AdamW settings, warm-up), :mod:`.resume`, :mod:`.metr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +31,24 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.platform import get_platform, platform_name
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.batches import cut_batch, replica_rows
-from hyperpar_gdn.train.checkpoint import CheckpointError, prune_checkpoints, save_checkpoint, write_atomic
+from hyperpar_gdn.train.checkpoint import (
+    CheckpointError,
+    nonfinite_entries,
+    prune_checkpoints,
+    save_checkpoint,
+    write_atomic,
+)
 from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.data import Batch, BatchSampler, load_stream
+from hyperpar_gdn.train.data import Batch, BatchSampler, check_vocabulary, load_stream
+from hyperpar_gdn.train.faults import (
+    BadStepGuard,
+    RankTimeoutError,
+    SaveError,
+    injected_nan_steps,
+    is_collective_timeout,
+    is_finite,
+    timeout_message,
+)
 from hyperpar_gdn.train.header import run_header
 from hyperpar_gdn.train.log import logger, setup_logging
 from hyperpar_gdn.train.metrics import StepRecord, TrainResult, metrics_document, step_line, summary_lines
@@ -41,6 +58,8 @@ from hyperpar_gdn.train.resume import find_resume_point
 from hyperpar_gdn.train.torch_backend import TorchBackend
 
 __all__ = ["StepRecord", "TrainResult", "Trainer"]
+
+ROLL_CALL_S = 2.0  # after a collective timeout: how long the ranks still answering wait for the rest
 
 
 class Trainer:
@@ -84,13 +103,24 @@ class Trainer:
         self.backend = self.backend_class(config, self.platform, self.mesh, reference=reference)
         self.model = getattr(self.backend, "model", None)
         self.tokenizer = self.backend.tokenizer
+        stream = load_stream(config.data, self.tokenizer)
+        check_vocabulary(  # on every rank, before any step
+            stream,
+            vocab_size=self.backend.vocab_size(),
+            tokenizer=self.tokenizer,
+            model=config.model_name,
+            data=config.data,
+        )
         self.sampler = BatchSampler(
-            load_stream(config.data, self.tokenizer),
+            stream,
             seq_len=config.seq_len,
             batch_size=config.batch_size,
             seed=config.seed,
         )
         self.step = 0
+        self._timed_out = 0  # roll calls held (each needs its own store keys)
+        self.guard = BadStepGuard(max_bad_steps=config.max_bad_steps)
+        self._inject_nan = injected_nan_steps(self.rank)  # a test hook (see .faults)
         point = find_resume_point(config, rank=self.rank, max_over_ranks=self.backend.max_over_ranks)
         if point is not None:
             self.backend.load_state_dict(point.path, point.parts)
@@ -109,12 +139,22 @@ class Trainer:
         while self.step < config.steps:
             batch = self.sampler.next_batch()
             t0 = time.perf_counter()
-            loss = self._train_step(batch)
-            self.backend.synchronize()
+            with self._timeouts_named(self.step + 1):
+                loss, skipped = self._train_step(batch)
+                self.backend.synchronize()
             seconds = time.perf_counter() - t0
             self.step += 1
             memory, result.memory_kind = self.backend.peak_memory()
-            record = StepRecord(self.step, loss, seconds, tokens_per_step / seconds, memory)
+            record = StepRecord(self.step, loss, seconds, tokens_per_step / seconds, memory, skipped=skipped)
+            if skipped:
+                logger.warning(
+                    "step %d skipped: non-finite loss or gradient norm (%d skipped so far, %d in a row; "
+                    "--max-bad-steps %d)",
+                    self.step,
+                    len(self.guard.skipped),
+                    self.guard.in_a_row,
+                    config.max_bad_steps,
+                )
             if config.check_parity and self.rank == 0:
                 whole = cut_batch(
                     batch, self.solo, dp_rank=0, dp_size=1, doc_boundaries=config.doc_boundaries
@@ -125,7 +165,8 @@ class Trainer:
             result.records.append(record)
             if self.step % config.log_every == 0 or self.step == config.steps:
                 logger.info(step_line(record, config.steps, result.memory_kind))
-            self._maybe_save()
+            with self._timeouts_named(self.step):
+                self._maybe_save()
         result.wall_s = time.perf_counter() - start
         if config.export is not None:
             self._on_rank_0(self.backend.exporter(config.export), f"export the model to {config.export}")
@@ -151,12 +192,29 @@ class Trainer:
             )
         return result
 
+    @contextlib.contextmanager
+    def _timeouts_named(self, step: int) -> Iterator[None]:
+        """A collective that times out becomes a :class:`RankTimeoutError` naming the step and the
+        ranks that did not answer the roll call (``step``: the step being run or saved)."""
+        try:
+            yield
+        except RuntimeError as err:
+            if not is_collective_timeout(err):
+                raise
+            self._timed_out += 1
+            silent = self.backend.silent_ranks(f"{step}.{self._timed_out}", wait_s=ROLL_CALL_S)
+            message = timeout_message(
+                step=step, rank=self.rank, timeout_s=self.config.timeout_s, silent=silent
+            )
+            raise RankTimeoutError(message) from None
+
     def close(self) -> None:
         if self._owns_group:
             self.platform.destroy()
 
-    def _train_step(self, batch: Batch) -> float:
-        """One step of the (dp, cp)-parallel model; returns the mean loss over the global batch."""
+    def _train_step(self, batch: Batch) -> tuple[float, bool]:
+        """One step of the (dp, cp)-parallel model; returns (the mean loss over the global batch,
+        whether the step was skipped for a non-finite loss or gradient norm on some rank)."""
         config = self.config
         shard = cut_batch(
             batch,
@@ -173,11 +231,18 @@ class Trainer:
         whole = replica_rows(batch, dp_rank=0, dp_size=1, doc_boundaries=config.doc_boundaries)
         mine, total = replica.labelled_tokens, whole.labelled_tokens
         # the CP group's mean -> this replica's share of the global mean, times dp (DP averages)
-        loss = self.backend.train_step(
-            shard, scale=self.dp * mine / total, lr=learning_rate(config, self.step + 1)
-        )
-        (loss_sum,) = self.backend.sum_over_ranks([loss * mine])  # each token is on one rank only
-        return loss_sum / total
+        scale = self.dp * mine / total
+        if self.step + 1 in self._inject_nan:
+            scale = float("nan")
+        loss, norm = self.backend.backward(shard, scale=scale)
+        # one reduction: the loss sum (each token is on one rank only) and the ranks gone non-finite
+        loss_sum, bad_ranks = self.backend.sum_over_ranks([loss * mine, float(not is_finite(loss, norm))])
+        if bad_ranks > 0:
+            self.backend.discard_step()
+        if self.guard.record(step=self.step + 1, bad_ranks=round(bad_ranks)):
+            return loss_sum / total, True
+        self.backend.apply_step(lr=learning_rate(config, self.step + 1))
+        return loss_sum / total, False
 
     def _log_header(self, tokens_per_step: int) -> None:
         """The run header (:func:`~hyperpar_gdn.train.header.run_header`), on rank 0."""
@@ -208,10 +273,14 @@ class Trainer:
         }
 
     # --- checkpoints ------------------------------------------------------------------------------
-    def _maybe_save(self) -> None:
+    def _saving_due(self) -> bool:
         config = self.config
         due = self.step == config.steps or (config.save_every and self.step % config.save_every == 0)
-        if config.save is None or not due:
+        return config.save is not None and bool(due)
+
+    def _maybe_save(self) -> None:
+        config = self.config
+        if not self._saving_due():
             return
         parts = {  # every rank: gathering FSDP shards is collective
             **self.backend.state_dict(),
@@ -220,6 +289,10 @@ class Trainer:
         }
 
         def save() -> None:  # the other ranks wait in _on_rank_0 until step-N is renamed into place
+            if bad := nonfinite_entries({"model": parts["model"], "optimizer": parts["optimizer"]}):
+                raise CheckpointError(
+                    f"refusing to save step-{self.step}: {', '.join(bad[:3])} hold NaN or inf values"
+                )
             meta = {"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp}
             path = save_checkpoint(config.save, self.step, parts, meta=meta)
             logger.info("saved %s", path)
@@ -230,15 +303,30 @@ class Trainer:
         self._on_rank_0(save, f"save the step-{self.step} checkpoint under {config.save}")
 
     def _on_rank_0(self, work: Any, what: str) -> None:
-        """Run ``work()`` on rank 0; every rank raises if it failed (or they would wait forever)."""
+        """Run ``work()`` on rank 0; every rank learns if it failed (or they would wait forever).
+
+        A write that the system refused (an ``OSError``: a full or read-only disk, a file-size
+        limit, a vanished directory) follows ``--on-save-error``: a :class:`SaveError` on every
+        rank, or one warning line per rank and the run goes on. Other failures raise."""
         failure: BaseException | None = None
         if self.rank == 0:
             try:
                 work()
             except Exception as err:
                 failure = err
-        failed = self.backend.max_over_ranks(int(failure is not None))
-        if failure is not None:
-            raise failure
-        if failed:
+        code = 0 if failure is None else 1 if isinstance(failure, OSError) else 2
+        code = self.backend.max_over_ranks(code)
+        if code == 2:
+            if failure is not None:
+                raise failure
             raise CheckpointError(f"rank 0 failed to {what}")
+        if code == 1:
+            policy = self.config.on_save_error
+            cause = f": {failure}" if failure is not None else " (rank 0's line says why)"
+            line = (
+                f"{'rank 0 ' if failure is None else ''}could not {what}{cause}; the checkpoints before "
+                f"it are intact and no partial directory is left (--on-save-error {policy})"
+            )
+            if policy == "stop":
+                raise SaveError(line) from failure
+            logger.warning("%s; continuing", line)

@@ -21,6 +21,7 @@ class StepRecord:
     tokens_per_s: float
     peak_memory_bytes: int
     reference_loss: float | None = None
+    skipped: bool = False  # a non-finite loss or gradient norm on some rank: no update
 
 
 @dataclass
@@ -41,6 +42,10 @@ class TrainResult:
         return [r.loss for r in self.records]
 
     @property
+    def skipped_steps(self) -> list[int]:
+        return [r.step for r in self.records if r.skipped]
+
+    @property
     def tokens_per_s(self) -> float:
         """Mean over the steps after the first (which includes one-off start-up work)."""
         timed = self.records[1:] or self.records
@@ -58,6 +63,8 @@ def step_line(record: StepRecord, steps: int, memory_kind: str) -> str:
         f"step {record.step:>{width}}/{steps} | loss {record.loss:.4f} | {record.tokens_per_s:>9,.0f} tok/s | "
         f"peak {mib(record.peak_memory_bytes)} {memory_kind} | {record.seconds:.3f} s"
     )
+    if record.skipped:
+        line += " | skipped"
     if record.reference_loss is not None:
         line += f" | no-cp {record.reference_loss:.4f} (diff {abs(record.loss - record.reference_loss):.1e})"
     return line
@@ -104,6 +111,7 @@ def metrics_document(result: TrainResult, *, run: dict[str, Any], parity_tol: fl
         "losses": result.losses,
         "steps": [r.step for r in result.records],
         "start_step": result.start_step,
+        "skipped_steps": result.skipped_steps,
         "step_seconds": [r.seconds for r in result.records],
         "tokens_per_s_per_step": [r.tokens_per_s for r in result.records],
         "tokens_per_s": result.tokens_per_s,

@@ -271,6 +271,7 @@ class MindSporeBackend(TrainBackend):
             for block in text_model_of(self.model).layers:
                 block.recompute()
         self.replica = _Replica(self.model, config, cp_mesh)
+        self._grads: list[ms.Tensor] | None = None  # between backward and apply_step
         self.reference = None
         if reference:
             solo = DeviceMesh.from_group(platform, None, [platform.rank()], mesh_dim_name="cp")
@@ -284,12 +285,22 @@ class MindSporeBackend(TrainBackend):
     def world_size(self) -> int:
         return self.platform.world_size()
 
-    def train_step(self, shard: ContextParallelBatch, *, scale: float, lr: float) -> float:
+    def backward(self, shard: ContextParallelBatch, *, scale: float) -> tuple[float, float]:
         loss, grads = self.replica.loss_and_grads(shard, scale)
         if self.world_size > 1:  # summed over the CP group, averaged over the DP groups
             grads = sync_context_parallel_grads(grads, self.mesh, dp_axis="dp")
-        self.replica.step(grads, lr)
-        return loss
+        clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        self._grads, norm = clip_grad_norm(grads, clip)
+        return loss, norm
+
+    def apply_step(self, *, lr: float) -> None:
+        grads, self._grads = self._grads, None
+        if grads is None:
+            raise RuntimeError("apply_step without backward: no gradients to apply")
+        self.replica.optimizer.step(grads, lr)
+
+    def discard_step(self) -> None:
+        self._grads = None
 
     def reference_step(self, whole: ContextParallelBatch, *, lr: float) -> float:
         assert self.reference is not None

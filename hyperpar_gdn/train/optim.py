@@ -12,7 +12,15 @@ import torch
 
 from hyperpar_gdn.train.config import TrainConfig
 
-__all__ = ["BETAS", "EPS", "build_adamw", "learning_rate", "torch_optimizer_step"]
+__all__ = [
+    "BETAS",
+    "EPS",
+    "adamw_step",
+    "build_adamw",
+    "clip_gradients",
+    "learning_rate",
+    "torch_optimizer_step",
+]
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -32,13 +40,28 @@ def build_adamw(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=config.lr, betas=BETAS, eps=EPS)
 
 
+def clip_gradients(model: torch.nn.Module, grad_clip: float) -> float:
+    """The global 2-norm of ``model``'s gradients before clipping; clips them to ``grad_clip`` when
+    it is > 0 (0: the norm only; the gradients are multiplied by exactly 1). Under FSDP the norm is
+    that of the whole gradient (torch reduces the shards' norms)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm.item())
+
+
+def adamw_step(optimizer: torch.optim.Optimizer, *, lr: float) -> None:
+    """Step at ``lr``, then clear the gradients."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def torch_optimizer_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, grad_clip: float, lr: float
 ) -> None:
     """Clip the global gradient norm (``grad_clip`` > 0), step at ``lr``, clear the gradients."""
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    adamw_step(optimizer, lr=lr)

@@ -34,7 +34,7 @@ from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
 from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.optim import build_adamw, torch_optimizer_step
+from hyperpar_gdn.train.optim import adamw_step, build_adamw, clip_gradients, torch_optimizer_step
 from hyperpar_gdn.train.sharding import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -94,7 +94,7 @@ class TorchBackend(TrainBackend):
         return self.platform.world_size()
 
     # --- steps ------------------------------------------------------------------------------------
-    def train_step(self, shard: ContextParallelBatch, *, scale: float, lr: float) -> float:
+    def backward(self, shard: ContextParallelBatch, *, scale: float) -> tuple[float, float]:
         with self._autocast():
             hidden, head = hidden_and_head(
                 self.model,
@@ -108,8 +108,14 @@ class TorchBackend(TrainBackend):
         (loss * scale).backward()
         if self.world_size > 1 and not self.config.fsdp:  # FSDP reduce-scatters them itself
             sync_context_parallel_grads(self.model, self.mesh, dp_axis="dp")
-        torch_optimizer_step(self.model, self.optimizer, grad_clip=self.config.grad_clip, lr=lr)
-        return float(loss.item())
+        norm = clip_gradients(self.model, self.config.grad_clip)
+        return float(loss.item()), norm
+
+    def apply_step(self, *, lr: float) -> None:
+        adamw_step(self.optimizer, lr=lr)
+
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     def reference_step(self, whole: ContextParallelBatch, *, lr: float) -> float:
         """Cross-entropy over the whole logits (an independent computation of the same loss)."""
@@ -174,6 +180,26 @@ class TorchBackend(TrainBackend):
 
     def peak_memory(self) -> tuple[int, str]:
         return peak_memory(self.device)
+
+    def silent_ranks(self, tag: str, *, wait_s: float) -> list[int] | None:
+        """The roll call through the default group's c10d store (torchrun's agent hosts it, so it
+        answers while a worker is stopped). torch has no public accessor for that store."""
+        import time
+
+        import torch.distributed as dist
+
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"hyperpar_gdn/roll/{tag}/{self.rank}", "1")
+            keys = {r: f"hyperpar_gdn/roll/{tag}/{r}" for r in range(self.world_size)}
+            deadline = time.monotonic() + wait_s
+            while True:
+                silent = [r for r, key in keys.items() if not store.check([key])]
+                if not silent or time.monotonic() > deadline:
+                    return silent
+                time.sleep(0.1)
+        except Exception:  # the store itself is gone (its host was the stopped rank)
+            return None
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

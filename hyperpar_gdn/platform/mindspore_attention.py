@@ -15,7 +15,7 @@ from functools import cache
 import mindspore as ms
 from mindspore import ops
 
-from hyperpar_gdn.platform.base import AttentionKernel
+from hyperpar_gdn.platform.attention_kernel import AttentionKernel
 
 _NO_LIMIT = 2147483647  # pre/next tokens: no sliding window
 

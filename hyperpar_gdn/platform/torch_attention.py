@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperpar_gdn.platform.base import AttentionKernel
+from hyperpar_gdn.platform.attention_kernel import AttentionKernel
 
 __all__ = ["attention_kernel_for"]
 

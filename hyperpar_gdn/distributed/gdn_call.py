@@ -1,0 +1,151 @@
+"""What a GDN layer's forward call passes besides the hidden states, and the checks the GDN
+style makes on it before any communication (the shard, its length, packed documents)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hyperpar_gdn.distributed.layout import TokenLayout
+from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
+from hyperpar_gdn.distributed.sequence import GlobalSequence
+from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.platform import Tensor, ops_for
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """What a GDN layer's forward call passes besides the hidden states.
+
+    ``cu_seqlens``: packed documents, int ``[N+1]`` over the WHOLE sequence, the same tensor on
+    every rank (fla's ``cu_seqlens`` or transformers' ``cu_seq_lens_q``). ``position_ids``
+    (transformers' packed convention) only on one device: a shard's position_ids cannot say
+    where the documents of other shards start."""
+
+    attention_mask: Tensor | None
+    cu_seqlens: Any
+    position_ids: Any
+
+
+def signature_binder(forward: Callable) -> Callable[..., CallArgs]:
+    """Bind a call as the original forward would; refuse every other argument that is set (a
+    cache, other packed-sequence keywords: none is handled here)."""
+    signature = inspect.signature(forward)
+    owner = getattr(forward, "__self__", forward).__class__.__name__
+
+    def bind(hidden_states: Any, *args: Any, **kwargs: Any) -> CallArgs:
+        bound = dict(signature.bind(hidden_states, *args, **kwargs).arguments)
+        for name, parameter in signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                bound.update(bound.pop(name, {}))
+        bound.pop("hidden_states", None)
+        cu, cu_q = bound.pop("cu_seqlens", None), bound.pop("cu_seq_lens_q", None)
+        if cu is not None and cu_q is not None:
+            raise ValueError(f"{owner}: pass cu_seqlens or cu_seq_lens_q, not both")
+        call = CallArgs(
+            attention_mask=bound.pop("attention_mask", None),
+            cu_seqlens=cu if cu is not None else cu_q,
+            position_ids=bound.pop("position_ids", None),
+        )
+        refuse_unhandled(owner, bound)
+        return call
+
+    return bind
+
+
+def whole_sequence(call: CallArgs, layout: str) -> tuple[GlobalSequence | None, Any]:
+    """The :class:`GlobalSequence` a whole model's forward built once for all its layers (passed
+    as ``attention_mask``, transformers, or ``cu_seqlens``, HybridLM), or None; and the
+    attention_mask argument when it is not that object."""
+    given = [v for v in (call.attention_mask, call.cu_seqlens) if isinstance(v, GlobalSequence)]
+    if not given:
+        return None, call.attention_mask
+    seq = given[0]
+    if seq.layout != layout:
+        raise ValueError(
+            f"the model's forward passed a sequence in layout={seq.layout!r} to a GDN "
+            f"layer parallelized with layout={layout!r}"
+        )
+    others = {"attention_mask": call.attention_mask, "cu_seqlens": call.cu_seqlens}
+    extra = sorted(k for k, v in others.items() if v is not None and not isinstance(v, GlobalSequence))
+    if extra or len(given) > 1:
+        raise ValueError(
+            f"the model's forward describes the whole sequence (its padding and documents) once; "
+            f"the layer got {', '.join(extra) or 'it twice'} as well"
+        )
+    return seq, None
+
+
+def from_global_sequence(seq: GlobalSequence, rank: int) -> tuple[list[int], Tensor | None]:
+    """The shard lengths and this rank's piece of the padding mask from the
+    :class:`GlobalSequence` a whole model computed once per forward (it gives the GDN layers the
+    same object as the softmax-attention layers)."""
+    lengths = list(seq.lengths)
+    if seq.key_mask is None:
+        return lengths, None
+    return lengths, seq.token_layout().local(ops_for(seq.key_mask), seq.key_mask, rank, 1)
+
+
+def check_known(lengths: list[int], rank: int, x: Tensor, error: str | None) -> list[int]:
+    """Lengths exchanged by the model's forward for all of its layers: no exchange here. The model
+    checked its inputs on every rank before that exchange, so what is checked here holds on every
+    rank unless the model itself is wrong."""
+    if error is None and x.shape[1] != lengths[rank]:
+        error = (
+            f"the hidden states hold {x.shape[1]} tokens but the model's forward exchanged "
+            f"T_r={lengths[rank]} for CP rank {rank}"
+        )
+    if error is not None:
+        raise ValueError(error)
+    return lengths
+
+
+def packing_error(x: Tensor, cu_seqlens: Any, position_ids: Any) -> str | None:
+    """What is wrong with this rank's packed-document keywords under CP, or None."""
+    if position_ids is not None:
+        return (
+            "position_ids (packed documents) cannot be used under context parallelism: a shard's "
+            "position_ids do not say where other shards' documents start; pass the global cu_seqlens "
+            "(hyperpar_gdn.ops.cu_seqlens_from_position_ids on the whole sequence's position_ids)"
+        )
+    if cu_seqlens is not None and x.shape[0] != 1:
+        return f"packed documents (cu_seqlens) need batch size B=1; got B={x.shape[0]}"
+    return None
+
+
+def shard_error(dims: LayerDims, x: Tensor, attention_mask: Tensor | None) -> str | None:
+    """What is wrong with this rank's own input, or None (checked before any communication)."""
+    shape = tuple(x.shape)
+    if len(shape) != 3 or shape[-1] != dims.hidden_size:
+        return f"the local shard must be [B, T/cp, hidden_size={dims.hidden_size}]; got {shape}"
+    if attention_mask is not None and tuple(attention_mask.shape) != shape[:2]:
+        return f"attention_mask must be this rank's shard [B, T/cp] = {shape[:2]}; got {tuple(attention_mask.shape)}"
+    return None
+
+
+def check_lengths(mode: str, dims: LayerDims, tokens: TokenLayout) -> None:
+    """Rules on every rank's token count (every fragment's, for a layout of several per rank);
+    the same ValueError on every rank (all know the counts)."""
+    halo = dims.conv_kernel_size - 1
+    need = 1 if mode == "ulysses" else max(halo, 1)
+    for rank in range(tokens.size):
+        t = min(f.length for f in tokens.mine(rank))
+        if t >= need:
+            continue
+        if mode == "ulysses":
+            raise ValueError(
+                f"mode='ulysses': the shard of CP rank {rank} is empty; every shard needs a token"
+            )
+        raise ValueError(
+            f"mode={mode!r}: the shard of CP rank {rank} has "
+            + (
+                f"T/cp={t} tokens"
+                if tokens.is_contiguous
+                else f"pieces of {t} tokens (layout={tokens.kind!r})"
+            )
+            + f", fewer than the conv halo "
+            f"W-1={halo} (conv_kernel_size={dims.conv_kernel_size}); every shard needs at least {need}: "
+            "use fewer ranks or a longer sequence"
+        )

@@ -114,42 +114,11 @@ class RanksFailed(AssertionError):
         self.outcome = outcome
 
 
-def run_ranks(
-    worker: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    timeout_s: float = 60.0,
-    env: Mapping[str, str] | None = None,
-    pg_timeout_s: float = 30.0,
-    grace_s: float = 5.0,
-    init: bool = True,
-    rendezvous: str = "file",
-    threads: int = 1,
-) -> list[Any]:
+def run_ranks(worker: Callable[..., Any], world_size: int, *args: Any, **options: Any) -> list[Any]:
     """Run ``worker(rank, world_size, *args)`` on ``world_size`` forked ranks; return the list of
     per-rank results in rank order. Raises :class:`RanksFailed` unless every rank returned.
-
-    Args:
-        timeout_s: deadline for the whole job, start-up included; then every child is killed.
-        env: extra or overriding environment variables for the children.
-        pg_timeout_s: the process-group timeout (seconds) given to ``init_distributed``.
-        grace_s: after the first failure, how long the other ranks may still run.
-        init: join the platform's default process group before calling ``worker``.
-        rendezvous: ``"file"`` or ``"env"`` (see the module docstring).
-        threads: intra-op threads of each rank (``OMP_NUM_THREADS`` and torch's).
-    """
-    outcome = launch_ranks(
-        worker,
-        world_size,
-        *args,
-        timeout_s=timeout_s,
-        env=env,
-        pg_timeout_s=pg_timeout_s,
-        grace_s=grace_s,
-        init=init,
-        rendezvous=rendezvous,
-        threads=threads,
-    )
+    ``options`` are :func:`launch_ranks`' keywords (``timeout_s``, ``env``, ``threads``, ...)."""
+    outcome = launch_ranks(worker, world_size, *args, **options)
     if not outcome.ok:
         raise RanksFailed(outcome)
     return [outcome.results[rank] for rank in range(world_size)]
@@ -167,7 +136,18 @@ def launch_ranks(
     rendezvous: str = "file",
     threads: int = 1,
 ) -> RankOutcome:
-    """Like :func:`run_ranks` but returns the :class:`RankOutcome` instead of raising."""
+    """Run ``worker(rank, world_size, *args)`` on ``world_size`` forked ranks and return what
+    each did (:class:`RankOutcome`), whether or not every rank returned.
+
+    Args:
+        timeout_s: deadline for the whole job, start-up included; then every child is killed.
+        env: extra or overriding environment variables for the children.
+        pg_timeout_s: the process-group timeout (seconds) given to ``init_distributed``.
+        grace_s: after the first failure, how long the other ranks may still run.
+        init: join the platform's default process group before calling ``worker``.
+        rendezvous: ``"file"`` or ``"env"`` (see the module docstring).
+        threads: intra-op threads of each rank (``OMP_NUM_THREADS`` and torch's).
+    """
     _check_options(world_size, timeout_s, pg_timeout_s, grace_s, rendezvous, threads)
     context = multiprocessing.get_context("fork")
     outcome = RankOutcome(world_size=world_size)

@@ -121,13 +121,15 @@ class TrainBackend(ABC):
         slots[self.rank] = float(value)
         return int(max(self.sum_over_ranks(slots)))
 
-    @property
-    @abstractmethod
-    def rank(self) -> int: ...
+    platform: Platform  # set by __init__
 
     @property
-    @abstractmethod
-    def world_size(self) -> int: ...
+    def rank(self) -> int:
+        return self.platform.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.platform.world_size()
 
     @abstractmethod
     def peak_memory(self) -> tuple[int, str]:

@@ -273,6 +273,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+# Long on purpose: one add() per command-line option, in the order --help lists them.
 def build_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     parser = _Parser(

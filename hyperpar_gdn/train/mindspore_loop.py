@@ -277,14 +277,6 @@ class MindSporeBackend(TrainBackend):
             solo = DeviceMesh.from_group(platform, None, [platform.rank()], mesh_dim_name="cp")
             self.reference = _Replica(build(), config, solo)
 
-    @property
-    def rank(self) -> int:
-        return self.platform.rank()
-
-    @property
-    def world_size(self) -> int:
-        return self.platform.world_size()
-
     def backward(self, shard: ContextParallelBatch, *, scale: float) -> tuple[float, float]:
         loss, grads = self.replica.loss_and_grads(shard, scale)
         if self.world_size > 1:  # summed over the CP group, averaged over the DP groups

@@ -85,14 +85,6 @@ class TorchBackend(TrainBackend):
             apply_fsdp(self.model, device_type=self.device.type, dp=mesh.size(0), bf16=config.dtype == "bf16")
         self.optimizer = build_adamw(self.model, config)  # over the sharded parameters under FSDP
 
-    @property
-    def rank(self) -> int:
-        return self.platform.rank()
-
-    @property
-    def world_size(self) -> int:
-        return self.platform.world_size()
-
     # --- steps ------------------------------------------------------------------------------------
     def backward(self, shard: ContextParallelBatch, *, scale: float) -> tuple[float, float]:
         with self._autocast():

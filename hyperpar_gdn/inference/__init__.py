@@ -1,6 +1,9 @@
-"""Inference: prefill under context parallelism, the decoder state, one-token steps, generation.
+"""Inference: prefill under context parallelism, decoding on one device or on the CP group.
 
-- :mod:`.states`: the decoding state a prompt leaves behind, recorded from the mixers while it runs;
-- :mod:`.prefill`: :func:`prefill_context_parallel` (a prompt read on the CP ranks);
+- :mod:`.prefill`: :func:`~hyperpar_gdn.prefill_context_parallel` (a prompt read on the CP ranks;
+  the states it leaves are recorded into one :class:`~hyperpar_gdn.ops.prefill_states.PrefillStates`
+  passed explicitly to the mixers);
+- :mod:`.packed`: several prompts packed in one row, a cache per prompt;
+- :mod:`.cp_decoding`: decoding with each rank keeping its share of the attention K/V cache;
 - :mod:`.decoding`: this package's models' decoding state, one step, greedy generation.
 """

@@ -1,6 +1,10 @@
 """transformers' Qwen3.5 models under context parallelism: everything that names a transformers
 class or keyword lives in this package.
 
+- :mod:`.discovery`: where a Qwen3.5 model keeps its decoder layers;
+- :mod:`.hooks`: the per-forward pre-hooks (positions, padding, packed documents, labels);
+- :mod:`.attention`: transformers' attention layer under the softmax-attention style;
+- :mod:`.cache`: the ``DynamicCache`` a CP prefill fills;
 - :mod:`.model_dir`: load a model directory for training, export one, make a tiny one;
 - :mod:`.lm_head`: the final hidden states and head weight of a model the trainer trains;
 - :mod:`.trainer`: ``ContextParallelTrainer`` and ``ContextParallelMixin`` (transformers'

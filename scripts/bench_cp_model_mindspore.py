@@ -28,10 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench_cp_model import LAYOUTS, MODES, model_config
+from bench_cp_model import LAYOUTS, MODES
 
 from benchkit.machine import load_average, machine_info
 from benchkit.output import Panel, save_png, write_json
+from benchkit.qwen35_steps import measure_torch, token_ids, write_model_dir
 from benchkit.ranks import on_msrun, on_ranks
 from benchkit.timing import alternating_rounds, slowest_per_round
 from hyperpar_gdn.cli import HelpFormatter
@@ -39,55 +40,6 @@ from hyperpar_gdn.cli import HelpFormatter
 TARGET_EFFICIENCY = 0.85  # MindSpore's whole model at cp=2
 TARGET_VS_TORCH = 1.5  # MindSpore's one-process step over torch's best one
 LOSS_AGREEMENT = 1e-4  # relative, fp32
-
-
-def write_model_dir(path: Path, vocab: int) -> Path:
-    """The benchmark model as a transformers directory (seed 0)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    transformers.Qwen3_5ForCausalLM(model_config(vocab)).save_pretrained(path)
-    return path
-
-
-def measure_torch(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
-    """One rank: transformers' model and ours on the whole sequence (rounds alternate); the
-    seconds and the mean loss of each."""
-    import numpy as np
-    import torch
-    import transformers
-
-    from hyperpar_gdn import apply_context_parallel, init_device_mesh
-
-    ids = torch.tensor(_token_ids(job["seq_len"], job["vocab"], np))
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
-    models = {
-        "transformers": transformers.AutoModelForCausalLM.from_pretrained(job["model_dir"]).train(),
-        "ours": apply_context_parallel(
-            transformers.AutoModelForCausalLM.from_pretrained(job["model_dir"]).train(), mesh, mode="p2p"
-        ),
-    }
-    losses: dict[str, float] = {}
-
-    def step(name: str) -> None:
-        model = models[name]
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
-        loss.backward()
-        losses[name] = float(loss.detach())
-
-    times = alternating_rounds(
-        {name: (lambda name=name: step(name)) for name in models},
-        repeats=job["repeats"],
-        warmup=job["warmup"],
-    )
-    return {"times_s": times, "loss": losses}
-
-
-def _token_ids(seq_len: int, vocab: int, np: Any) -> Any:
-    return np.random.default_rng(1).integers(0, vocab, (1, seq_len)).astype(np.int64)
 
 
 def mindspore_worker(args: argparse.Namespace) -> None:
@@ -107,7 +59,7 @@ def mindspore_worker(args: argparse.Namespace) -> None:
     ms.set_context(runtime_num_threads=1)
     rank, cp = platform.rank(), platform.world_size()
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-    tokens = _token_ids(args.seq_len, args.vocab, np)
+    tokens = token_ids(args.seq_len, args.vocab, np)
     ids = platform.from_numpy(tokens, dtype="int64")
     losses: dict[str, float] = {}
 

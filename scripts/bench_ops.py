@@ -12,8 +12,7 @@ batched one at the kernel's shapes) rate our kernel by its algorithm's FLOP coun
 MindSpore tensors beside ``ours_torch`` and ``transformers`` on torch tensors of the same values;
 the matmul rates are then MindSpore's, and the report gives MindSpore's time over torch's for the
 same code (``mindspore_over_torch``, target <= 2.5): the ratio of the medians, the median of the
-per-round ratios and the ratio of the fastest runs. Its default T is 2048 (B1 H4 K=V=128 fp32);
-torch's is 4096.
+per-round ratios and the ratio of the fastest runs. Default T: 2048 (B1 H4 K=V=128 fp32); torch's 4096.
 
 Packed documents (torch): ``--packed-T`` tokens (8192) cut into ``--packed-docs`` documents (8)
 of random lengths, ``ours`` with ``cu_seqlens`` against ``ours`` unpacked on the same tokens,

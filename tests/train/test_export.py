@@ -80,8 +80,8 @@ def test_failed_export_leaves_no_directory(model_dir: Path, tmp_path: Path) -> N
     assert not outcome.dead and not outcome.results, outcome
     assert "disk full (injected)" in outcome.errors[0]
     assert (
-        "CheckpointError" in outcome.errors[1]
-        and f"rank 0 failed to export the model to {out}" in (outcome.errors[1])
+        "SaveError" in outcome.errors[1]
+        and f"rank 0 could not export the model to {out}" in outcome.errors[1]
     )
     assert list(tmp_path.iterdir()) == []
     # an existing directory survives a failed export unchanged
@@ -98,6 +98,6 @@ def test_failed_metrics_write_stops_every_rank(tmp_path: Path) -> None:
     outcome = launch_ranks(_train, 2, options, timeout_s=120)
     assert not outcome.dead and not outcome.timed_out and not outcome.results, outcome
     assert (
-        "CheckpointError" in outcome.errors[1]
-        and "rank 0 failed to write --metrics-json" in outcome.errors[1]
+        "SaveError" in outcome.errors[1]
+        and "rank 0 could not write --metrics-json" in outcome.errors[1]
     )

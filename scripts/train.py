@@ -6,12 +6,14 @@
         --join=True --log_dir=msrun_log scripts/train.py --cp-mode p2p   # MindSpore, MCCL on CPU
     torchrun --nproc-per-node 2 --max-restarts 3 scripts/train.py --save ckpt --save-every 10
         # a restarted (or rerun) job resumes from the newest complete checkpoint under ckpt
+    python scripts/train.py --plan --cp-size 4 --seq-len 65536 --model-size base   # memory per rank
 
 Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code 1 when
 ``--check-parity`` finds a loss difference above ``--parity-tol``; 2 for a user error (a bad
 option, a missing or unreadable data file, model directory or checkpoint, a platform this
 machine lacks), which rank 0 reports in one line, without a traceback (token ids outside the
-model's vocabulary: every rank, ``train.py: rank R: error: ...``); 3 when a fault stopped the run
+model's vocabulary, or a run whose memory estimate exceeds the budget: every rank,
+``train.py: rank R: error: ...``); 3 when a fault stopped the run
 (``--max-bad-steps`` non-finite steps in a row, a checkpoint that could not be written under
 ``--on-save-error stop``, a rank that stopped answering for ``--timeout-s``), which every rank
 reports in one line (``train.py: rank R: stopped: ...``); 128 + N after signal N (SIGTERM,
@@ -43,6 +45,11 @@ from hyperpar_gdn.train import (
 )
 from hyperpar_gdn.train.checkpoint import MANIFEST, list_checkpoints
 from hyperpar_gdn.train.data import VocabularyError
+from hyperpar_gdn.train.memory_check import MemoryBudgetError, plan_lines
+
+# After a refused memory plan: every rank reached the same arithmetic at about the same time, so a
+# short wait lets the others print their line before the launcher stops them.
+BUDGET_GRACE_S = 1.0
 
 
 class _Run:
@@ -86,20 +93,29 @@ def _every_rank(body: Callable[[], int]) -> int:
         print(f"train.py: rank {launch_rank()}: error: {err}", file=sys.stderr, flush=True)
         _let_the_others_print()
         return 2
+    except MemoryBudgetError as err:  # every rank finds the same estimate at once, before any communication
+        print(f"train.py: rank {launch_rank()}: error: {err}", file=sys.stderr, flush=True)
+        _let_the_others_print(grace_s=BUDGET_GRACE_S)
+        return 2
 
 
-def _let_the_others_print() -> None:
-    """The launcher stops every worker once one exits: wait (at most USER_ERROR_GRACE_S) so that
+def _let_the_others_print(grace_s: float = USER_ERROR_GRACE_S) -> None:
+    """The launcher stops every worker once one exits: wait (at most ``grace_s``) so that
     the other ranks, which meet the same fault at about the same time, print their line too."""
     if int(os.environ.get("WORLD_SIZE", os.environ.get("MS_WORKER_NUM", "1")) or 1) > 1:
         try:
-            time.sleep(USER_ERROR_GRACE_S)
+            time.sleep(grace_s)
         except (Stopped, KeyboardInterrupt):
             pass  # the launcher ends this rank once another exited: expected
 
 
 def _run(argv: Sequence[str] | None, run: _Run) -> int:
     config = run.config = parse_args(argv)
+    if config.plan:  # arithmetic only: nothing is built
+        lines = plan_lines(config, platform=platform_name())
+        if launch_rank() == 0:
+            print("\n".join(lines), flush=True)
+        return 0
     # a file-size limit (ulimit -f) then fails the write (EFBIG, a save error) instead of killing us
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if platform_name() == "cpu":  # activations live in host memory: reuse it rather than page-fault

@@ -12,12 +12,16 @@
 - :mod:`.faults`: non-finite steps skipped, save errors, a rank that stopped answering.
 - :mod:`.checkpoint`: ``step-N/`` directories of named parts, written atomically.
 - :mod:`.sharding`: FSDP2 and activation checkpointing for torch.
+- :mod:`.memory_plan` (the per-rank memory estimate, framework-free) and :mod:`.memory_check`
+  (``--plan``'s table, the refusal of a run over its memory budget).
+- :mod:`.command_line`: ``scripts/train.py``'s options.
 """
 
 from hyperpar_gdn.platform.base import PlatformUnavailableError
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from hyperpar_gdn.train.config import MODEL_SIZES, TrainConfig, UsageError, parse_args
+from hyperpar_gdn.train.command_line import UsageError, parse_args
+from hyperpar_gdn.train.config import MODEL_SIZES, TrainConfig
 from hyperpar_gdn.train.faults import RankTimeoutError, SaveError, TrainingStopped
 from hyperpar_gdn.train.loop import Trainer
 from hyperpar_gdn.train.metrics import TrainResult

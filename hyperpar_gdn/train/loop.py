@@ -51,6 +51,7 @@ from hyperpar_gdn.train.faults import (
 )
 from hyperpar_gdn.train.header import run_header
 from hyperpar_gdn.train.log import logger, setup_logging
+from hyperpar_gdn.train.memory_check import check_memory
 from hyperpar_gdn.train.metrics import StepRecord, TrainResult, metrics_document, step_line, summary_lines
 from hyperpar_gdn.train.optim import learning_rate
 from hyperpar_gdn.train.parity import finish_parity
@@ -80,6 +81,11 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         name = platform_name()
         self.backend_class.check(config, name)  # on every rank, before the process group
+        if config.plan:
+            raise ValueError(
+                "--plan prints the memory plan (scripts/train.py) and trains nothing; a Trainer needs plan=False"
+            )
+        check_memory(config, platform=name)  # every rank: a run over its memory budget is refused here
         self.config = config
         self.platform = get_platform(name)
         self._owns_group = not self.platform.is_initialized()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hyperpar_gdn.train.config import build_parser
+from hyperpar_gdn.train.command_line import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,14 @@ from hyperpar_gdn.corpus import BUILTIN_CORPUS
 EOS = "<|endoftext|>"
 TEXT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
-__all__ = ["export_model_dir", "gdn_dims", "load_model_dir", "load_tokenizer", "write_tiny_qwen35"]
+__all__ = [
+    "export_model_dir",
+    "gdn_dims",
+    "load_model_dir",
+    "load_tokenizer",
+    "text_config",
+    "write_tiny_qwen35",
+]
 
 
 def _text_config(path: str | Path) -> dict[str, Any]:
@@ -43,6 +50,11 @@ def _text_config(path: str | Path) -> dict[str, Any]:
             f"--model {path}: model_type {model_type!r} is not a Qwen3.5 model; supported: {', '.join(TEXT_MODEL_TYPES)}"
         )
     return config.get("text_config", config)
+
+
+def text_config(path: str | Path) -> dict[str, Any]:
+    """The text part of a model directory's config.json (checked; transformers is not imported)."""
+    return _text_config(path)
 
 
 def gdn_dims(path: str | Path) -> tuple[int, int, int]:

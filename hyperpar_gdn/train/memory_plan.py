@@ -1,0 +1,376 @@
+"""The memory plan: what one training step holds per rank, estimated before anything is allocated.
+
+Framework-free arithmetic over the model's sizes (:class:`ModelShape`) and the step's options
+(:class:`StepOptions`); :func:`estimate` returns the terms in bytes for one rank
+(:class:`Estimate`), :func:`longest_seq_len` the longest sequence within a budget. The peak is
+
+    runtime + parameters + gradients + optimizer + max(step phase, gradient-sync phase)
+
+- runtime: the framework itself (:data:`RUNTIME_BYTES`, measured: the resident memory of a process
+  that imported torch and built a tiny model; 0 on an accelerator, whose allocator counts tensors);
+- parameters, gradients: fp32 (master weights under bf16 too); optimizer: AdamW's two fp32
+  moments; under FSDP all three divided over every rank, plus the gathered weights of the root
+  and two decoder layers (the one computing and the one prefetched);
+- step phase: the tensors autograd saves in the forward (:func:`saved_per_token`, counted from
+  the code of each stage: the norms, the SwiGLU MLP or the dense-routed MoE, the GDN layer's
+  projections, conv and the chunk rule's hand-written forward, the attention projections, RoPE,
+  the kernel's inputs and outputs and the gathered K/V), plus whichever is larger of the loss's
+  transient (two ``[n, V]`` fp32 chunks of the chunked loss, or the whole ``[N, V]`` logits, their
+  log-softmax and gradient) and one layer's backward (its gradients, as large as what it saved);
+  under activation checkpointing only each layer's input is kept and one layer at a time is
+  recomputed; bf16 adds the autocast copies of the weights and of the head;
+- communication: per GDN layer the mode's buffers (p2p's states, all_gather's cp maps, scan's
+  rounds, ulysses' all-to-all of activations); after the backward, the flat all-reduce buffer of
+  the gradients (one per dtype, the size of the gradients) when there is more than one rank and
+  no FSDP, or the optimizer's largest temporary.
+
+Ranks differ where the work does: with contiguous shards the last rank's attention reads every
+key; under ``--check-parity`` rank 0 also holds a whole copy of the model with its optimizer and
+runs the whole batch with full logits. :func:`estimate` takes the rank.
+
+Legend: T tokens of a sequence, N tokens of this rank (rows x T / cp), C hidden size, V
+vocabulary, H / Hk value / key heads of the GDN layers (dims K, V_d), c the rule's chunk (64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hyperpar_gdn.ops.lm_loss import default_chunk_tokens
+
+__all__ = [
+    "GIB",
+    "RUNTIME_BYTES",
+    "Estimate",
+    "ModelShape",
+    "StepOptions",
+    "estimate",
+    "longest_seq_len",
+    "saved_per_token",
+]
+
+GIB = 2**30
+GDN_CHUNK = 64  # the chunk rule's C (hyperpar_gdn.ops.gdn.layer's default)
+# The resident memory of a process that imported the framework and built a tiny model (measured
+# on the CPU machine of docs/training.md; with transformers imported for --model directories).
+RUNTIME_BYTES = {"torch": 0, "torch+transformers": 0}
+LINEAR, FULL = "linear_attention", "full_attention"
+TERMS = (
+    "runtime",
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "loss",
+    "backward",
+    "communication",
+    "gradient sync",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes that decide memory, as transformers' Qwen3.5 names them (:meth:`of` reads them
+    from a ``HybridLMConfig``, a ``Qwen35Config`` or a transformers config)."""
+
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    intermediate_size: int = 0  # dense MLPs (MoE models: the expert sizes below)
+    tie_word_embeddings: bool = True
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @classmethod
+    def of(cls, config: Any) -> ModelShape:
+        """The shape of a model config: an object with these attribute names, or a config.json
+        dict (without ``layer_types``: every ``full_attention_interval``-th layer is attention)."""
+        if isinstance(config, dict):
+            text = dict(config)
+            if "layer_types" not in text:
+                interval, layers = text.get("full_attention_interval", 4), int(text["num_hidden_layers"])
+                text["layer_types"] = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
+            text.setdefault("tie_word_embeddings", False)  # transformers' default for Qwen3.5
+            values = {f.name: text.get(f.name, f.default) for f in dataclasses.fields(cls)}
+        else:
+            values = {f.name: getattr(config, f.name, f.default) for f in dataclasses.fields(cls)}
+        missing = [name for name, value in values.items() if value is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"the model config has no {', '.join(missing)}: the memory plan needs them")
+        values["layer_types"] = tuple(values["layer_types"])
+        values["num_experts"] = int(values["num_experts"] or 0)
+        return cls(**values)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    def layer_parameters(self, kind: str) -> int:
+        """Parameters of one decoder layer of ``kind`` (its two norms, mixer and MLP)."""
+        c, h = self.hidden_size, self.linear_num_value_heads
+        if kind == LINEAR:
+            conv = self.conv_dim
+            mixer = c * conv + 2 * c * self.value_dim + 2 * c * h + conv * self.linear_conv_kernel_dim
+            mixer += 2 * h + self.linear_value_head_dim
+        else:
+            q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+            mixer = 2 * c * q + 2 * c * kv + q * c + 2 * self.head_dim
+        if self.num_experts:
+            e, im, shared = self.num_experts, self.moe_intermediate_size, self.shared_expert_intermediate_size
+            mlp = 3 * c * (e * im + shared) + e * c + c
+        else:
+            mlp = 3 * c * self.intermediate_size
+        return 2 * c + mixer + mlp
+
+    def num_parameters(self) -> int:
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embed + self.hidden_size + sum(self.layer_parameters(k) for k in self.layer_types)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """One training step's options, as one rank sees them.
+
+    Attributes:
+        seq_len: T of a sequence; rows: sequences per DP replica (packed into one row with
+            document boundaries: the same tokens).
+        cp: ranks of a CP group; world_size: all ranks (FSDP shards over all of them).
+        cp_mode: the GDN layers' mode; layout: "contiguous" or "head_tail".
+        ac, dtype ("fp32" / "bf16"), fsdp, check_parity: as ``scripts/train.py``'s options.
+        packed: documents restart inside a row (the conv keeps its padded input too).
+        loss: "chunked" (the trainer's) or "logits" (the whole ``[N, V]`` logits).
+        attention: "reference" holds each rank's ``[H, N, keys]`` scores; any other path (the
+            fused kernel, blockwise) holds no score matrix.
+        runtime_bytes: the framework's own memory (:data:`RUNTIME_BYTES`).
+    """
+
+    seq_len: int
+    rows: int = 1
+    cp: int = 1
+    world_size: int = 1
+    cp_mode: str = "p2p"
+    layout: str = "contiguous"
+    ac: bool = False
+    dtype: str = "fp32"
+    fsdp: bool = False
+    check_parity: bool = False
+    packed: bool = False
+    loss: str = "chunked"
+    attention: str = "auto"
+    runtime_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "rows", "cp", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StepOptions.{name} must be >= 1; got {getattr(self, name)}")
+        if self.dtype not in ("fp32", "bf16") or self.loss not in ("chunked", "logits"):
+            raise ValueError(
+                f"StepOptions: dtype {self.dtype!r} (fp32, bf16), loss {self.loss!r} (chunked, logits)"
+            )
+        if self.world_size % self.cp:
+            raise ValueError(f"StepOptions: cp={self.cp} must divide world_size={self.world_size}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per term (:data:`TERMS`) for one rank; :attr:`total` is the peak."""
+
+    rank: int
+    terms: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        t = self.terms
+        fixed = t["runtime"] + t["parameters"] + t["gradients"] + t["optimizer"]
+        step = t["activations"] + t["communication"] + max(t["loss"], t["backward"])
+        return fixed + max(step, t["gradient sync"])
+
+
+def saved_per_token(shape: ModelShape, kind: str, *, bf16: bool, cp: int, packed: bool) -> tuple[int, int]:
+    """(elements in the compute dtype, fp32 elements) that autograd keeps per token for one decoder
+    layer of ``kind``, not counting the gathered K/V of attention (per rank, see :func:`estimate`).
+
+    Counted from the stages: RMSNorm keeps its fp32 input and normalised value and gives the
+    projections their input (2C fp32 + C, twice a layer); SwiGLU keeps gate, silu, up and their
+    product (4I); the GDN layer keeps its projections (conv_dim + value_dim + 2H), the conv's
+    output and silu (2 conv_dim; packed documents add the padded input), the gates (3H fp32), the
+    chunk rule's saved set (per value head: q, k, v, three per-token gates, two l2 norms, seven
+    c x c matrices per chunk, then q exp(G), w, k decay, the state per chunk, v_new; q_eff under CP)
+    and the gated norm (4 value_dim fp32 + the output projection's input); the attention layer keeps
+    q with its gate, k, v, their normed and rotated copies, the kernel's q and output, the sigmoid
+    gate and the product (lin 9 H D + 4 Hkv D, fp32 2 H D + 2 Hkv D + H for norms and lse)."""
+    c = shape.hidden_size
+    lin, f32 = 2 * c, 4 * c  # the two norms
+    if shape.num_experts:
+        e, im, shared = shape.num_experts, shape.moe_intermediate_size, shape.shared_expert_intermediate_size
+        lin += 4 * (e * im + shared) + e * c + c
+        f32 += 2 * e
+    else:
+        lin += 4 * shape.intermediate_size
+    if kind == LINEAR:
+        h, dk, dv = shape.linear_num_value_heads, shape.linear_key_head_dim, shape.linear_value_head_dim
+        conv, value = shape.conv_dim, shape.value_dim
+        lin += conv * (3 if packed else 2) + conv + value + 2 * h + value
+        rule = h * (2 * dk + dv + 5 + 7 * GDN_CHUNK + 3 * dk + dv + (dk * dv) // GDN_CHUNK)
+        f32 += 3 * h + rule + (h * dk if cp > 1 else 0) + 4 * value
+    else:
+        q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+        lin += 9 * q + 4 * kv
+        f32 += 2 * q + 2 * kv + shape.num_attention_heads
+    if not bf16:
+        return 0, lin + f32
+    # under autocast every projection casts the fp32 normed input itself and keeps its own copy
+    # (the mixer's projections - 1) + (the MLP's two - 1) more copies than in fp32
+    lin += c * (4 if kind == LINEAR else 3)
+    return lin, f32
+
+
+def _layer_bytes(shape: ModelShape, kind: str, opts: StepOptions, tokens: int, keys: int) -> int:
+    """What one layer of ``kind`` keeps for ``tokens`` queries over ``keys`` keys (attention)."""
+    bf16 = opts.dtype == "bf16"
+    lin, f32 = saved_per_token(shape, kind, bf16=bf16, cp=opts.cp, packed=opts.packed)
+    size = tokens * (2 * lin + 4 * f32)
+    if kind == FULL:
+        width = 2 if bf16 else 4
+        size += 2 * keys * shape.num_key_value_heads * shape.head_dim * width  # gathered K and V
+        if opts.attention == "reference":  # scores, probabilities and the mask, [H, N, keys]
+            size += tokens * keys * shape.num_attention_heads * (2 * width + 1)
+    return size
+
+
+def _keys(opts: StepOptions, rank: int) -> int:
+    """Keys the attention of ``rank`` reads (contiguous shards: those before its shard's end)."""
+    if opts.cp == 1 or opts.layout == "head_tail":
+        return opts.rows * opts.seq_len
+    cp_rank = rank % opts.cp
+    return opts.rows * opts.seq_len * (cp_rank + 1) // opts.cp
+
+
+def _loss_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
+    """The loss's transient beyond its inputs, and the fp32 log-sum-exps it keeps."""
+    v = shape.vocab_size
+    if opts.loss == "logits":  # logits, log-softmax, their gradient
+        return 3 * tokens * v * 4
+    n = min(tokens, default_chunk_tokens(v))
+    size = 2 * n * v * 4 + tokens * 4
+    if opts.dtype == "bf16":  # bf16 logits and probabilities, the head cast once
+        size += 2 * n * v * 2 + v * shape.hidden_size * 2
+    return size
+
+
+def _comm_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
+    """The largest per-layer buffer of the GDN mode (one layer's exchange at a time)."""
+    if opts.cp == 1 or LINEAR not in shape.layer_types:
+        return 0
+    h, dk, dv = shape.linear_num_value_heads, shape.linear_key_head_dim, shape.linear_value_head_dim
+    state = opts.rows * h * dk * (dk + dv) * 4
+    moved = 0
+    if opts.cp_mode.startswith("ulysses"):  # the all-to-all's send and receive buffers
+        width = 2 if opts.dtype == "bf16" else 4
+        moved = 2 * tokens * (shape.conv_dim + 2 * h + shape.value_dim) * width
+        if opts.cp_mode == "ulysses":
+            return moved
+    mode = opts.cp_mode.split("+")[-1]
+    if mode == "all_gather":
+        return moved + opts.cp * state
+    if mode == "scan":
+        return moved + 2 * state * max(1, math.ceil(math.log2(opts.cp)))
+    return moved + 2 * state  # p2p (auto is priced as p2p)
+
+
+def _step_terms(shape: ModelShape, opts: StepOptions, rank: int) -> dict[str, int]:
+    """The step phase of one model on ``rank``: activations, loss, backward, communication."""
+    tokens = opts.rows * opts.seq_len // opts.cp
+    keys = _keys(opts, rank)
+    layers = [_layer_bytes(shape, kind, opts, tokens, keys) for kind in shape.layer_types]
+    c = shape.hidden_size
+    final = tokens * (2 * c * 4 + c * (2 if opts.dtype == "bf16" else 4))  # final norm, head input
+    largest = max(layers, default=0)
+    if opts.ac:  # each layer's input, then one layer recomputed
+        activations = len(layers) * tokens * c * 4 + final + largest
+    else:
+        activations = sum(layers) + final
+    if opts.dtype == "bf16":  # autocast's copies of the layers' weights live until the backward
+        activations += 2 * sum(shape.layer_parameters(kind) for kind in shape.layer_types)
+    return {
+        "activations": activations,
+        "loss": _loss_bytes(shape, opts, tokens),
+        "backward": largest,
+        "communication": _comm_bytes(shape, opts, tokens),
+    }
+
+
+def estimate(shape: ModelShape, opts: StepOptions, *, rank: int = 0) -> Estimate:
+    """The memory of ``rank`` during a training step with ``opts`` (see the module docstring)."""
+    params = shape.num_parameters()
+    shards = opts.world_size if opts.fsdp else 1
+    terms = dict.fromkeys(TERMS, 0)
+    terms["runtime"] = opts.runtime_bytes
+    terms["parameters"] = params * 4 // shards
+    terms["gradients"] = params * 4 // shards
+    terms["optimizer"] = 2 * params * 4 // shards
+    if opts.fsdp:  # gathered: the root (embedding, norm) and two decoder layers
+        width = 2 if opts.dtype == "bf16" else 4
+        layer = max((shape.layer_parameters(k) for k in shape.layer_types), default=0)
+        root = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+        terms["parameters"] += (root + 2 * layer) * width
+        terms["gradients"] += (root + 2 * layer) * 4
+    terms.update(_step_terms(shape, opts, rank))
+    largest_param = shape.vocab_size * shape.hidden_size * 4 // shards
+    flat = params * 4 if opts.world_size > 1 and not opts.fsdp else 0
+    terms["gradient sync"] = max(flat, largest_param)
+    if opts.check_parity and rank == 0:  # a whole copy trained on the whole batch, full logits
+        whole = dataclasses.replace(
+            opts, cp=1, world_size=1, rows=opts.rows * (opts.world_size // opts.cp), loss="logits"
+        )
+        ref = _step_terms(shape, whole, 0)
+        terms["parameters"] += params * 4
+        terms["gradients"] += params * 4
+        terms["optimizer"] += 2 * params * 4
+        for name in ("activations", "loss", "backward", "communication"):
+            terms[name] = max(terms[name], ref[name])
+    return Estimate(rank, terms)
+
+
+def largest_rank(shape: ModelShape, opts: StepOptions) -> Estimate:
+    """The rank with the largest estimate (the last CP rank, or rank 0 under check_parity)."""
+    candidates = {0, opts.cp - 1}
+    return max((estimate(shape, opts, rank=r) for r in sorted(candidates)), key=lambda e: e.total)
+
+
+def seq_unit(opts: StepOptions) -> int:
+    """The sequence lengths the layout accepts are multiples of this (cp, 2cp for head_tail)."""
+    return 2 * opts.cp if opts.cp > 1 and opts.layout == "head_tail" else opts.cp
+
+
+def longest_seq_len(shape: ModelShape, opts: StepOptions, budget: int, *, limit: int = 1 << 24) -> int:
+    """The longest T (a multiple of :func:`seq_unit`, at most ``limit``) whose largest rank fits
+    ``budget`` bytes; 0 when none does. The estimate grows with T, so a bisection finds it."""
+    unit = seq_unit(opts)
+
+    def fits(t: int) -> bool:
+        return largest_rank(shape, dataclasses.replace(opts, seq_len=t)).total <= budget
+
+    if not fits(unit):
+        return 0
+    lo, hi = 1, max(1, limit // unit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * unit) else (lo, mid - 1)
+    return lo * unit

@@ -1,0 +1,78 @@
+"""scripts/train.py and the memory plan, under torchrun (2 ranks): ``--plan`` prints the terms and
+exits without training; a run over ``--max-memory-gb`` is refused on every rank with one line,
+quickly, before any step; and the estimate tracks the peak memory of a real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hyperpar_gdn.train.config import TrainConfig
+from hyperpar_gdn.train.memory_check import model_shape, step_options
+from hyperpar_gdn.train.memory_plan import TERMS, largest_rank
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _torchrun(tmp: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.1",
+    ]
+    command += [str(ROOT / "scripts" / "train.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_plan_prints_every_term_and_trains_nothing(tmp_path: Path) -> None:
+    result = _torchrun(tmp_path, "--plan", "--seq-len", "4096", "--model-size", "small", "--cp-mode", "p2p")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("memory plan of --model-size small") == 1, out  # rank 0 prints it
+    for term in (*TERMS, "peak"):
+        assert any(line.startswith(term) and "GiB" in line for line in out.splitlines()), (term, out)
+    assert "longest --seq-len within the budget" in out, out
+    assert "step 1" not in out + result.stderr
+
+
+def test_a_run_over_the_budget_is_refused_on_every_rank_quickly(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    result = _torchrun(
+        tmp_path, "--max-memory-gb", "0.01", "--seq-len", "64", "--batch-size", "2", timeout=120
+    )
+    seconds = time.perf_counter() - start
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "error: the step needs an estimated" in line]
+    assert sorted(line.split(":")[1].strip() for line in lines) == ["rank 0", "rank 1"], result.stderr
+    for line in lines:
+        assert "over the budget of 0.01 GiB per rank (--max-memory-gb 0.01)" in line, line
+        assert "--cp-size " in line and " ranks) " in line, line
+        assert "--ac " in line and "--dtype bf16 " in line, line
+    assert "step 1" not in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    # the check is arithmetic: the time is torchrun's start and the imports (loaded CI machine)
+    assert seconds < 30, seconds
+
+
+def test_the_estimate_tracks_the_measured_peak(tmp_path: Path) -> None:
+    """A real 2-step run (small preset, T=2048, cp 2): its peak RSS over the ranks within 15% of
+    the largest rank's estimate."""
+    args = ["--model-size", "small", "--seq-len", "2048", "--batch-size", "1", "--steps", "2"]
+    args += ["--cp-mode", "p2p", "--metrics-json", "m.json", "--log-every", "100"]
+    data = tmp_path / "data.txt"
+    data.write_text("a state that every token updates and reads. " * 100)
+    result = _torchrun(tmp_path, *args, "--data", str(data))
+    assert result.returncode == 0, result.stderr
+    measured = json.loads((tmp_path / "m.json").read_text())["peak_memory_bytes"]
+    config = TrainConfig(model_size="small", seq_len=2048, batch_size=1, cp_mode="p2p", data=str(data))
+    planned = largest_rank(model_shape(config), step_options(config, 2, platform="cpu")).total
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)

@@ -1,0 +1,131 @@
+"""The memory plan's arithmetic against the code it describes: parameter counts against built
+models, the activation count against what autograd really saves (a saved-tensor hook on one
+decoder block), and the longest sequence against the estimate it is derived from."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hyperpar_gdn.models.lm import DecoderBlock, HybridLM
+from hyperpar_gdn.train.config import TrainConfig
+from hyperpar_gdn.train.memory_check import check_memory, model_shape
+from hyperpar_gdn.train.memory_plan import (
+    GIB,
+    ModelShape,
+    StepOptions,
+    estimate,
+    largest_rank,
+    longest_seq_len,
+    saved_per_token,
+)
+from hyperpar_gdn.train.model_sizes import MODEL_SIZES
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_parameters_match_the_built_model(size: str) -> None:
+    model = HybridLM(MODEL_SIZES[size])
+    assert ModelShape.of(MODEL_SIZES[size]).num_parameters() == model.num_parameters()
+
+
+def test_parameters_match_a_transformers_qwen35_model() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=384,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        tie_word_embeddings=True,
+    )
+    model = transformers.Qwen3_5ForCausalLM(config)
+    assert ModelShape.of(config).num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in one forward of ``block``."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x).sum()
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    return sum(
+        n for ptr, n in storages.items() if ptr not in params and ptr != x.untyped_storage().data_ptr()
+    )
+
+
+@pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
+def test_saved_per_token_matches_what_autograd_saves(kind: str) -> None:
+    """One block of the small preset, T=1024 fp32 on one device: the counted elements per token
+    against the distinct storages a saved-tensor hook sees (the block's input excluded, as the
+    previous block already counts it), within 15%."""
+    config = MODEL_SIZES["small"]
+    torch.manual_seed(0)
+    block = DecoderBlock(config, kind)
+    tokens = 1024
+    x = torch.randn(1, tokens, config.hidden_size, requires_grad=True)
+    measured = _saved_bytes(block, x)
+    lin, f32 = saved_per_token(ModelShape.of(config), kind, bf16=False, cp=1, packed=False)
+    counted = tokens * 4 * (lin + f32)
+    if kind == "full_attention":  # K and V of the whole sequence, counted per rank in the plan
+        counted += 2 * tokens * config.num_key_value_heads * config.head_dim * 4
+    assert abs(counted / measured - 1) < 0.15, (counted, measured)
+
+
+def _options(**changes: object) -> StepOptions:
+    base = StepOptions(seq_len=8192, cp=2, world_size=2, layout="contiguous", runtime_bytes=300 * 2**20)
+    return dataclasses.replace(base, **changes)
+
+
+def test_terms_follow_the_options() -> None:
+    shape = ModelShape.of(MODEL_SIZES["small"])
+    plain = estimate(shape, _options())
+    assert estimate(shape, _options(ac=True)).terms["activations"] < plain.terms["activations"] / 3
+    assert estimate(shape, _options(cp=4, world_size=4)).terms["activations"] < plain.terms["activations"]
+    fsdp = estimate(shape, _options(fsdp=True))
+    assert fsdp.terms["optimizer"] == plain.terms["optimizer"] // 2
+    assert fsdp.terms["gradient sync"] < plain.terms["gradient sync"]
+    # contiguous shards: the last rank's attention reads every key; head_tail evens them out
+    assert estimate(shape, _options(), rank=1).total > estimate(shape, _options(), rank=0).total
+    assert largest_rank(shape, _options()).rank == 1
+    even = _options(layout="head_tail")
+    assert estimate(shape, even, rank=1).total == estimate(shape, even, rank=0).total
+    parity = _options(check_parity=True)
+    assert largest_rank(shape, parity).rank == 0
+    assert estimate(shape, parity, rank=0).terms["parameters"] == 2 * plain.terms["parameters"]
+
+
+def test_longest_seq_len_is_the_last_that_fits() -> None:
+    shape = ModelShape.of(MODEL_SIZES["small"])
+    opts = _options(layout="head_tail")
+    budget = 2 * GIB
+    longest = longest_seq_len(shape, opts, budget)
+    assert longest > 0 and longest % 4 == 0
+    assert largest_rank(shape, dataclasses.replace(opts, seq_len=longest)).total <= budget
+    assert largest_rank(shape, dataclasses.replace(opts, seq_len=longest + 4)).total > budget
+    assert longest_seq_len(shape, opts, 2**20) == 0  # not even the runtime fits
+
+
+def test_mindspore_has_no_plan_and_says_so() -> None:
+    with pytest.raises(ValueError, match="the MindSpore trainer has no memory plan"):
+        check_memory(TrainConfig(max_memory_gb=1.0), platform="mindspore")
+    check_memory(TrainConfig(), platform="mindspore")  # no plan asked: nothing to check
+
+
+def test_a_bad_budget_is_refused() -> None:
+    with pytest.raises(ValueError, match="--max-memory-gb must be > 0; got 0.0"):
+        TrainConfig(max_memory_gb=0.0)
+    assert model_shape(TrainConfig(model_size="small")) == ModelShape.of(MODEL_SIZES["small"])

@@ -83,6 +83,7 @@ def budget_of(config: TrainConfig, platform: str, world_size: int) -> tuple[int,
     budget, source = rank_budget(platform, ranks_here=local_ranks(world_size))
     if platform == "cpu":  # what this process already holds (the framework) is its own
         budget += _own_rss()
+        source += " + what this process holds"
     return budget, source
 
 

@@ -55,8 +55,9 @@ __all__ = [
 GIB = 2**30
 GDN_CHUNK = 64  # the chunk rule's C (hyperpar_gdn.ops.gdn.layer's default)
 # The resident memory of a process that imported the framework and built a tiny model (measured
-# on the CPU machine of docs/training.md; with transformers imported for --model directories).
-RUNTIME_BYTES = {"torch": 0, "torch+transformers": 0}
+# on the CPU machine of docs/training.md: 306 MiB after importing hyperpar_gdn.train and one step of
+# the tiny preset; 324 MiB with transformers imported too, as for --model directories).
+RUNTIME_BYTES = {"torch": 306 * 2**20, "torch+transformers": 324 * 2**20}
 LINEAR, FULL = "linear_attention", "full_attention"
 TERMS = (
     "runtime",
@@ -213,8 +214,9 @@ def saved_per_token(shape: ModelShape, kind: str, *, bf16: bool, cp: int, packed
     chunk rule's saved set (per value head: q, k, v, three per-token gates, two l2 norms, seven
     c x c matrices per chunk, then q exp(G), w, k decay, the state per chunk, v_new; q_eff under CP)
     and the gated norm (4 value_dim fp32 + the output projection's input); the attention layer keeps
-    q with its gate, k, v, their normed and rotated copies, the kernel's q and output, the sigmoid
-    gate and the product (lin 9 H D + 4 Hkv D, fp32 2 H D + 2 Hkv D + H for norms and lse)."""
+    q with its gate, k, their normed copies, the kernel's q and output, the output transposed and
+    gated (7 H D + 2 Hkv D), the norms' and the kernel's per-head scalars and RoPE's cos and sin
+    (2 H + Hkv + 2 D fp32)."""
     c = shape.hidden_size
     lin, f32 = 2 * c, 4 * c  # the two norms
     if shape.num_experts:
@@ -231,8 +233,8 @@ def saved_per_token(shape: ModelShape, kind: str, *, bf16: bool, cp: int, packed
         f32 += 3 * h + rule + (h * dk if cp > 1 else 0) + 4 * value
     else:
         q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
-        lin += 9 * q + 4 * kv
-        f32 += 2 * q + 2 * kv + shape.num_attention_heads
+        lin += 7 * q + 2 * kv
+        f32 += 2 * shape.num_attention_heads + shape.num_key_value_heads + 2 * shape.head_dim
     if not bf16:
         return 0, lin + f32
     # under autocast every projection casts the fp32 normed input itself and keeps its own copy

@@ -58,9 +58,10 @@ def test_a_run_over_the_budget_is_refused_on_every_rank_quickly(tmp_path: Path) 
         assert "--cp-size " in line and " ranks) " in line, line
         assert "--ac " in line and "--dtype bf16 " in line, line
     assert "step 1" not in result.stdout + result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    # the check is arithmetic: the time is torchrun's start and the imports (loaded CI machine)
-    assert seconds < 30, seconds
+    assert 'train.py", line' not in result.stderr, result.stderr  # no traceback of ours
+    # the check is arithmetic after the imports: the time is torchrun's start and `import torch`
+    # (about 4 s on a quiet machine; the bound leaves room for a loaded CI machine)
+    assert seconds < 120, seconds
 
 
 def test_the_estimate_tracks_the_measured_peak(tmp_path: Path) -> None:

@@ -239,5 +239,5 @@ def test_a_lost_node_leaves_the_other_to_continue_alone_from_the_last_checkpoint
     assert len(resumed) == 1 and resumed[0] % SAVE_EVERY == 0 and saved <= resumed[0] < STEPS, text
     assert (2, 1, 2, 1) in _headers(job.log()), job.log()  # both nodes met at the start (either has rank 0)
     assert _headers(text)[-1] == (1, 1, 1, resumed[0] + 1), text  # then node a alone
-    assert noticed < 3 + LAST_CALL_S + 30, f"node a resumed {noticed:.1f} s after the kill"
+    assert noticed < 60, f"node a resumed {noticed:.1f} s after the kill"  # 3 s + last call + start-up
     _assert_same(_final(run), _reference(tmp_path / "alone", 1, start=run / "ckpt" / f"step-{resumed[0]}"))

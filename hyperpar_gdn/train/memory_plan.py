@@ -270,7 +270,9 @@ def _loss_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
     if opts.loss == "logits":  # logits, log-softmax, their gradient
         return 3 * tokens * v * 4
     n = min(tokens, default_chunk_tokens(v))
-    size = 2 * n * v * 4 + tokens * 4
+    # two [n, V] chunks at a time; in the backward the [V, C] product P^T h and the new sum
+    # dW + P^T h beside the accumulator (which becomes the head's gradient, counted there)
+    size = 2 * n * v * 4 + tokens * 4 + 2 * v * shape.hidden_size * 4
     if opts.dtype == "bf16":  # bf16 logits and probabilities, the head cast once
         size += 2 * n * v * 2 + v * shape.hidden_size * 2
     return size

@@ -35,7 +35,7 @@ from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.memory_check import model_shape, step_options
 from hyperpar_gdn.train.memory_plan import GIB, RUNTIME_BYTES, ModelShape, StepOptions, estimate
 
-DEFAULT_CASES = (  # what docs/training.md reports (a case took 3-5 minutes on the loaded 2-core machine)
+DEFAULT_CASES = (  # docs/training.md reports the first six; the last did not finish in its time there
     "trainer:1:fp32:noac:4096",
     "trainer:2:fp32:noac:4096",
     "trainer:1:fp32:ac:4096",

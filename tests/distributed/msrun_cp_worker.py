@@ -731,14 +731,24 @@ def section_prefill(platform: Platform, world: int) -> dict[str, Any]:
         for mode in PREFILL_MODES:
             # MoE: one mode continues (MindSpore's decoding steps are slow); every mode's states
             continues = not moe or mode == "p2p"
-            entry = _prefill_case(platform, model, mesh, ids, (logits, state), mode, "contiguous", continues)
+            entry = _prefill_case(
+                platform,
+                model,
+                mesh,
+                ids,
+                (logits, state),
+                mode=mode,
+                layout="contiguous",
+                continues=continues,
+            )
             entry["expected"] = platform.to_numpy(expected).tolist()
             results[f"{'moe' if moe else 'dense'}/{mode}"] = entry
     model = prefill_model(False)
     reference = prefill(model, head_tail_ids)
     for mode in PREFILL_MODES:  # the states (equal states continue alike, as checked above)
-        entry = _prefill_case(platform, model, mesh, head_tail_ids, reference, mode, "head_tail", False)
-        results[f"dense/{mode}/head_tail"] = entry
+        results[f"dense/{mode}/head_tail"] = _prefill_case(
+            platform, model, mesh, head_tail_ids, reference, mode=mode, layout="head_tail", continues=False
+        )
     return results
 
 
@@ -748,6 +758,7 @@ def _prefill_case(
     mesh: Any,
     ids: Any,
     reference: tuple[Any, Any],
+    *,
     mode: str,
     layout: str,
     continues: bool,

@@ -711,6 +711,11 @@ def prefill_model(moe: bool) -> Any:
     return Qwen3_5ForCausalLM(config)
 
 
+def continues_after_prefill(world: int, *, moe: bool, mode: str) -> bool:
+    """Whether the prefill case of ``world`` ranks also decodes its greedy continuation."""
+    return mode == "p2p" or (world == 2 and not moe)
+
+
 def section_prefill(platform: Platform, world: int) -> dict[str, Any]:
     """Per model, mode and layout (``{dense,moe}/{mode}``, contiguous; ``dense/{mode}/head_tail``
     on a prompt of :data:`PREFILL_HEAD_TAIL_T`): the continuation (tokens) and the relative state
@@ -729,8 +734,9 @@ def section_prefill(platform: Platform, world: int) -> dict[str, Any]:
         logits, state = prefill(model, ids)
         expected = greedy_continue(model, logits, state, max_new_tokens=PREFILL_NEW_TOKENS)
         for mode in PREFILL_MODES:
-            # MoE: one mode continues (MindSpore's decoding steps are slow); every mode's states
-            continues = not moe or mode == "p2p"
+            # one mode continues for MoE, and at cp > 2 for both (MindSpore's decoding steps are
+            # slow); every mode's states are compared
+            continues = continues_after_prefill(world, moe=moe, mode=mode)
             entry = _prefill_case(
                 platform,
                 model,

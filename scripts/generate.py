@@ -19,7 +19,7 @@ the other ranks wait (so all see the same machine load), the same prefill at cp=
 kernels on a one-rank mesh) and the framework's own one-device prefill (transformers' forward with
 a cache; on MindSpore, ours without any style); ``--min-prompt-tokens`` repeats the prompt's
 tokens up to a length (for long-prompt timing). Numbers go to ``--out`` (JSON; draw several with
-``scripts/plot_generate.py``). ``--decode-on cp-group`` (transformers' models): every rank
+``scripts/plot_generate.py``). ``--decode-on cp-group`` (both frameworks): every rank
 decodes, keeping its share of the attention layers' K/V (:mod:`hyperpar_gdn.inference.cp_decoding`);
 reported: the K/V cache bytes per rank against one device's.
 """
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="one-device",
         choices=("one-device", "cp-group"),
         help="one-device: rank 0 decodes from the whole cache; cp-group: every rank decodes keeping its "
-        "share of the attention K/V cache (transformers' models)",
+        "share of the attention K/V cache",
     )
     return parser
 
@@ -265,7 +265,7 @@ class Engine:
         from hyperpar_gdn.inference.cp_decoding import decode_step_context_parallel
 
         logits = decode_step_context_parallel(self.model, mesh, sharded, self.tensor(token))
-        return logits.float().numpy()
+        return self.platform.to_numpy(logits)
 
 
 def decode(args: argparse.Namespace, platform: Any, logits: Any, step: Any) -> tuple[list[int], float]:
@@ -283,9 +283,17 @@ def decode(args: argparse.Namespace, platform: Any, logits: Any, step: Any) -> t
 
 
 def kv_cache_bytes(cache: Any) -> int:
-    """Bytes of the attention layers' K and V in transformers' cache (what one device keeps)."""
-    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-    return sum(int(t.numel()) * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+    """Bytes of the attention layers' K and V in the prefill's cache (what one device keeps):
+    transformers' ``DynamicCache``, or the MindSpore model's ``DecodingState``."""
+    from hyperpar_gdn.inference.decoding import DecodingState
+
+    if isinstance(cache, DecodingState):  # a GDN layer's pair is (conv [B, C, W], S): 3-d and 4-d
+        pairs = [pair for pair in cache.layers if len(pair[0].shape) == len(pair[1].shape) == 4]
+    else:
+        pairs = [
+            (layer.keys, layer.values) for layer in cache.layers if getattr(layer, "keys", None) is not None
+        ]
+    return sum(int(t.nbytes) for pair in pairs for t in pair)
 
 
 def pick(logits: np.ndarray, args: argparse.Namespace, rng: np.random.Generator) -> np.ndarray:
@@ -372,7 +380,7 @@ def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids
                 undo_context_parallel(engine.model)
             comm.barrier(group)
     t = ids_np.shape[1]
-    kv = (None if engine.mindspore else kv_cache_bytes(state), None)  # one device's, per rank
+    kv = (kv_cache_bytes(state), None)  # one device's, per rank
     if args.decode_on == "cp-group":
         from hyperpar_gdn.inference.cp_decoding import shard_cache
 

@@ -104,13 +104,6 @@ CASES = {
         "the prompt has T=4097 tokens (--min-prompt-tokens 4097), more than the position range of tiny: "
         "max_position_embeddings=4096",
     ),
-    "gen-cp-group-without-sharded-cache": (
-        "generate.py",
-        0,
-        [*GEN, "--decode-on", "cp-group"],
-        {"HP_PLATFORM": "mindspore"},
-        "Qwen3_5ForCausalLM has no sharded cache: decode on one device",
-    ),
     "selfcheck-seq-len-2ranks": (
         "selfcheck.py",
         2,

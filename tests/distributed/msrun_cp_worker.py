@@ -22,6 +22,9 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
   model (dense and MoE) reads a prompt under every mode (scan included); the states equal the
   single-device prefill's and the greedy continuation from them equals its continuation (every
   mode for dense, p2p for MoE); the dense model's states in the head_tail layout too;
+- ``cp_decoding`` (tests/inference/test_decoding_cp_mindspore.py): after a CP prefill of the
+  MindSpore Qwen3.5 model, greedy decoding on the CP group with the K/V cache sharded, against the
+  single-device greedy continuation; the K/V tokens each rank keeps; the refusals;
 - ``lm_loss`` (tests/distributed/test_batch.py): ``context_parallel_lm_loss`` on each rank's
   shard of :func:`lm_loss_inputs` (float64), the loss and the gradients of the hidden-state shard
   and of the head weight;
@@ -70,6 +73,7 @@ SECTIONS = (
     "grads",
     "lm_loss",
     "prefill",
+    "cp_decoding",
     "scan",
     "stall",
 )
@@ -792,6 +796,48 @@ def _prefill_case(
     }
 
 
+CP_DECODING_NEW_TOKENS = 33  # 32 steps on the group
+
+
+def section_cp_decoding(platform: Platform, world: int) -> dict[str, Any]:
+    """Decoding on the CP group (dense model, p2p prefill): the new tokens and the single-device
+    continuation, the K/V tokens this rank keeps, and the messages of the refused calls."""
+    import mindspore as ms
+
+    from hyperpar_gdn import apply_context_parallel, prefill_context_parallel, undo_context_parallel
+    from hyperpar_gdn.inference.cp_decoding import greedy_continue_context_parallel, shard_cache
+    from hyperpar_gdn.inference.decoding import greedy_continue, prefill
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    ids = ms.Tensor(np.random.default_rng(5).integers(1, 97, (2, PREFILL_T)).astype(np.int64))
+    model = prefill_model(moe=False)
+    logits, state = prefill(model, ids)
+    expected = greedy_continue(model, logits, state, max_new_tokens=CP_DECODING_NEW_TOKENS)
+    apply_context_parallel(model, mesh, mode="p2p")
+    cp_logits, cp_state = prefill_context_parallel(model, mesh, ids)
+    refused = {}
+    for name, target in (("under_cp", model), ("no_cache", model.model.layers[0].linear_attn)):
+        try:
+            shard_cache(target, mesh, cp_state, length=PREFILL_T)
+            refused[name] = None
+        except (ValueError, NotImplementedError) as err:
+            refused[name] = f"{type(err).__name__}: {err}"
+    undo_context_parallel(model)
+    sharded = shard_cache(model, mesh, cp_state, length=PREFILL_T)
+    kept_at_start = sharded.kv_bytes()
+    got = greedy_continue_context_parallel(
+        model, mesh, cp_logits, sharded, max_new_tokens=CP_DECODING_NEW_TOKENS
+    )
+    return {
+        "tokens": platform.to_numpy(got).tolist(),
+        "expected": platform.to_numpy(expected).tolist(),
+        "kept": sorted({int(k.shape[2]) for k in (*sharded.keys.values(), *sharded.values.values())}),
+        "length": sharded.length,
+        "kv_bytes": [kept_at_start, sharded.kv_bytes()],
+        "refused": refused,
+    }
+
+
 # The LM loss case: B, T, C, V and a chunk that divides neither T/2 = 7 nor T/4.
 LM_LOSS_SHAPE = (2, 14, 8, 37)
 LM_LOSS_CHUNK = 5
@@ -901,6 +947,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "prefill": section_prefill,
     "stall": section_stall,
     "scan": section_scan,
+    "cp_decoding": section_cp_decoding,
 }
 
 

@@ -23,7 +23,14 @@ from hyperpar_gdn.corpus import BUILTIN_CORPUS
 EOS = "<|endoftext|>"
 TEXT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
-__all__ = ["export_model_dir", "gdn_dims", "load_model_dir", "load_tokenizer", "write_tiny_qwen35"]
+__all__ = [
+    "export_model_dir",
+    "gdn_dims",
+    "load_model_dir",
+    "load_tokenizer",
+    "position_range",
+    "write_tiny_qwen35",
+]
 
 
 def _text_config(path: str | Path) -> dict[str, Any]:
@@ -53,6 +60,12 @@ def gdn_dims(path: str | Path) -> tuple[int, int, int]:
         int(text["linear_num_value_heads"]),
         int(text["linear_conv_kernel_dim"]),
     )
+
+
+def position_range(path: str | Path) -> int | None:
+    """``max_position_embeddings`` of a model directory (None when its config.json has none)."""
+    limit = _text_config(path).get("max_position_embeddings")
+    return None if limit is None else int(limit)
 
 
 def has_softmax_attention(path: str | Path) -> bool:

@@ -138,7 +138,8 @@ def check_paths(args: argparse.Namespace) -> None:
     if (model / "manifest.json").is_file() and not (model / "config.json").is_file():
         raise ValueError(
             f"--model {model} is a training checkpoint (train.py --save); generate.py reads a transformers "
-            "model directory: train with --model DIR --export OUT and pass OUT"
+            "model directory: train with --model DIR --export OUT and pass OUT, or convert this one with "
+            f"python -m hyperpar_gdn.train.convert {model} OUT --to transformers"
         )
     if not args.prompt_file.is_file():
         raise FileNotFoundError(f"--prompt-file {args.prompt_file}: no such file")

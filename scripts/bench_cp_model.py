@@ -32,7 +32,7 @@ from benchkit.ranks import on_ranks
 from benchkit.timing import alternating_rounds, machine_bound, slowest_per_round
 from hyperpar_gdn.cli import HelpFormatter
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "p2p", "all_gather", "scan")
 LAYOUTS = ("contiguous", "head_tail")
 SINGLE = ("transformers", "ours")
 LOCAL = "local"
@@ -94,9 +94,10 @@ def measure(rank: int, cp: int, job: dict[str, Any]) -> dict[str, list[float]]:
 
     solo = DeviceMesh.from_group(platform, None, [rank], mesh_dim_name="cp")
     # the same names on every rank (one barrier before each); the single steps run on rank 0 only
-    steps: dict[str, Any] = {"single/transformers": None, "single/ours": None}
-    if rank == 0:
+    steps: dict[str, Any] = {f"single/{kind}": None for kind in job["singles"]}
+    if rank == 0 and "transformers" in job["singles"]:
         steps["single/transformers"] = (make_model(), None, None)
+    if rank == 0 and "ours" in job["singles"]:
         steps["single/ours"] = (apply_context_parallel(make_model(), solo, mode="p2p"), None, None)
     # LOCAL: our model on this rank's T/cp tokens alone (a one-rank mesh), all ranks side by side
     local_shard = shard_for_context_parallel(solo, ids[:, rank * seq_len // cp : (rank + 1) * seq_len // cp])
@@ -125,6 +126,7 @@ def run(seq_len: int, cp: int, args: argparse.Namespace) -> dict[str, Any]:
         "layouts": args.layouts,
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "singles": args.singles,
     }
     load_before = load_average()
     results = on_ranks(measure, cp, job, threads=1, timeout_s=args.timeout)
@@ -132,7 +134,7 @@ def run(seq_len: int, cp: int, args: argparse.Namespace) -> dict[str, Any]:
     def slowest(name: str) -> list[float]:
         return slowest_per_round([r[name] for r in results])
 
-    singles = {kind: statistics.median(results[0][f"single/{kind}"]) for kind in SINGLE}
+    singles = {kind: statistics.median(results[0][f"single/{kind}"]) for kind in args.singles}
     best_kind = min(singles, key=singles.get)
     single = singles[best_kind]
     local = slowest(LOCAL)
@@ -153,7 +155,7 @@ def run(seq_len: int, cp: int, args: argparse.Namespace) -> dict[str, Any]:
         "cp": cp,
         "single_s": singles,
         "single_best": best_kind,
-        "single_samples_s": {kind: results[0][f"single/{kind}"] for kind in SINGLE},
+        "single_samples_s": {kind: results[0][f"single/{kind}"] for kind in args.singles},
         "local_side_by_side_s": statistics.median(local),
         "machine_bound_efficiency": machine_bound(results[0][f"single/{best_kind}"], local, cp),
         "rows": rows,
@@ -163,10 +165,10 @@ def run(seq_len: int, cp: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any]) -> None:
-    s = result["single_s"]
+    singles = ", ".join(f"{kind} {s:.2f}s" for kind, s in result["single_s"].items())
     print(
-        f"T={result['seq_len']} cp={result['cp']}: single step transformers {s['transformers']:.2f}s, ours "
-        f"{s['ours']:.2f}s (best: {result['single_best']}); plain model on T/cp side by side "
+        f"T={result['seq_len']} cp={result['cp']}: single step {singles} (best: {result['single_best']}); "
+        f"plain model on T/cp side by side "
         f"{result['local_side_by_side_s']:.2f}s, machine bound {result['machine_bound_efficiency']:.3f}; "
         f"load {result['load_average_before'][0]:.1f} -> {result['load_average_after'][0]:.1f}"
     )
@@ -204,6 +206,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="token layouts to time"
+    )
+    parser.add_argument(
+        "--singles",
+        nargs="+",
+        default=list(SINGLE),
+        choices=SINGLE,
+        help="one-device steps to time on rank 0 (the efficiency is against the faster)",
     )
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size of the model")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")

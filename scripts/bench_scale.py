@@ -6,10 +6,11 @@ Two parts, one JSON (and a PNG of where each mode wins), from :mod:`benchkit.sca
   8), every mode the rank count allows (the two-level ones with ``--inner-size`` ranks per inner
   group): the worst rank's bytes sent (the platform's ``bytes_sent``, less the 8-byte length
   exchange; at cp 2 no rank sends both ways, so it is below the model's worst rank), its
-  message-sending calls, the median forward+backward time, and beside them
-  ``plan_context_parallel``'s bytes, messages in sequence and seconds for the ``cpu`` machine
-  (the model's seconds are what a mode adds; ``predicted_shared_seconds`` is the rule work every
-  mode shares);
+  message-sending calls, the median forward+backward time, and what the mode adds to the same
+  layer without CP on the rank's T/cp tokens (timed in the same run); beside them
+  ``plan_context_parallel``'s bytes, messages in sequence and added seconds for the ``cpu``
+  machine calibrated by this run (gloo's latency and bandwidth by ping-pong, the chunk rule's
+  FLOP rate by timing it);
 - predicted: ``plan_context_parallel`` for Qwen3.5-27B's and Qwen3.5-397B-A17B's GDN heads at cp
   8..256 and T 128K..1M on the ``gpu`` and ``npu`` machines (nodes of 8; two-level modes with a
   node as the inner group).
@@ -85,13 +86,20 @@ def main() -> None:
         result["measured"] += measured_rows(cp, job, per_rank)
         write_json(json_path, result)  # after every finished part
     save_png(args.out / "scale.png", where_each_mode_wins(result["predicted"]))
+    machine = result["measured"][0]["machine"]
     print(
-        f"{'cp':>3} {'mode':<19} {'bytes':>10} {'pred':>10} {'calls':>5} {'pred':>5} {'ms':>9} {'pred ms':>9}"
+        f"cpu machine measured: {machine['bandwidth'] / 1e9:.2f} GB/s, {machine['latency'] * 1e6:.0f} us "
+        f"per message, chunk rule {machine['flops'] / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        f"{'cp':>3} {'mode':<19} {'bytes':>10} {'pred':>10} {'calls':>5} {'pred':>5} {'ms':>8} "
+        f"{'local ms':>8} {'added':>7} {'pred added':>10}"
     )
     for r in result["measured"]:
         print(
             f"{r['cp']:>3} {r['mode']:<19} {r['bytes']:>10} {r['predicted_bytes']:>10.0f} {r['calls']:>5} "
-            f"{r['predicted_messages']:>5.0f} {r['seconds'] * 1e3:>9.2f} {r['predicted_seconds'] * 1e3:>9.3f}"
+            f"{r['predicted_messages']:>5.0f} {r['seconds'] * 1e3:>8.1f} {r['local_seconds'] * 1e3:>8.1f} "
+            f"{r['added_seconds'] * 1e3:>7.1f} {r['predicted_seconds'] * 1e3:>10.1f}"
         )
     far = [r for r in result["predicted"] if r["seq_len"] == 1048576]
     for r in far:

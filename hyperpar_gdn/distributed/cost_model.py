@@ -65,13 +65,16 @@ class Machine:
     flops: float
 
 
-# Published orders of magnitude, not measurements of a cluster (override them): NVLink-class
-# 200-450 GB/s per GPU, HCCS on Ascend 910B 56 GB/s per link (a send uses one link), 200-400 Gb/s
-# NICs between nodes (25-50 GB/s per device), 5-20 us per message; cpu: gloo on one machine.
+# gpu, npu: published orders of magnitude, not measurements of a cluster (override them):
+# NVLink-class 200-450 GB/s per GPU, HCCS on Ascend 910B 56 GB/s per link (a send uses one link),
+# 200-400 Gb/s NICs between nodes (25-50 GB/s per device), 5-20 us per message. cpu: gloo between
+# processes of one machine as scripts/bench_scale.py measures it on a 2-core x86 host (ping-pong
+# of the platform's send/recv: 2.2 GB/s, 0.36 ms per message; the chunk rule forward+backward in
+# fp32 on one core: 18 GFLOP/s).
 MACHINES = {
     "gpu": Machine(Link(300e9, 10e-6), Link(40e9, 20e-6), devices_per_node=8, flops=50e12),
     "npu": Machine(Link(56e9, 15e-6), Link(25e9, 20e-6), devices_per_node=8, flops=50e12),
-    "cpu": Machine(Link(2e9, 50e-6), Link(2e9, 50e-6), devices_per_node=1 << 20, flops=50e9),
+    "cpu": Machine(Link(2.2e9, 360e-6), Link(2.2e9, 360e-6), devices_per_node=1 << 20, flops=18e9),
 }
 
 

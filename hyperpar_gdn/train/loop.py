@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +42,7 @@ from hyperpar_gdn.train.faults import (
     injected_nan_steps,
     is_collective_timeout,
     is_finite,
+    kill_step,
     timeout_message,
 )
 from hyperpar_gdn.train.header import run_header
@@ -76,6 +79,7 @@ class Trainer:
         self.backend_class.check(config, name)  # on every rank, before the process group
         self.config = config
         self.platform = get_platform(name)
+        self._kill_at = kill_step(self.platform.rank())  # a test hook (see .faults)
         self._owns_group = not self.platform.is_initialized()
         self.platform.init_distributed(timeout_s=config.timeout_s)
         try:
@@ -130,6 +134,7 @@ class Trainer:
             torch.set_rng_state(point.parts["train"]["rng_cpu"])
             self.step = point.step
             logger.info("resumed from %s at step %d", point.path, point.step)
+            self._kill_at = None  # the hook kills a run that started from step 1 only
 
     # --- training ---------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -139,6 +144,8 @@ class Trainer:
         self._log_header(tokens_per_step)
         start = time.perf_counter()
         while self.step < config.steps:
+            if self.step + 1 == self._kill_at:  # the test hook: a worker lost mid-run
+                os.kill(os.getpid(), signal.SIGKILL)
             batch = self.sampler.next_batch()
             t0 = time.perf_counter()
             with self._timeouts_named(self.step + 1):

@@ -4,9 +4,12 @@
   forward+backward per mode on this rank: the bytes the platform's collectives sent (less the
   8-byte length exchange), the message-sending calls (send, all_to_all, all_gather,
   shift_right; a collective is one call and its backward runs inside it, uncounted: for p2p and
-  scan the sends are the rounds) and the median time.
-- :func:`measured_rows`: the worst rank per mode beside ``plan_context_parallel``'s prediction
-  for the ``cpu`` machine.
+  scan the sends are the rounds) and its times in alternating rounds beside the same layer
+  without CP on the rank's T/cp tokens; :func:`probe_machine` measures the link and the chunk
+  rule's FLOP rate.
+- :func:`measured_rows`: the worst rank per mode (the slowest rank per round) and what the mode
+  adds to the layer without CP, beside ``plan_context_parallel``'s prediction for the ``cpu``
+  machine calibrated with the probe.
 - :func:`predicted_rows`: the model's ranking for real GDN geometries (:data:`GEOMETRIES`) at
   :data:`FAR_CPS` x :data:`FAR_TOKENS` on the ``gpu`` and ``npu`` machines, nodes of 8 devices,
   two-level modes with one node as the inner group.
@@ -17,6 +20,8 @@ from __future__ import annotations
 import statistics
 import time
 from typing import Any
+
+from benchkit.timing import alternating_rounds, slowest_per_round
 
 __all__ = [
     "FAR_CPS",
@@ -53,7 +58,11 @@ def _modes(cp: int, heads: dict[str, int], inner: int) -> list[tuple[str, int | 
 
 
 def measure_modes(rank: int, cp: int, job: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """This rank's ``{mode: {"bytes", "calls", "seconds"}}`` (forward+backward of one layer)."""
+    """This rank's ``{mode: {"bytes", "calls", "samples"}}`` (forward+backward of one layer: what
+    a counted warm-up sent, then the seconds of alternating rounds, every mode once per round), the
+    ``"local"`` entry (the same layer without CP on this rank's T/cp tokens: the work every mode
+    shares) and ``"machine"``: what the cost model's ``cpu`` machine is calibrated with, measured
+    here (:func:`probe_machine`)."""
     import torch
 
     from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
@@ -72,11 +81,12 @@ def measure_modes(rank: int, cp: int, job: dict[str, Any]) -> dict[str, dict[str
 
         return call
 
+    out: dict[str, Any] = {"machine": probe_machine(rank, mesh, job)}
     for name in COUNTED:  # instance attributes: this process's collectives only
         setattr(comm, name, counting(name))
     heads = job["heads"]
-    out = {}
-    for mode, inner in _modes(cp, heads, job["inner_size"]):
+    steps = {}
+    for mode, inner in [("local", None), *_modes(cp, heads, job["inner_size"])]:
         torch.manual_seed(0)
         layer = GatedDeltaNet(
             job["hidden"],
@@ -85,37 +95,113 @@ def measure_modes(rank: int, cp: int, job: dict[str, Any]) -> dict[str, dict[str
             heads["head_k_dim"],
             heads["head_v_dim"],
         )
-        LinearAttentionContextParallel(mode, inner_size=inner).apply(layer, mesh)
+        if mode != "local":
+            LinearAttentionContextParallel(mode, inner_size=inner).apply(layer, mesh)
         x = torch.randn(1, job["seq_len"] // cp, job["hidden"], requires_grad=True)
-        times, sent, messages = [], 0, 0
-        for i in range(job["repeats"] + 1):  # the first is a warm-up
-            comm.reset_bytes()
-            calls["n"] = 0
-            comm.barrier(mesh.get_group())
-            t0 = time.perf_counter()
-            layer(x).sum().backward()
-            if i:
-                times.append(time.perf_counter() - t0)
-            sent, messages = comm.reset_bytes() - 8 * (cp - 1), calls["n"]
-        out[mode] = {"bytes": sent, "calls": messages, "seconds": statistics.median(times)}
+        steps[mode] = lambda layer=layer, x=x: layer(x).sum().backward()
+        comm.reset_bytes()  # a counted warm-up: what one forward+backward sends
+        calls["n"] = 0
+        steps[mode]()
+        sent = comm.reset_bytes() - 8 * (cp - 1) * (mode != "local")
+        out[mode] = {"bytes": sent, "calls": calls["n"]}
+    group = mesh.get_group()
+    times = alternating_rounds(steps, repeats=job["repeats"], warmup=0, barrier=lambda: comm.barrier(group))
+    for mode, samples in times.items():
+        out[mode]["samples"] = samples
     return out
 
 
+def probe_machine(rank: int, mesh: Any, job: dict[str, Any]) -> dict[str, float]:
+    """This machine as the cost model sees it, measured on ranks 0 and 1 (the others wait):
+    ``latency`` (half a round trip of 8 bytes), ``bandwidth`` (bytes/s of a 4 MiB one-way message,
+    latency removed), both medians of 10 round trips; and ``flops``: the chunk rule's forward
+    and backward on this rank's T/cp tokens, its FLOPs (the model's ``shared_flops``) over the
+    median time."""
+    import torch
+
+    from hyperpar_gdn.distributed.cost_model import Geometry
+    from hyperpar_gdn.ops.gdn import chunk_gated_delta_rule
+
+    comm, group = mesh.platform.collectives, mesh.get_group()
+    heads, t = job["heads"], job["seq_len"] // mesh.size()
+    trips: dict[int, list[float]] = {8: [], 4 << 20: []}
+    for size in trips:
+        buf = torch.zeros(size // 4)
+        for _ in range(11):
+            comm.barrier(group)
+            t0 = time.perf_counter()
+            if rank == 0:
+                comm.send(buf, 1, group)
+                comm.recv(buf, 1, group)
+            elif rank == 1:
+                buf = comm.recv(buf, 0, group)
+                comm.send(buf, 0, group)
+            trips[size].append(time.perf_counter() - t0)
+    latency = statistics.median(trips[8][1:]) / 2
+    bandwidth = (4 << 20) / max(statistics.median(trips[4 << 20][1:]) / 2 - latency, 1e-9)
+    hk, h, dk, dv = (heads[n] for n in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"))
+    torch.manual_seed(rank)
+    q, k = (torch.randn(1, t, hk, dk, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, t, h, dv, requires_grad=True)
+    g, beta = -torch.rand(1, t, h), torch.rand(1, t, h)
+    rule = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        o.sum().backward()
+        rule.append(time.perf_counter() - t0)
+    geometry = Geometry(job["seq_len"], mesh.size(), hk, h, dk, dv, 4, 1, 4)
+    return {
+        "latency": latency,
+        "bandwidth": bandwidth,
+        "flops": geometry.shared_flops() / statistics.median(rule),
+        "rule_seconds": statistics.median(rule),
+    }
+
+
+def measured_machine(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """The ``cpu`` machine as measured: rank 0's link, the slowest rank's chunk-rule FLOP rate."""
+    link = per_rank[0]["machine"]
+    return {
+        "bandwidth": link["bandwidth"],
+        "latency": link["latency"],
+        "flops": min(r["machine"]["flops"] for r in per_rank),
+    }
+
+
 def measured_rows(cp: int, job: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per mode: the worst rank's measurement beside the cost model's prediction (cpu machine)."""
+    """Per mode: the worst rank's measurement beside ``plan_context_parallel``'s prediction for
+    the ``cpu`` machine calibrated with this run's :func:`probe_machine` (link and FLOP rate).
+    ``added_seconds`` is what the mode adds to the layer without CP on the same T/cp tokens
+    (``local_seconds``): the quantity the model's ``predicted_seconds`` predicts."""
     from hyperpar_gdn import plan_context_parallel
 
-    inner = job["inner_size"] if any("+" in m for m in per_rank[0]) else None
+    modes = [m for m in per_rank[0] if m not in ("machine", "local")]
+    inner = job["inner_size"] if any("+" in m for m in modes) else None
+    machine = measured_machine(per_rank)
     plan = plan_context_parallel(
-        seq_len=job["seq_len"], cp=cp, dtype="float32", device="cpu", inner_size=inner, **job["heads"]
+        seq_len=job["seq_len"],
+        cp=cp,
+        dtype="float32",
+        device="cpu",
+        inner_size=inner,
+        inter_bandwidth=machine["bandwidth"],
+        inter_latency=machine["latency"],
+        **machine,
+        **job["heads"],
     )
     predicted = {c.mode: c for c in plan.ranking}
+    local = slowest_per_round([r["local"]["samples"] for r in per_rank])
     rows = []
-    for mode in per_rank[0]:
-        worst = {key: max(r[mode][key] for r in per_rank) for key in ("bytes", "calls", "seconds")}
+    for mode in modes:
+        worst = {key: max(r[mode][key] for r in per_rank) for key in ("bytes", "calls")}
+        rounds = slowest_per_round([r[mode]["samples"] for r in per_rank])
         cost = predicted[mode]
         rows.append(
             {"cp": cp, "mode": mode, "inner_size": cost.inner_size, **worst}
+            | {"seconds": statistics.median(rounds), "local_seconds": statistics.median(local)}
+            | {"added_seconds": statistics.median(a - b for a, b in zip(rounds, local, strict=True))}
+            | {"samples": rounds, "local_samples": local, "machine": machine}
             | {
                 "predicted_bytes": cost.bytes_sent,
                 "predicted_messages": cost.messages,

@@ -6,23 +6,22 @@
         --mode ulysses --sample --temperature 0.8 --top-k 20 --max-new-tokens 64
     HP_PLATFORM=mindspore msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --join=True \\
         --log_dir=msrun_log scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt
-    torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt \
-        --decode-on cp-group
+    torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt \\
+        --mode scan --layout head_tail --min-prompt-tokens 8192 --decode-on cp-group
 
 Every rank loads the model (transformers' on torch, the MindSpore Qwen3.5 under
 ``HP_PLATFORM=mindspore``) and the tokenized prompt; ``hyperpar_gdn.prefill_context_parallel``
-reads it under CP (``--mode``) and returns the last token's logits and the decoding state (for
-transformers, its ``DynamicCache``); rank 0 then decodes greedily (or samples, ``--sample``) and
+reads it under CP (``--mode``, ``--layout``) and returns the last token's logits and the decoding
+state (for transformers, its ``DynamicCache``); rank 0 then decodes greedily (or samples, ``--sample``) and
 prints the continuation. Reported: the prefill time (median of ``--repeats``) and prompt tokens/s,
 and the decoding tokens/s. ``--compare-one-device``: each round also times, on rank 0 alone while
 the other ranks wait (so all see the same machine load), the same prefill at cp=1 (this package's
 kernels on a one-rank mesh) and the framework's own one-device prefill (transformers' forward with
 a cache; on MindSpore, ours without any style); ``--min-prompt-tokens`` repeats the prompt's
-tokens up to a length (for long-prompt timing). Numbers go to ``--out`` (JSON).
-``--decode-on cp-group``
-(transformers' models): every rank decodes, keeping its share of the attention layers' K/V
-(:mod:`hyperpar_gdn.inference.cp_decoding`); reported: the K/V cache bytes per rank against one
-device's.
+tokens up to a length (for long-prompt timing). Numbers go to ``--out`` (JSON; draw several with
+``scripts/plot_generate.py``). ``--decode-on cp-group`` (both frameworks): every rank
+decodes, keeping its share of the attention layers' K/V (:mod:`hyperpar_gdn.inference.cp_decoding`);
+reported: the K/V cache bytes per rank against one device's.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 
 SAMPLING_OPTIONS = {"temperature": 1.0, "top_k": 0, "seed": 0}
+LAYOUTS = ("contiguous", "head_tail")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,8 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--mode",
         default="p2p",
-        choices=("ulysses", "p2p", "all_gather"),
-        help="CP mode of the GDN layers during the prefill",
+        choices=("ulysses", "p2p", "all_gather", "scan"),
+        help="CP mode of the GDN layers during the prefill (scan: the log-depth state exchange)",
+    )
+    add(
+        "--layout",
+        default=None,
+        choices=LAYOUTS,
+        help="which tokens a rank reads: contiguous pieces, or head_tail (pieces r and 2cp-1-r of 2cp; "
+        "T divisible by 2cp) (default: head_tail, the training default, for a model with "
+        "softmax-attention layers when T divides into 2cp pieces of at least the conv halo, else "
+        "contiguous)",
     )
     add("--device", default="cpu", help="cpu, cuda or npu (HP_PLATFORM names the framework)")
     add("--max-new-tokens", type=int, default=32, help="tokens to decode after the prompt (at least 1)")
@@ -100,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="one-device",
         choices=("one-device", "cp-group"),
         help="one-device: rank 0 decodes from the whole cache; cp-group: every rank decodes keeping its "
-        "share of the attention K/V cache (transformers' models)",
+        "share of the attention K/V cache",
     )
     return parser
 
@@ -147,15 +156,53 @@ def check_paths(args: argparse.Namespace) -> None:
 
 
 def check_heads(args: argparse.Namespace, cp: int) -> None:
-    """Ulysses splits the GDN heads over the ranks: refuse a model whose heads do not divide."""
+    """Ulysses splits the GDN value heads over the ranks (key heads may be shared): refuse a model
+    whose value heads do not divide."""
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
 
     num_k_heads, num_v_heads, _ = gdn_dims(args.model)
-    if args.mode == "ulysses" and cp > 1 and (num_k_heads % cp or num_v_heads % cp):
+    if args.mode == "ulysses" and cp > 1 and num_v_heads % cp:
         raise ValueError(
             f"--mode ulysses splits the GDN heads over cp={cp} ranks, but {args.model} has {num_k_heads} key "
-            f"and {num_v_heads} value heads; use --mode p2p or all_gather, or a number of ranks that divides them"
+            f"and {num_v_heads} value heads; use --mode p2p, all_gather or scan, or a number of ranks that "
+            "divides the value heads"
         )
+
+
+def check_prompt_length(args: argparse.Namespace, t: int) -> None:
+    """Refuse a prompt longer than the model's position range (``max_position_embeddings`` of its
+    config.json), on every rank before any communication."""
+    from hyperpar_gdn.integrations.transformers.model_dir import position_range
+
+    limit = position_range(args.model)
+    if limit is not None and t > limit:
+        source = (
+            f"--min-prompt-tokens {t}" if args.min_prompt_tokens == t else f"--prompt-file {args.prompt_file}"
+        )
+        raise ValueError(
+            f"the prompt has T={t} tokens ({source}), more than the "
+            f"position range of {args.model}: max_position_embeddings={limit}"
+        )
+
+
+def token_layout(args: argparse.Namespace, t: int, cp: int) -> str:
+    """``--layout``, or its default: head_tail when the model has softmax-attention layers and the
+    T prompt tokens divide into 2cp equal pieces that hold the conv halo (W-1 tokens; one for
+    ulysses), else contiguous. An explicit head_tail that does not divide is refused (the same
+    error on every rank)."""
+    from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims, has_softmax_attention
+
+    divides = cp > 1 and t % (2 * cp) == 0
+    if args.layout is None:
+        need = 1 if args.mode == "ulysses" else gdn_dims(args.model)[2] - 1
+        fits = divides and t // (2 * cp) >= need
+        return "head_tail" if fits and has_softmax_attention(args.model) else "contiguous"
+    if args.layout == "head_tail" and cp > 1 and not divides:
+        raise ValueError(
+            f"--layout head_tail cuts the prompt's T={t} tokens into 2 x cp = {2 * cp} equal pieces: use a "
+            f"prompt (or --min-prompt-tokens) of a multiple of {2 * cp} tokens, or --layout contiguous"
+        )
+    return args.layout
 
 
 def prompt_ids(args: argparse.Namespace) -> np.ndarray:
@@ -218,7 +265,7 @@ class Engine:
         from hyperpar_gdn.inference.cp_decoding import decode_step_context_parallel
 
         logits = decode_step_context_parallel(self.model, mesh, sharded, self.tensor(token))
-        return logits.float().numpy()
+        return self.platform.to_numpy(logits)
 
 
 def decode(args: argparse.Namespace, platform: Any, logits: Any, step: Any) -> tuple[list[int], float]:
@@ -236,9 +283,17 @@ def decode(args: argparse.Namespace, platform: Any, logits: Any, step: Any) -> t
 
 
 def kv_cache_bytes(cache: Any) -> int:
-    """Bytes of the attention layers' K and V in transformers' cache (what one device keeps)."""
-    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-    return sum(int(t.numel()) * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+    """Bytes of the attention layers' K and V in the prefill's cache (what one device keeps):
+    transformers' ``DynamicCache``, or the MindSpore model's ``DecodingState``."""
+    from hyperpar_gdn.inference.decoding import DecodingState
+
+    if isinstance(cache, DecodingState):  # a GDN layer's pair is (conv [B, C, W], S): 3-d and 4-d
+        pairs = [pair for pair in cache.layers if len(pair[0].shape) == len(pair[1].shape) == 4]
+    else:
+        pairs = [
+            (layer.keys, layer.values) for layer in cache.layers if getattr(layer, "keys", None) is not None
+        ]
+    return sum(int(t.nbytes) for pair in pairs for t in pair)
 
 
 def pick(logits: np.ndarray, args: argparse.Namespace, rng: np.random.Generator) -> np.ndarray:
@@ -271,11 +326,14 @@ def _generate(argv: list[str] | None) -> int:
     from hyperpar_gdn import get_platform, init_device_mesh
 
     platform = get_platform()
+    owned = not platform.is_initialized()  # a caller's process group (tests) outlives this run
     platform.init_distributed()
     try:  # every check below raises on every rank alike, before the first collective
         mesh = init_device_mesh(args.device, (platform.world_size(),), mesh_dim_names=("cp",))
         check_heads(args, platform.world_size())
         ids_np = prompt_ids(args)
+        check_prompt_length(args, ids_np.shape[1])
+        args.layout = token_layout(args, ids_np.shape[1], platform.world_size())
         engine = Engine(platform, args.model)
         if args.decode_on == "cp-group":  # a model without a sharded cache: refused on every rank
             from hyperpar_gdn.inference.cp_decoding import check_sharded_decoding
@@ -283,7 +341,8 @@ def _generate(argv: list[str] | None) -> int:
             check_sharded_decoding(engine.model)
         _run(args, platform, mesh, engine, ids_np)
     finally:
-        platform.destroy()
+        if owned:
+            platform.destroy()
     return 0
 
 
@@ -302,7 +361,7 @@ def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids
     solo = init_device_mesh(args.device, (platform.world_size(), 1), mesh_dim_names=("dp", "cp"))["cp"]
     cp_times, one_times, solo_times = [], [], []
     for _ in range(args.repeats):
-        apply_context_parallel(engine.model, mesh, mode=args.mode)
+        apply_context_parallel(engine.model, mesh, mode=args.mode, layout=args.layout)
         comm.barrier(group)
         start = time.perf_counter()
         logits, state = prefill_context_parallel(engine.model, mesh, ids)
@@ -321,7 +380,7 @@ def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids
                 undo_context_parallel(engine.model)
             comm.barrier(group)
     t = ids_np.shape[1]
-    kv = (None if engine.mindspore else kv_cache_bytes(state), None)  # one device's, per rank
+    kv = (kv_cache_bytes(state), None)  # one device's, per rank
     if args.decode_on == "cp-group":
         from hyperpar_gdn.inference.cp_decoding import shard_cache
 
@@ -357,10 +416,12 @@ def _report(
     text = load_tokenizer(args.model).decode(tokens)
     t, cp = ids_np.shape[1], platform.world_size()
     prefill_s = statistics.median(cp_times)
+    steps = args.max_new_tokens - 1  # decoding steps timed (the first token comes from the prefill)
     result = {
         "framework": "mindspore" if engine.mindspore else "torch",
         "device": args.device,
         "mode": args.mode,
+        "layout": args.layout,
         "cp": cp,
         "prompt_tokens": t,
         "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
@@ -368,7 +429,8 @@ def _report(
         "prefill_tokens_per_s": t / prefill_s,
         "one_device_prefill_s": one_times or None,
         "cp1_prefill_s": solo_times or None,
-        "decode_tokens_per_s": (args.max_new_tokens - 1) / decode_s if args.max_new_tokens > 1 else None,
+        "decode_tokens_per_s": steps / decode_s if steps else None,
+        "decode_s_per_token": decode_s / steps if steps else None,
         "decode_on": args.decode_on,
         "kv_cache_bytes_one_device": kv[0],
         "kv_cache_bytes_per_rank": kv[1],
@@ -377,14 +439,15 @@ def _report(
     }
     print(f"--- continuation ({'sampled' if args.sample else 'greedy'}, {len(tokens)} tokens) ---\n{text}")
     print(
-        f"prefill of {t} tokens at cp={cp} ({args.mode}): {prefill_s:.3f} s median, {t / prefill_s:.1f} tokens/s"
+        f"prefill of {t} tokens at cp={cp} ({args.mode}, {args.layout}): {prefill_s:.3f} s median, "
+        f"{t / prefill_s:.1f} tokens/s"
     )
     advice = cp_advice(
         platform=platform.name,
         cp=cp,
         tokens_per_rank=t // cp,
         mode=args.mode,
-        layout="contiguous",
+        layout=args.layout,
         fewer="fewer ranks (torchrun --nproc-per-node), or one process (python scripts/generate.py)",
     )
     if advice is not None:
@@ -398,7 +461,10 @@ def _report(
         )
     if result["decode_tokens_per_s"]:
         where = "on the CP group" if args.decode_on == "cp-group" else "on one device"
-        print(f"decoding {where}: {result['decode_tokens_per_s']:.1f} tokens/s")
+        print(
+            f"decoding {where}: {result['decode_tokens_per_s']:.1f} tokens/s "
+            f"({result['decode_s_per_token'] * 1e3:.1f} ms per token)"
+        )
     if kv[1] is not None:
         print(
             f"attention K/V cache: {kv[0]} bytes on one device, per rank {kv[1]} "

@@ -33,8 +33,18 @@ __all__ = [
 
 CP_WORKER = Path(__file__).resolve().parent / "distributed" / "msrun_cp_worker.py"
 CP_WORKER_SECTIONS = {
-    2: ("collectives", "cp", "packed", "attention", "bad_input", "lm_loss", "prefill", "stall"),
-    4: ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "grads", "scan"),
+    2: (
+        "collectives",
+        "cp",
+        "packed",
+        "attention",
+        "bad_input",
+        "lm_loss",
+        "prefill",
+        "cp_decoding",
+        "stall",
+    ),
+    4: ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "grads", "scan", "prefill"),
 }
 
 

@@ -1,13 +1,15 @@
-"""scripts/generate.py on 2 gloo ranks with a model directory from scripts/make_tiny_qwen35.py:
-its greedy continuation equals transformers' one-device ``generate`` (decoding on one device and
-on the CP group, with the K/V cache bytes per rank); the JSON holds the timings;
-sampling is reproducible from its seed; bad options are refused."""
+"""scripts/generate.py on 2 gloo ranks with a model directory from scripts/make_tiny_qwen35.py, every
+run in one launch: its greedy continuation equals transformers' one-device ``generate`` in every
+mode (scan included) and layout (``--layout``, and its default), decoding on one device and on the
+CP group (with the K/V cache bytes per rank); the JSON holds the timings; sampling is reproducible
+from its seed; scripts/plot_generate.py draws the JSON; bad options are refused."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -43,59 +45,154 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _run(rank: int, world: int, argv: list[str]) -> int:
-    return load_script().main(argv)
+def _run_each(rank: int, world: int, argvs: list[list[str]]) -> list[int]:
+    """generate.py's ``main`` for each command line in turn, in one process group (one launch)."""
+    script = load_script()
+    return [script.main(argv) for argv in argvs]
 
 
-def test_greedy_continuation_equals_transformers(model_dir: Path, tmp_path: Path) -> None:
-    prompt = tmp_path / "prompt.txt"
+@pytest.fixture(scope="module")
+def prompt_ids(model_dir: Path) -> list[int]:
+    return transformers.AutoTokenizer.from_pretrained(model_dir)(PROMPT)["input_ids"]
+
+
+def _repeated(ids: list[int], t: int) -> list[int]:
+    """The prompt's tokens repeated up to ``t`` (what ``--min-prompt-tokens t`` reads)."""
+    return (ids * (t // len(ids) + 1))[:t]
+
+
+def _runs(even: int) -> dict[str, list[str]]:
+    """The command lines of the shared job (``even``: a prompt length divisible by 2cp = 4; the
+    greedy runs decode 16 tokens, the sampling runs 12)."""
+    greedy = ["--max-new-tokens", "16"]
+    sample = ["--sample", "--temperature", "2.0", "--max-new-tokens", "12"]
+    return {
+        # T odd: the default layout is contiguous
+        "ulysses": ["--mode", "ulysses", "--min-prompt-tokens", str(even + 1), *greedy, "--repeats", "2"]
+        + ["--compare-one-device"],
+        # T divisible by 2cp, attention layers: the default layout is head_tail
+        "scan": ["--mode", "scan", "--min-prompt-tokens", str(even), *greedy],
+        "all_gather": ["--mode", "all_gather", "--layout", "contiguous", "--min-prompt-tokens", str(even)]
+        + greedy,
+        "cp-group": ["--layout", "head_tail", "--min-prompt-tokens", str(even), "--decode-on", "cp-group"]
+        + greedy,
+        "seed1": [*sample, "--seed", "1"],
+        "seed1-again": [*sample, "--seed", "1"],
+        "seed2": [*sample, "--seed", "2"],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir: Path, prompt_ids: list[int], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every run of :func:`_runs` on 2 gloo ranks in one launch -> name: its ``--out`` JSON."""
+    tmp = tmp_path_factory.mktemp("runs")
+    prompt = tmp / "prompt.txt"
     prompt.write_text(PROMPT)
-    out = tmp_path / "result.json"
-    argv = ["--model", str(model_dir), "--prompt-file", str(prompt), "--mode", "ulysses"]
-    argv += ["--max-new-tokens", "16", "--repeats", "2", "--compare-one-device", "--out", str(out)]
-    assert run_ranks(_run, 2, argv, timeout_s=240) == [0, 0]
-    result = json.loads(out.read_text())
-    ids = transformers.AutoTokenizer.from_pretrained(model_dir)(PROMPT, return_tensors="pt")["input_ids"]
+    runs = _runs(4 * (len(prompt_ids) // 4 + 1))
+    argvs = [
+        ["--model", str(model_dir), "--prompt-file", str(prompt), *argv, "--out", str(tmp / f"{name}.json")]
+        for name, argv in runs.items()
+    ]
+    assert run_ranks(_run_each, 2, argvs, timeout_s=300) == [[0] * len(runs)] * 2
+    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in runs}
+
+
+def _expected(model_dir: Path, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy ``generate`` on one device."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
-    assert result["new_tokens"] == expected
-    assert result["prompt_tokens"] == ids.shape[1] and result["cp"] == 2
+    prompt = torch.tensor([ids])
+    return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "layout"),
+    [
+        ("ulysses", "ulysses", "contiguous"),
+        ("scan", "scan", "head_tail"),
+        ("all_gather", "all_gather", "contiguous"),
+        ("cp-group", "p2p", "head_tail"),
+    ],
+)
+def test_greedy_continuation_equals_transformers(
+    runs: dict[str, Any], model_dir: Path, prompt_ids: list[int], name: str, mode: str, layout: str
+) -> None:
+    """Every mode and layout (``--layout``, or its default from T) continues the prompt (repeated
+    up to ``--min-prompt-tokens``) as transformers' ``generate`` does."""
+    result = runs[name]
+    t = result["prompt_tokens"]
+    assert result["new_tokens"] == _expected(model_dir, _repeated(prompt_ids, t), 16)
+    assert (result["mode"], result["layout"], result["cp"]) == (mode, layout, 2)
     assert result["framework"] == "torch" and result["device"] == "cpu"
-    assert len(result["prefill_s"]) == 2 and len(result["one_device_prefill_s"]) == 2
+    assert len(result["prefill_s"]) == (2 if name == "ulysses" else 1)
+    assert result["prefill_tokens_per_s"] == pytest.approx(t / statistics.median(result["prefill_s"]))
+    steps = result["decode_tokens_per_s"] * result["decode_s_per_token"]
+    assert steps == pytest.approx(1.0) and len(result["loadavg"]) == 3
+    if name == "ulysses":  # --compare-one-device: both one-device paths in each round
+        assert len(result["one_device_prefill_s"]) == len(result["cp1_prefill_s"]) == 2
+    else:
+        assert result["one_device_prefill_s"] is None and result["cp1_prefill_s"] is None
 
 
-def test_decoding_on_the_cp_group_equals_transformers(model_dir: Path, tmp_path: Path) -> None:
-    """--decode-on cp-group: the same greedy tokens as transformers' generate, every rank keeping
-    its share of the attention K/V (within one token of the others; together the prompt and the
-    15 appended tokens)."""
-    prompt = tmp_path / "prompt.txt"
-    prompt.write_text(PROMPT)
-    out = tmp_path / "result.json"
-    argv = ["--model", str(model_dir), "--prompt-file", str(prompt), "--decode-on", "cp-group"]
-    argv += ["--max-new-tokens", "16", "--out", str(out)]
-    assert run_ranks(_run, 2, argv, timeout_s=240) == [0, 0]
-    result = json.loads(out.read_text())
-    ids = transformers.AutoTokenizer.from_pretrained(model_dir)(PROMPT, return_tensors="pt")["input_ids"]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
-    assert result["new_tokens"] == expected and result["decode_on"] == "cp-group"
+def test_decoding_on_the_cp_group_keeps_the_cache_sharded(runs: dict[str, Any]) -> None:
+    """--decode-on cp-group (after a head_tail prefill): every rank keeps its share of the attention
+    K/V (within one token of the others; together the prompt and the 15 appended tokens)."""
+    result = runs["cp-group"]
+    assert result["decode_on"] == "cp-group" and runs["scan"]["decode_on"] == "one-device"
     t, per_rank = result["prompt_tokens"], result["kv_cache_bytes_per_rank"]
     per_token = result["kv_cache_bytes_one_device"] // t
     assert per_token * t == result["kv_cache_bytes_one_device"]
     assert sum(per_rank) == per_token * (t + 15) and max(per_rank) - min(per_rank) <= per_token
 
 
-def test_sampling_follows_the_seed(model_dir: Path, tmp_path: Path) -> None:
-    prompt = tmp_path / "prompt.txt"
-    prompt.write_text(PROMPT)
-    results = []
-    for seed in (1, 1, 2):
-        out = tmp_path / f"sample{len(results)}.json"
-        argv = ["--model", str(model_dir), "--prompt-file", str(prompt), "--sample", "--temperature", "2.0"]
-        argv += ["--max-new-tokens", "12", "--seed", str(seed), "--out", str(out)]
-        run_ranks(_run, 2, argv, timeout_s=240)
-        results.append(json.loads(out.read_text())["new_tokens"])
-    assert results[0] == results[1] != results[2]
+def test_sampling_follows_the_seed(runs: dict[str, Any]) -> None:
+    assert runs["seed1"]["new_tokens"] == runs["seed1-again"]["new_tokens"] != runs["seed2"]["new_tokens"]
+    assert len(runs["seed1"]["new_tokens"]) == 12
+
+
+def test_plot_draws_every_run(runs: dict[str, Any], tmp_path: Path) -> None:
+    """scripts/plot_generate.py: a bar per run and path, the medians of the JSON; a PNG."""
+    import plot_generate
+
+    files = []
+    for name in ("ulysses", "cp-group"):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(runs[name]))
+    prefill, kv, decoding = plot_generate.panels([runs["ulysses"], runs["cp-group"]])
+    one = runs["ulysses"]
+    label = f"ulysses contiguous T={one['prompt_tokens']}"
+    assert prefill.bars[f"{label}\ncp=2"][0] == statistics.median(one["prefill_s"])
+    assert prefill.bars[f"{label}\ntransformers"][0] == statistics.median(one["one_device_prefill_s"])
+    assert prefill.bars[f"{label}\ncp=1"][0] == statistics.median(one["cp1_prefill_s"])
+    assert len(prefill.bars) == 4 and len(kv.bars) == 3 and len(decoding.bars) == 2
+    sharded = runs["cp-group"]["kv_cache_bytes_per_rank"]
+    assert sorted(h for name, (h, _) in kv.bars.items() if "rank" in name) == sorted(
+        b / 2**20 for b in sharded
+    )
+    out = tmp_path / "plot.png"
+    assert plot_generate.main([*map(str, files), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_generate.main([str(tmp_path / "nope.json"), "--out", str(out)]) == 2
+    files[0].write_text(json.dumps({"mode": "p2p"}))
+    with pytest.raises(ValueError, match=r"is not a generate.py result: it lacks framework, layout, cp"):
+        plot_generate.load_result(files[0])
+
+
+def test_head_tail_needs_2cp_pieces(model_dir: Path, tmp_path: Path) -> None:
+    """--layout head_tail with T not divisible by 2cp: one error naming T and the way out (raised by
+    every rank alike, before any communication); a prompt beyond the position range likewise."""
+    script = load_script()
+    args = script.parse_args(["--model", str(model_dir), "--prompt-file", "p", "--layout", "head_tail"])
+    assert script.token_layout(args, 12, 2) == "head_tail"
+    with pytest.raises(
+        ValueError, match=re.escape("--layout head_tail cuts the prompt's T=10 tokens into 2 x cp")
+    ):
+        script.token_layout(args, 10, 2)
+    args.layout = None  # the default: head_tail when T divides (the tiny model has attention layers)
+    cases = ((12, 2), (10, 2), (12, 1), (8, 2))  # T=8: pieces of 2 tokens, under the conv halo of 3
+    assert [script.token_layout(args, t, cp) for t, cp in cases] == ["head_tail"] + ["contiguous"] * 3
+    script.check_prompt_length(args, 4096)
+    with pytest.raises(ValueError, match=re.escape("max_position_embeddings=4096")):
+        script.check_prompt_length(args, 4097)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ dominate (Qwen3.5-27B: 64 KiB per token, 16 GiB at 256K) while a GDN layer's sta
 size. Here every rank keeps only its share of K/V (:func:`shard_cache`) and each decoding step:
 
 - runs the whole model on the new token on every rank (its activations are one token: replicated),
-  the GDN layers through transformers' own cached step on their replicated states;
+  the GDN layers stepping on their replicated states;
 - in every attention layer, computes the new token's K/V, keeps them on one rank (below), attends
   the query over this rank's keys only (a partial output and its log-sum-exp,
   :func:`~hyperpar_gdn.ops.attention.partials.partial_attention`) and merges the ranks' partials
@@ -20,17 +20,21 @@ rank is ``ceil((T + new) / cp)`` tokens of K/V and no rank becomes the bottlenec
 last rank instead would grow one rank by every new token. Every rank computes the new token's K/V
 anyway (its activations are replicated), so the rule costs no communication.
 
-Supported: transformers' Qwen3.5 causal LMs (dense and MoE), prompts without padding, greedy
-decoding. The model must be back on one device's forward (``undo_context_parallel(model)``):
-the attention layers' forwards are replaced only while a step runs.
+The algorithm (the cut, the owner rule, :func:`sharded_attention`) is written once here; a model
+family says only how its cache is cut and how one token steps through it with ``attend`` in
+place of its attention: transformers' Qwen3.5 causal LMs (dense and MoE;
+:mod:`hyperpar_gdn.integrations.transformers.sharded_cache`, their GDN layers through their own
+cached step, their attention layers' forwards replaced only while a step runs) and this package's
+LMs (``HybridLM``, torch or MindSpore, and the MindSpore ``Qwen3_5ForCausalLM``;
+:func:`~hyperpar_gdn.inference.decoding.step_blocks`). Prompts without padding, greedy decoding
+(or the logits of one step). The model must be back on one device's forward
+(``undo_context_parallel(model)``).
 
 Legend: B batch, T prompt tokens, V vocabulary, H query heads, Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,16 +43,26 @@ import numpy as np
 from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
+from hyperpar_gdn.inference.decoding import (
+    DecodingState,
+    check_step_ids,
+    greedy_tokens,
+    lm_parts,
+    step_blocks,
+)
 from hyperpar_gdn.inference.prefill import prompt_lengths
+from hyperpar_gdn.integrations.transformers import sharded_cache as hf
 from hyperpar_gdn.ops.attention.partials import merge_partials, partial_attention
 from hyperpar_gdn.platform import Tensor, ops_for
 
 __all__ = [
     "ShardedCache",
+    "check_sharded_decoding",
     "decode_step_context_parallel",
     "greedy_continue_context_parallel",
     "kv_tokens_per_rank",
     "shard_cache",
+    "sharded_attention",
 ]
 
 
@@ -57,8 +71,9 @@ class ShardedCache:
     """The decoding state of a CP group, on one rank.
 
     Attributes:
-        gdn: transformers' ``DynamicCache`` holding the GDN layers' conv and recurrent states (the
-            same on every rank; its attention layers stay empty).
+        gdn: the GDN layers' states, the same on every rank: transformers' ``DynamicCache`` (its
+            attention layers stay empty), or for our LMs by layer index ``(conv [B, C, W],
+            S [B, H, K, V])``.
         keys, values: by attention layer index, this rank's K and V ``[B, Hkv, n_r, D]``.
         length: tokens read so far; the next token sits at this position.
         cp, rank: the CP group it was cut for.
@@ -73,142 +88,135 @@ class ShardedCache:
 
     def kv_bytes(self) -> int:
         """This rank's K/V cache in bytes."""
-        return sum(int(t.numel()) * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        return sum(int(t.nbytes) for t in (*self.keys.values(), *self.values.values()))
 
 
 def shard_cache(model: Any, mesh: Any, cache: Any, *, length: int) -> ShardedCache:
-    """This rank's :class:`ShardedCache` from the ``DynamicCache`` a CP prefill of ``length``
-    tokens returned (the same on every rank): the GDN states are kept, the attention layers' K/V
-    cut to this rank's contiguous piece (:func:`~hyperpar_gdn.inference.prefill.prompt_lengths`);
-    the rest is dropped."""
-    from transformers import DynamicCache
-
+    """This rank's :class:`ShardedCache` from the cache a CP prefill of ``length`` tokens returned
+    (the same on every rank: transformers' ``DynamicCache``, or our LMs'
+    :class:`~hyperpar_gdn.inference.decoding.DecodingState`): the GDN states are kept, the
+    attention layers' K/V cut to this rank's contiguous piece
+    (:func:`~hyperpar_gdn.inference.prefill.prompt_lengths`, copied); the rest is dropped."""
     check_sharded_decoding(model)
     cp_mesh = as_cp_mesh(mesh)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     pieces = prompt_lengths(length, cp)
     start, stop = sum(pieces[:rank]), sum(pieces[: rank + 1])
-    gdn = DynamicCache(config=model.config)
-    keys, values = {}, {}
-    for i, block in enumerate(text_model_of(model).layers):
-        kind, module = mixer_of(i, block)
-        layer = cache.layers[i]
-        if kind == "linear_attn":
-            conv = layer.conv_states[0]
-            gdn.update_conv_state(conv, i, conv_kernel_size=conv.shape[-1])
-            gdn.update_recurrent_state(layer.recurrent_states[0], i)
-        else:
-            if layer.keys.shape[2] != length:
-                raise ValueError(
-                    f"layer {i} of the cache holds {layer.keys.shape[2]} tokens, not length={length}"
-                )
-            keys[i] = layer.keys[:, :, start:stop].clone()
-            values[i] = layer.values[:, :, start:stop].clone()
+    if hf.is_causal_lm(model):
+        gdn, keys, values = hf.cut_cache(model, cache, length=length, start=start, stop=stop)
+    else:
+        gdn, keys, values = _cut_state(model, cache, length=length, start=start, stop=stop)
     return ShardedCache(gdn=gdn, keys=keys, values=values, length=length, cp=cp, rank=rank)
 
 
-def check_sharded_decoding(model: Any) -> None:
-    """Refuse a model that has no sharded cache here (the same error on every rank)."""
-    if not from_transformers(model) or not hasattr(model, "lm_head"):
-        raise NotImplementedError(
-            f"decoding on the CP group keeps transformers' Qwen3.5 causal LM caches sharded; "
-            f"{type(model).__name__} has no sharded cache: decode on one device "
-            "(hyperpar_gdn.inference.decoding.greedy_continue)"
+def _cut_state(
+    model: Any, state: Any, *, length: int, start: int, stop: int
+) -> tuple[dict[int, tuple[Tensor, Tensor]], dict[int, Tensor], dict[int, Tensor]]:
+    """:func:`shard_cache` for our LMs, from their :class:`DecodingState`."""
+    if not isinstance(state, DecodingState) or state.length != length:
+        found = f"length={state.length}" if isinstance(state, DecodingState) else type(state).__name__
+        raise ValueError(
+            f"{type(model).__name__} decodes from the DecodingState of its prefill of length={length}; "
+            f"got {found}"
         )
-    for i, block in enumerate(text_model_of(model).layers):
-        if is_parallelized(mixer_of(i, block)[1]):
+    gdn, keys, values = {}, {}, {}
+    for i, (block, (first, second)) in enumerate(zip(lm_parts(model).blocks, state.layers, strict=True)):
+        if block.layer_type == "linear_attention":
+            gdn[i] = (first, second)
+        else:
+            hf.check_cached_tokens(i, first.shape[2], length)
+            xp, mine = ops_for(first), np.arange(start, stop)
+            keys[i], values[i] = xp.take(first, mine, 2), xp.take(second, mine, 2)
+    return gdn, keys, values
+
+
+def check_sharded_decoding(model: Any) -> None:
+    """Refuse a model that has no sharded cache here, or one still under context parallelism
+    (the same error on every rank)."""
+    mixers = _mixers(model)
+    if mixers is None:
+        raise NotImplementedError(
+            f"decoding on the CP group keeps the caches of transformers' Qwen3.5 causal LMs and of this "
+            f"package's LMs sharded; {type(model).__name__} has no sharded cache: decode on one device"
+        )
+    for i, mixer in enumerate(mixers):
+        if is_parallelized(mixer):
             raise ValueError(
                 f"layer {i} is still under context parallelism: call undo_context_parallel(model) after "
                 "the prefill, before decoding on the CP group"
             )
 
 
-@contextmanager
-def _sharded_attention(model: Any, mesh: Any, state: ShardedCache) -> Iterator[None]:
-    """Every attention layer's forward replaced, for one step, by the sharded one; restored after."""
-    from hyperpar_gdn.integrations.transformers.attention import TransformersAttention
-
-    cp_mesh = as_cp_mesh(mesh)
-    group, comm = cp_mesh.get_group(), cp_mesh.platform.collectives
-    owner = state.length % state.cp  # the rank that keeps the new token
-    replaced = []
-
-    def make(i: int, module: Any) -> Any:
-        adapter = TransformersAttention(module)
-
-        def forward(hidden_states: Tensor, position_embeddings: Any, *args: Any, **kwargs: Any) -> Any:
-            xp = ops_for(hidden_states)
-            q, k, v, gate = adapter.project(
-                hidden_states, position_offset=state.length, cos_sin=position_embeddings
-            )
-            if state.rank == owner:
-                state.keys[i] = xp.cat([state.keys[i], k], 2)
-                state.values[i] = xp.cat([state.values[i], v], 2)
-            o, lse = partial_attention(xp, q, state.keys[i], state.values[i], scale=module.scaling)
-            parts = (
-                comm.all_gather(xp.cat([o, lse], -1), group) if state.cp > 1 else xp.cat([o, lse], -1)[None]
-            )
-            d = o.shape[-1]
-            o = merge_partials(xp, parts[..., :d], parts[..., d:])  # [B, H, 1, D]
-            b, h, t, _ = o.shape
-            o_BTX = xp.cast(xp.swapaxes(o, 1, 2).reshape(b, t, h * d), xp.dtype(hidden_states))
-            return adapter.finish(o_BTX, gate), None
-
-        return forward
-
+def _mixers(model: Any) -> list[Any] | None:
+    """The token mixers of a model decoding on the CP group serves, by layer; None for others."""
+    if hf.is_causal_lm(model):
+        return [mixer_of(i, block)[1] for i, block in enumerate(text_model_of(model).layers)]
+    if from_transformers(model):
+        return None
     try:
-        for i, block in enumerate(text_model_of(model).layers):
-            kind, module = mixer_of(i, block)
-            if kind == "self_attn":
-                module.forward = make(i, module)
-                replaced.append(module)
-        yield
-    finally:
-        for module in replaced:
-            del module.forward
+        blocks = lm_parts(model).blocks
+    except TypeError:
+        return None
+    if not all(hasattr(block, "layer_type") and hasattr(block, "mixer") for block in blocks):
+        return None
+    return [block.mixer for block in blocks]
+
+
+def sharded_attention(
+    cp_mesh: Any, state: ShardedCache, i: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float
+) -> Tensor:
+    """Attention layer ``i``'s step on the CP group, for the new token at ``state.length``: q
+    ``[B, H, 1, D]``, its k and v ``[B, Hkv, 1, D]`` (rotated) -> o ``[B, 1, H*D]`` in q's dtype.
+    The rank ``length mod cp`` keeps k and v; every rank attends q over its keys (a partial and its
+    log-sum-exp); one all-gather of ``[B, H, 1, D+1]``; the partials merged by log-sum-exp."""
+    xp = ops_for(q)
+    if state.rank == state.length % state.cp:
+        state.keys[i] = xp.cat([state.keys[i], k], 2)
+        state.values[i] = xp.cat([state.values[i], v], 2)
+    o, lse = partial_attention(xp, q, state.keys[i], state.values[i], scale=scale)
+    both = xp.cat([o, lse], -1)
+    if state.cp > 1:
+        parts = cp_mesh.platform.collectives.all_gather(both, cp_mesh.get_group())
+    else:
+        parts = both[None]
+    b, h, t, d = o.shape
+    o = merge_partials(xp, parts[..., :d], parts[..., d:])  # [B, H, 1, D]
+    return xp.cast(xp.swapaxes(o, 1, 2).reshape(b, t, h * d), xp.dtype(q))
 
 
 def decode_step_context_parallel(model: Any, mesh: Any, state: ShardedCache, ids_B1: Tensor) -> Tensor:
     """One token per row ``[B, 1]`` at position ``state.length`` on every rank of the CP group ->
     its logits ``[B, V]`` (the same on every rank); ``state`` moves on by one token."""
-    import torch
-
-    if len(ids_B1.shape) != 2 or ids_B1.shape[1] != 1:
-        raise ValueError(f"a decoding step takes one token per row, [B, 1]; got shape {tuple(ids_B1.shape)}")
+    check_step_ids(ids_B1)
     cp_mesh = as_cp_mesh(mesh)
     if (cp_mesh.size(), cp_mesh.get_local_rank()) != (state.cp, state.rank):
         raise ValueError(
             f"the sharded cache was cut for cp={state.cp} rank {state.rank}; this mesh is "
             f"cp={cp_mesh.size()} rank {cp_mesh.get_local_rank()}"
         )
-    b = ids_B1.shape[0]
-    positions = torch.full((b, 1), state.length, dtype=torch.int64, device=ids_B1.device)
-    no_masks = {"full_attention": None, "linear_attention": None}
-    with torch.no_grad(), _sharded_attention(model, mesh, state):
-        hidden = text_model_of(model)(
-            input_ids=ids_B1, position_ids=positions, attention_mask=no_masks, cache=state.gdn, use_cache=True
-        ).last_hidden_state
-        logits = model.lm_head(hidden[:, -1])
+
+    def attend(i: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> Tensor:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale  # ours: causal_attention's D**-0.5
+        return sharded_attention(cp_mesh, state, i, q, k, v, scale=scale)
+
+    if hf.is_causal_lm(model):
+        logits = hf.step(model, state.gdn, ids_B1, position=state.length, attend=attend)
+    else:
+        logits, state.gdn = step_blocks(model, ids_B1, position=state.length, gdn=state.gdn, attend=attend)
     state.length += 1
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return logits
 
 
 def greedy_continue_context_parallel(
     model: Any, mesh: Any, logits_BV: Tensor, state: ShardedCache, *, max_new_tokens: int
 ) -> Tensor:
     """Greedy continuation on the CP group from the prefill's last logits ``[B, V]`` -> the new
-    tokens ``[B, max_new_tokens]`` (int64), the same on every rank."""
-    import torch
-
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
-    tokens = []
-    for step in range(max_new_tokens):
-        next_ids = logits_BV.argmax(-1, keepdim=True)
-        tokens.append(next_ids)
-        if step + 1 < max_new_tokens:
-            logits_BV = decode_step_context_parallel(model, mesh, state, next_ids)
-    return torch.cat(tokens, 1)
+    tokens ``[B, max_new_tokens]`` (int64, on the logits' device), the same on every rank."""
+    return greedy_tokens(
+        logits_BV,
+        lambda ids_B1: decode_step_context_parallel(model, mesh, state, ids_B1),
+        max_new_tokens=max_new_tokens,
+    )
 
 
 def kv_tokens_per_rank(length: int, cp: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +39,11 @@ __all__ = [
     "decode_step",
     "greedy_continue",
     "greedy_generate",
+    "greedy_tokens",
     "lm_parts",
     "prefill",
     "state_from_prefill",
+    "step_blocks",
 ]
 
 
@@ -138,49 +140,83 @@ def prefill(model: Any, input_ids: Tensor) -> tuple[Tensor, DecodingState]:
 def decode_step(model: Any, state: DecodingState, ids_B1: Tensor) -> tuple[Tensor, DecodingState]:
     """One token per row ``[B, 1]`` at position ``state.length`` -> (its logits ``[B, V]``, the
     state after it)."""
-    if len(ids_B1.shape) != 2 or ids_B1.shape[1] != 1:
-        raise ValueError(f"decode_step takes one token per row, [B, 1]; got shape {tuple(ids_B1.shape)}")
+    check_step_ids(ids_B1)
+    blocks = lm_parts(model).blocks
+    if len(state.layers) != len(blocks):
+        raise ValueError(f"the state has {len(state.layers)} layers; the model has {len(blocks)} blocks")
+    kv = {}
+
+    def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        xp = ops_for(q)
+        first, second = state.layers[i]
+        kv[i] = (xp.cat([first, k], 2), xp.cat([second, v], 2))
+        return causal_attention(xp, q, *kv[i], q_offset=state.length)
+
+    gdn = {i: pair for i, pair in enumerate(state.layers) if blocks[i].layer_type == "linear_attention"}
+    logits, gdn = step_blocks(model, ids_B1, position=state.length, gdn=gdn, attend=attend)
+    layers = tuple(gdn[i] if i in gdn else kv[i] for i in range(len(blocks)))
+    return logits, DecodingState(layers=layers, length=state.length + 1)
+
+
+def step_blocks(
+    model: Any,
+    ids_B1: Tensor,
+    *,
+    position: int,
+    gdn: Mapping[int, tuple[Tensor, Tensor]],
+    attend: Callable[[int, Tensor, Tensor, Tensor], Tensor],
+) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
+    """One token per row ``[B, 1]`` at ``position`` through one of our LMs: GDN block i steps
+    from ``gdn[i]`` (conv ``[B, C, W]``, S ``[B, H, K, V]``); attention block i projects the
+    token and ``attend(i, q [B, H, 1, D], k [B, Hkv, 1, D], v)`` returns its output
+    ``[B, 1, H*D]`` (and keeps k and v where the caller's cache lives) -> (logits ``[B, V]``,
+    the GDN states after the token)."""
     parts = lm_parts(model)
-    if len(state.layers) != len(parts.blocks):
-        raise ValueError(
-            f"the state has {len(state.layers)} layers; the model has {len(parts.blocks)} blocks"
-        )
-    new_layers = []
+    new_gdn = {}
     with inference_mode(model):
         x = parts.embed(ids_B1)
         xp = ops_for(x)
-        for block, (first, second) in zip(parts.blocks, state.layers, strict=True):
+        for i, block in enumerate(parts.blocks):
             h = block.input_layernorm(x)
             mixer = block.mixer
             if block.layer_type == "linear_attention":
-                out, conv, s = gdn_decode_step(
-                    xp, LayerWeights.of(mixer), LayerDims.of(mixer), h, first, second
-                )
-                new_layers.append((conv, s))
+                out, conv, s = gdn_decode_step(xp, LayerWeights.of(mixer), LayerDims.of(mixer), h, *gdn[i])
+                new_gdn[i] = (conv, s)
             else:
-                q, k, v, gate = mixer.project(h, position_offset=state.length)
-                k_all, v_all = xp.cat([first, k], 2), xp.cat([second, v], 2)
-                out = mixer.finish(causal_attention(xp, q, k_all, v_all, q_offset=state.length), gate)
-                new_layers.append((k_all, v_all))
+                q, k, v, gate = mixer.project(h, position_offset=position)
+                out = mixer.finish(attend(i, q, k, v), gate)
             x = x + out
             x = x + block.mlp(block.post_attention_layernorm(x))
         logits = lm_logits(xp, parts.norm(x), parts.head)
-    return logits[:, 0], DecodingState(layers=tuple(new_layers), length=state.length + 1)
+    return logits[:, 0], new_gdn
 
 
 def greedy_continue(model: Any, logits_BV: Tensor, state: DecodingState, *, max_new_tokens: int) -> Tensor:
     """Greedy continuation from the logits of the last token read and the state after it ->
     the ``max_new_tokens`` new tokens ``[B, N]`` (int64, on the logits' device)."""
+    current = [state]
+
+    def step(ids_B1: Tensor) -> Tensor:
+        logits, current[0] = decode_step(model, current[0], ids_B1)
+        return logits
+
+    return greedy_tokens(logits_BV, step, max_new_tokens=max_new_tokens)
+
+
+def greedy_tokens(logits_BV: Tensor, step: Callable[[Tensor], Tensor], *, max_new_tokens: int) -> Tensor:
+    """The argmax token of ``logits_BV`` ``[B, V]``, then of ``step(token [B, 1])``'s logits, ...
+    -> the ``max_new_tokens`` tokens ``[B, N]`` (int64, on the logits' device); ``step`` is called
+    ``max_new_tokens - 1`` times."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}")
     xp = ops_for(logits_BV)
     like = xp.arange(1, like=logits_BV)  # int64 on the logits' device
     tokens = []
-    for step in range(max_new_tokens):
+    for i in range(max_new_tokens):
         next_ids = np.argmax(xp.to_numpy(logits_BV), -1).reshape(-1, 1)
         tokens.append(next_ids)
-        if step + 1 < max_new_tokens:
-            logits_BV, state = decode_step(model, state, xp.constant(next_ids, like=like))
+        if i + 1 < max_new_tokens:
+            logits_BV = step(xp.constant(next_ids, like=like))
     return xp.constant(np.concatenate(tokens, 1), like=like)
 
 
@@ -191,6 +227,11 @@ def greedy_generate(model: Any, input_ids: Tensor, *, max_new_tokens: int) -> Te
     new = greedy_continue(model, logits, state, max_new_tokens=max_new_tokens)
     xp = ops_for(new)
     return xp.cat([xp.cast(input_ids, xp.dtype(new)), new], 1)
+
+
+def check_step_ids(ids_B1: Tensor) -> None:
+    if len(ids_B1.shape) != 2 or ids_B1.shape[1] != 1:
+        raise ValueError(f"a decoding step takes one token per row, [B, 1]; got shape {tuple(ids_B1.shape)}")
 
 
 def check_prompt(input_ids: Tensor) -> None:

@@ -72,6 +72,13 @@ class TensorOps(ABC):
     @abstractmethod
     def exp(self, x: Tensor) -> Tensor: ...
 
+    def softmax_exp(self, x: Tensor) -> Tensor:
+        """``exp(x)`` of scores already shifted by a row maximum or log-sum-exp (x <= 0 almost
+        everywhere), whose results a softmax normalises: a framework may use a faster kernel
+        with a few float32 roundings of error here (MindSpore's CPU float32 exp: up to 5e-6
+        relative), where :meth:`exp` must stay within one or two."""
+        return self.exp(x)
+
     @abstractmethod
     def log(self, x: Tensor) -> Tensor: ...
 
@@ -92,6 +99,11 @@ class TensorOps(ABC):
         framework may expand it first: MindSpore's CPU broadcasting kernels are 20-30x slower
         than its same-shape ones)."""
         return a * b
+
+    def sub(self, a: Tensor, b: Tensor) -> Tensor:
+        """``a - b`` with broadcasting, for the same loops as :meth:`mul` (a row statistic taken
+        from a block of scores, say)."""
+        return a - b
 
     @abstractmethod
     def sum(self, x: Tensor, dim: int | tuple[int, ...], keepdim: bool = False) -> Tensor: ...

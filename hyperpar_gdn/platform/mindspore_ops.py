@@ -137,6 +137,11 @@ class MindSporeOps(TensorOps):
     def exp(self, x: ms.Tensor) -> ms.Tensor:
         return self._in_float64(mint.exp, x)
 
+    def softmax_exp(self, x: ms.Tensor) -> ms.Tensor:
+        # The float32 kernel itself (measured on [3072, 512]: 1.7 ms against 21 ms through float64);
+        # float64 scores keep their exact kernel.
+        return mint.exp(x)
+
     def log(self, x: ms.Tensor) -> ms.Tensor:
         return ops.log(x)
 
@@ -162,8 +167,18 @@ class MindSporeOps(TensorOps):
             return a * b
         # Tile the broadcast side to the full shape (CPU, [32, 1, 4, 64, 128] * [32, 1, 4, 64, 1]:
         # 3.6 ms broadcast, 0.35 ms tiled then multiplied).
+        a, b = self._tiled(a, b)
+        return a * b
+
+    def sub(self, a: ms.Tensor, b: ms.Tensor) -> ms.Tensor:
+        if self._ascend or a.shape == b.shape or a.ndim == 0 or b.ndim == 0:
+            return a - b
+        a, b = self._tiled(a, b)  # as in mul
+        return a - b
+
+    def _tiled(self, a: ms.Tensor, b: ms.Tensor) -> tuple[ms.Tensor, ms.Tensor]:
         shape = tuple(int(d) for d in np.broadcast_shapes(tuple(a.shape), tuple(b.shape)))
-        return self._expand(a, shape) * self._expand(b, shape)
+        return self._expand(a, shape), self._expand(b, shape)
 
     @staticmethod
     def _expand(x: ms.Tensor, shape: tuple[int, ...]) -> ms.Tensor:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from hyperpar_gdn.distributed.batch import ContextParallelBatch
@@ -64,6 +66,7 @@ class TrainBackend(ABC):
     """
 
     platforms: tuple[str, ...] = ()
+    checkpoint_formats: tuple[str, ...] = ("whole",)  # what it saves; the first is the default
     tokenizer: Any = None
 
     @classmethod
@@ -73,6 +76,22 @@ class TrainBackend(ABC):
         if platform_name not in cls.platforms:
             raise NotImplementedError(
                 f"{cls.__name__} trains on HP_PLATFORM={' / '.join(cls.platforms)}, not {platform_name}"
+            )
+        cls.check_checkpoint_options(config, platform_name)
+
+    @classmethod
+    def check_checkpoint_options(cls, config: TrainConfig, platform_name: str) -> None:
+        """Refuse a ``--checkpoint-format`` (or ``--async-save``) this backend cannot write."""
+        fmt = config.checkpoint_format or cls.checkpoint_formats[0]
+        if fmt not in cls.checkpoint_formats:
+            raise NotImplementedError(
+                f"--checkpoint-format {fmt}: HP_PLATFORM={platform_name} writes "
+                f"{' or '.join(cls.checkpoint_formats)} checkpoints"
+            )
+        if config.async_save and fmt != "sharded":
+            raise NotImplementedError(
+                f"--async-save writes sharded checkpoints in the background; HP_PLATFORM={platform_name} "
+                f"with --checkpoint-format {fmt} saves whole checkpoints, synchronously"
             )
 
     @abstractmethod
@@ -109,6 +128,20 @@ class TrainBackend(ABC):
     def load_state_dict(self, path: str, parts: dict[str, Any]) -> None:
         """Load the ``model`` and ``optimizer`` parts read from checkpoint ``path`` into the model
         and the reference; a part this backend cannot read is a ``ValueError`` naming ``path``."""
+
+    def save_shards(self, directory: Path, *, background: bool) -> Future | None:
+        """Collective: every rank writes its shard of the model and optimizer state under
+        ``directory/state`` (:mod:`.sharded_checkpoint`); refuses (``CheckpointError`` on every rank)
+        a state that holds NaN or inf. ``background``: returns the future of the writes."""
+        raise NotImplementedError(f"{type(self).__name__} writes whole checkpoints only")
+
+    def load_shards(self, path: str, shards: str) -> None:
+        """Collective: load a sharded checkpoint's state (directory ``shards``) into the model in its
+        current layout, and the reference; ``ValueError`` naming ``path`` where it cannot."""
+        raise ValueError(
+            f"checkpoint {path} is sharded (format 2, torch's DCP, with torch's AdamW state): resume it "
+            f"on torch; HP_PLATFORM={self.platform.name} resumes the whole checkpoints it writes"
+        )
 
     @abstractmethod
     def sum_over_ranks(self, values: Sequence[float]) -> list[float]:

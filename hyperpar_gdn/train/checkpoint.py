@@ -15,6 +15,13 @@ every existing checkpoint as it was.
 Loading checks the manifest and every part's size and checksum before deserializing, and raises
 :class:`CheckpointError` naming the offending path; :func:`latest_checkpoint` skips such a
 checkpoint with a warning naming the file and takes the one before it.
+
+This module writes the whole format (format 1: every part gathered and written by one rank). The
+sharded format (format 2, :mod:`.sharded_checkpoint`: each rank writes its own shard of the model
+and optimizer state) shares the directory names, the manifest and the commit by rename; its
+manifest also lists every shard file with its size and sha256 (``"shards"``). Both are read here:
+:func:`load_checkpoint` loads a sharded checkpoint whole on one host (``whole_state=True``, for
+converters and tests) or only its small parts (a resuming run then loads its shards itself).
 """
 
 from __future__ import annotations
@@ -32,21 +39,32 @@ from typing import Any
 import torch
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 1  # the whole format; what save_checkpoint writes
+SHARDED_FORMAT = 2  # the sharded format (.sharded_checkpoint)
+FORMATS = (FORMAT, SHARDED_FORMAT)
+_CHUNK = 1 << 20  # bytes read at a time for a checksum
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _INCOMPLETE = re.compile(r"^\.step-\d+\.(tmp|old)-\d+$")  # a save in progress, or one that died
 
 __all__ = [
     "CheckpointError",
+    "check_digest",
+    "file_digest",
+    "install",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "nonfinite_entries",
+    "os_error_behind",
     "prune_checkpoints",
+    "read_manifest",
     "remove_incomplete",
     "resolve_checkpoint",
     "save_checkpoint",
+    "serialize_parts",
     "write_atomic",
+    "write_manifest",
+    "write_parts",
 ]
 
 
@@ -66,34 +84,52 @@ def save_checkpoint(root: str | Path, step: int, parts: dict[str, Any], *, meta:
     directory, which appears (by a rename) only once every part and the manifest are on disk. An
     existing checkpoint of the same step is replaced only then.
     """
-    if not parts or any(not re.fullmatch(r"[A-Za-z0-9_]+", name) for name in parts):
-        raise ValueError(f"part names must be non-empty identifiers; got {sorted(parts)}")
+    blobs = serialize_parts(parts)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    directory = root / f"step-{step}"
-    manifest: dict[str, Any] = {"format": FORMAT, "step": step, "meta": meta, "parts": {}}
-    blobs: dict[str, bytes] = {}
-    for name, state in parts.items():
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getvalue()
-        file = f"{name}.pt"
-        manifest["parts"][name] = {
-            "file": file,
-            "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-        }
-        blobs[file] = data
-    blobs[MANIFEST] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
     temp = root / f".step-{step}.tmp-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)  # a leftover of this very pid (a save that raised)
     try:
         temp.mkdir()
-        for file, data in blobs.items():
-            _write_flushed(temp / file, data)
+        manifest = write_parts(temp, blobs, {"format": FORMAT, "step": step, "meta": meta})
+        write_manifest(temp, manifest)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return install(temp, root / f"step-{step}")
+
+
+def serialize_parts(parts: dict[str, Any]) -> dict[str, bytes]:
+    """``torch.save`` of each part (name -> state) into bytes; the names must be identifiers."""
+    if not parts or any(not re.fullmatch(r"[A-Za-z0-9_]+", name) for name in parts):
+        raise ValueError(f"part names must be non-empty identifiers; got {sorted(parts)}")
+    blobs = {}
+    for name, state in parts.items():
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        blobs[name] = buffer.getvalue()
+    return blobs
+
+
+def write_parts(directory: Path, blobs: dict[str, bytes], manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write each serialized part to ``directory/<name>.pt`` (flushed); returns ``manifest`` with
+    their ``"parts"`` entries (file, size, sha256) added."""
+    entries = {}
+    for name, data in blobs.items():
+        file = f"{name}.pt"
+        _write_flushed(directory / file, data)
+        entries[name] = {"file": file, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {**manifest, "parts": entries}
+
+
+def install(temp: Path, directory: Path) -> Path:
+    """Commit a fully written ``temp`` directory as ``directory`` by a rename (an existing one is
+    moved aside first and deleted after); ``temp`` is removed if that fails."""
+    root = directory.parent
+    try:
         _fsync_directory(temp)
         if directory.exists():  # replace: move the old one aside, then the new one in
-            old = root / f".step-{step}.old-{os.getpid()}"
+            old = root / f".{directory.name}.old-{os.getpid()}"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(directory, old)
             os.rename(temp, directory)
@@ -105,6 +141,29 @@ def save_checkpoint(root: str | Path, step: int, parts: dict[str, Any], *, meta:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return directory
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of the file at ``path``, read in chunks (bounded memory)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def os_error_behind(err: BaseException) -> OSError | None:
+    """``err`` itself or the first ``OSError`` in its chain of causes and contexts (torch's
+    serializer reports a failed write as a ``RuntimeError`` whose context is the ``OSError``)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def nonfinite_entries(state: Any, prefix: str = "") -> list[str]:
@@ -139,17 +198,25 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(
-    root: str | Path, *, warn: Callable[[str], None]
+    root: str | Path,
+    *,
+    warn: Callable[[str], None],
+    whole_state: bool = True,
+    skip: frozenset[int] = frozenset(),
 ) -> tuple[Path, int, dict[str, Any], dict[str, Any]] | None:
     """The newest checkpoint under ``root`` that passes every check, loaded:
     ``(directory, step, parts, meta)``; ``None`` when ``root`` holds none.
 
     A newer one that fails its checks (a missing manifest or part, a wrong size or sha256, an
-    unreadable file) is skipped; ``warn`` gets one line naming the file and the fallback.
+    unreadable file) is skipped; ``warn`` gets one line naming the file and the fallback. Steps in
+    ``skip`` (found damaged by a check made elsewhere) are passed over silently.
+    ``whole_state``: as :func:`load_checkpoint`.
     """
     for step, directory in reversed(list_checkpoints(root)):
+        if step in skip:
+            continue
         try:
-            loaded_step, parts, meta = load_checkpoint(directory)
+            loaded_step, parts, meta = load_checkpoint(directory, whole_state=whole_state)
         except CheckpointError as err:
             warn(f"skipping checkpoint {directory}: {err}; trying the one before it")
             continue
@@ -201,13 +268,38 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return steps[-1][1]
 
 
-def load_checkpoint(path: str | Path) -> tuple[int, dict[str, Any], dict[str, Any]]:
+def load_checkpoint(
+    path: str | Path, *, whole_state: bool = True
+) -> tuple[int, dict[str, Any], dict[str, Any]]:
     """Read ``path`` (see :func:`resolve_checkpoint`) -> (step, parts by name, meta).
 
     Tensors are loaded to the CPU. Raises :class:`CheckpointError` for a missing directory,
-    manifest or part, and for a part whose size, checksum or contents are wrong.
+    manifest or part, and for a part whose size, checksum or contents are wrong. A sharded
+    checkpoint (format 2): ``whole_state`` loads its ``model`` and ``optimizer`` whole on this
+    host after checking every shard's checksum; False returns its small parts only, after
+    checking that every shard file is there with its size (:func:`~.sharded_checkpoint.verify_shards` checks their
+    checksums, spread over the ranks).
     """
     directory = resolve_checkpoint(path)
+    manifest = read_manifest(directory)
+    parts = {}
+    for name, entry in manifest["parts"].items():
+        data = _checked_bytes(directory / entry["file"], entry, directory / MANIFEST)
+        try:
+            parts[name] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise CheckpointError(
+                f"checkpoint file {directory / entry['file']} could not be read: {err}"
+            ) from err
+    if manifest["format"] == SHARDED_FORMAT:
+        from hyperpar_gdn.train.sharded_checkpoint import check_and_load_shards
+
+        parts.update(check_and_load_shards(directory, manifest, whole_state=whole_state))
+    return int(manifest["step"]), parts, manifest["meta"]
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of step directory ``directory``, checked for its keys and format."""
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(
@@ -215,30 +307,41 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict[str, Any], dict[str, An
         )
     try:
         manifest = json.loads(manifest_path.read_text())
-        step, entries, meta = int(manifest["step"]), dict(manifest["parts"]), manifest["meta"]
+        int(manifest["step"]), dict(manifest["parts"]), manifest["meta"]
+        if manifest.get("format") == SHARDED_FORMAT:
+            dict(manifest["shards"])
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{manifest_path} is corrupt: {type(err).__name__}: {err}") from err
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in FORMATS:
         raise CheckpointError(
-            f"{manifest_path} has format {manifest.get('format')!r}; this code reads {FORMAT}"
+            f"{manifest_path} has format {manifest.get('format')!r}; this code reads "
+            f"{' and '.join(map(str, FORMATS))}"
         )
-    parts = {}
-    for name, entry in entries.items():
-        file = directory / entry["file"]
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing (listed in {manifest_path})")
-        data = file.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        if len(data) != entry["bytes"] or digest != entry["sha256"]:
-            raise CheckpointError(
-                f"checkpoint file {file} is corrupt: {len(data)} bytes with sha256 {digest[:16]}..., "
-                f"the manifest says {entry['bytes']} bytes with sha256 {entry['sha256'][:16]}..."
-            )
-        try:
-            parts[name] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise CheckpointError(f"checkpoint file {file} could not be read: {err}") from err
-    return step, parts, meta
+    return manifest
+
+
+def _checked_bytes(file: Path, entry: dict[str, Any], manifest_path: Path) -> bytes:
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint file {file} is missing (listed in {manifest_path})")
+    data = file.read_bytes()
+    check_digest(file, entry, (len(data), hashlib.sha256(data).hexdigest()), file.parent)
+    return data
+
+
+def check_digest(file: Path, entry: dict[str, Any], found: tuple[int, str] | None, directory: Path) -> None:
+    """Raise naming ``file`` when it is missing (``found`` None) or its (size, sha256) differ."""
+    if found is None:
+        raise CheckpointError(f"checkpoint file {file} is missing (listed in {directory / MANIFEST})")
+    size, digest = found
+    if size != entry["bytes"] or digest != entry["sha256"]:
+        raise CheckpointError(
+            f"checkpoint file {file} is corrupt: {size} bytes with sha256 {digest[:16]}..., "
+            f"the manifest says {entry['bytes']} bytes with sha256 {entry['sha256'][:16]}..."
+        )
+
+
+def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
 
 def _write_flushed(path: Path, data: bytes) -> None:
@@ -255,6 +358,11 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest`` to ``directory/manifest.json``, flushed to disk."""
+    _write_flushed(directory / MANIFEST, _manifest_bytes(manifest))
 
 
 def _write_temp(path: Path, data: bytes) -> tuple[Path, Path]:

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Sequence
 
 from hyperpar_gdn.distributed.layout import LAYOUTS
-from hyperpar_gdn.train.config import CP_MODES, DTYPES, SAVE_ERROR_POLICIES, TrainConfig
+from hyperpar_gdn.train.config import CHECKPOINT_FORMATS, CP_MODES, DTYPES, SAVE_ERROR_POLICIES, TrainConfig
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
 
 __all__ = ["UsageError", "build_parser", "parse_args"]
@@ -124,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         default=None,
         help="a step-N checkpoint directory, or a root (its latest step-N; default: none)",
+    )
+    add(
+        "--checkpoint-format",
+        choices=CHECKPOINT_FORMATS,
+        default=None,
+        help="sharded: every rank writes its shard (torch's DCP); whole: rank 0 writes the gathered "
+        "state (default: sharded on torch, whole on MindSpore; both formats resume)",
+    )
+    add(
+        "--async-save",
+        action="store_true",
+        help="write sharded checkpoints in the background while training goes on (default: off)",
     )
     add("--fsdp", action="store_true", help="shard parameters, gradients, optimizer state (FSDP2)")
     add("--ac", action="store_true", help="activation checkpointing per decoder layer")

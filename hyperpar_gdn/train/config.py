@@ -19,6 +19,7 @@ from hyperpar_gdn.models.config import HybridLMConfig
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
 
 CP_MODES = (*MODES, *TWO_LEVEL_MODES, "auto")
+CHECKPOINT_FORMATS = ("sharded", "whole")
 DTYPES = ("fp32", "bf16")
 SAVE_ERROR_POLICIES = ("stop", "continue")
 
@@ -61,6 +62,11 @@ class TrainConfig:
         auto_resume: with ``save``, resume from the newest complete checkpoint under it when one
             exists (a restarted run continues); False (``--no-auto-resume``): always start at step 1.
         resume: a ``step-N`` directory, or a root whose latest ``step-N`` is taken.
+        checkpoint_format: "sharded" (every rank writes its shard, torch's DCP) or "whole" (the
+            state gathered and written by rank 0). None: the backend's default (sharded on torch,
+            whole on MindSpore). Either format resumes, whatever this option says.
+        async_save: write the sharded checkpoints in the background (``dcp.async_save``): training
+            goes on while the shards are written; each is committed at the next save or at the end.
         fsdp: shard parameters, gradients and optimizer state over all ranks (FSDP2).
         ac: activation checkpointing: recompute each decoder layer in the backward.
         dtype: compute dtype, "fp32" or "bf16" (bf16 matmuls with fp32 master weights, optimizer
@@ -104,6 +110,8 @@ class TrainConfig:
     keep_last: int = 0
     auto_resume: bool = True
     resume: str | None = None
+    checkpoint_format: str | None = None
+    async_save: bool = False
     fsdp: bool = False
     ac: bool = False
     dtype: str = "fp32"
@@ -163,6 +171,16 @@ class TrainConfig:
             raise ValueError(f"--export {self.export} writes a transformers directory; it needs --model DIR")
         if self.save_every and self.save is None:
             raise ValueError(f"--save-every {self.save_every} needs --save DIR (where to write checkpoints)")
+        if self.checkpoint_format is not None and self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"--checkpoint-format {self.checkpoint_format!r} is not one of {', '.join(CHECKPOINT_FORMATS)}"
+            )
+        if self.async_save and self.save is None:
+            raise ValueError("--async-save needs --save DIR (where to write checkpoints)")
+        if self.async_save and self.checkpoint_format == "whole":
+            raise ValueError(
+                "--async-save writes sharded checkpoints; --checkpoint-format whole is written by rank 0"
+            )
         if self.keep_last and self.save is None:
             raise ValueError(f"--keep-last {self.keep_last} needs --save DIR (whose checkpoints to prune)")
 

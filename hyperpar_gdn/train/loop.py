@@ -33,19 +33,12 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.platform import get_platform, platform_name
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.batches import cut_batch, replica_rows
-from hyperpar_gdn.train.checkpoint import (
-    CheckpointError,
-    nonfinite_entries,
-    prune_checkpoints,
-    save_checkpoint,
-    write_atomic,
-)
+from hyperpar_gdn.train.checkpoint import write_atomic
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.data import Batch, BatchSampler, check_vocabulary, load_stream
 from hyperpar_gdn.train.faults import (
     BadStepGuard,
     RankTimeoutError,
-    SaveError,
     injected_nan_steps,
     is_collective_timeout,
     is_finite,
@@ -59,6 +52,7 @@ from hyperpar_gdn.train.metrics import StepRecord, TrainResult, metrics_document
 from hyperpar_gdn.train.optim import learning_rate
 from hyperpar_gdn.train.parity import finish_parity
 from hyperpar_gdn.train.resume import find_resume_point
+from hyperpar_gdn.train.saves import CheckpointWriter, on_rank_0
 from hyperpar_gdn.train.torch_backend import TorchBackend
 
 __all__ = ["StepRecord", "TrainResult", "Trainer"]
@@ -131,9 +125,17 @@ class Trainer:
         self._timed_out = 0  # roll calls held (each needs its own store keys)
         self.guard = BadStepGuard(max_bad_steps=config.max_bad_steps)
         self._inject_nan = injected_nan_steps(self.rank)  # a test hook (see .faults)
-        point = find_resume_point(config, rank=self.rank, max_over_ranks=self.backend.max_over_ranks)
+        self.checkpoint_format = config.checkpoint_format or self.backend_class.checkpoint_formats[0]
+        meta = {"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp}
+        self.writer = CheckpointWriter(config, self.backend, fmt=self.checkpoint_format, meta=meta)
+        point = find_resume_point(
+            config, rank=self.rank, world_size=self.world_size, max_over_ranks=self.backend.max_over_ranks
+        )
         if point is not None:
-            self.backend.load_state_dict(point.path, point.parts)
+            if point.shards is not None:
+                self.backend.load_shards(point.path, point.shards)
+            else:
+                self.backend.load_state_dict(point.path, point.parts)
             self.sampler.load_state_dict(point.parts["data"])
             torch.set_rng_state(point.parts["train"]["rng_cpu"])
             self.step = point.step
@@ -180,6 +182,8 @@ class Trainer:
                 logger.info(step_line(record, config.steps, result.memory_kind))
             with self._timeouts_named(self.step):
                 self._maybe_save()
+        with self._timeouts_named(self.step):
+            self.writer.finish()  # a save still being written in the background is committed
         result.wall_s = time.perf_counter() - start
         if config.export is not None:
             self._on_rank_0(self.backend.exporter(config.export), f"export the model to {config.export}")
@@ -222,6 +226,9 @@ class Trainer:
             raise RankTimeoutError(message) from None
 
     def close(self) -> None:
+        writer = getattr(self, "writer", None)
+        if writer is not None:  # a run that stopped with a save in the background
+            writer.abandon(timeout_s=self.config.timeout_s)
         if self._owns_group:
             self.platform.destroy()
 
@@ -292,54 +299,14 @@ class Trainer:
         return config.save is not None and bool(due)
 
     def _maybe_save(self) -> None:
-        config = self.config
         if not self._saving_due():
             return
-        parts = {  # every rank: gathering FSDP shards is collective
-            **self.backend.state_dict(),
+        small = {
             "data": self.sampler.state_dict(),
             "train": {"step": self.step, "rng_cpu": torch.get_rng_state()},
         }
-
-        def save() -> None:  # the other ranks wait in _on_rank_0 until step-N is renamed into place
-            if bad := nonfinite_entries({"model": parts["model"], "optimizer": parts["optimizer"]}):
-                raise CheckpointError(
-                    f"refusing to save step-{self.step}: {', '.join(bad[:3])} hold NaN or inf values"
-                )
-            meta = {"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp}
-            path = save_checkpoint(config.save, self.step, parts, meta=meta)
-            logger.info("saved %s", path)
-            if config.keep_last:
-                for old in prune_checkpoints(config.save, config.keep_last, up_to=self.step):
-                    logger.info("removed %s (--keep-last %d)", old, config.keep_last)
-
-        self._on_rank_0(save, f"save the step-{self.step} checkpoint under {config.save}")
+        self.writer.save(self.step, small)
 
     def _on_rank_0(self, work: Any, what: str) -> None:
-        """Run ``work()`` on rank 0; every rank learns if it failed (or they would wait forever).
-
-        A write that the system refused (an ``OSError``: a full or read-only disk, a file-size
-        limit, a vanished directory) follows ``--on-save-error``: a :class:`SaveError` on every
-        rank, or one warning line per rank and the run goes on. Other failures raise."""
-        failure: BaseException | None = None
-        if self.rank == 0:
-            try:
-                work()
-            except Exception as err:
-                failure = err
-        code = 0 if failure is None else 1 if isinstance(failure, OSError) else 2
-        code = self.backend.max_over_ranks(code)
-        if code == 2:
-            if failure is not None:
-                raise failure
-            raise CheckpointError(f"rank 0 failed to {what}")
-        if code == 1:
-            policy = self.config.on_save_error
-            cause = f": {failure}" if failure is not None else " (rank 0's line says why)"
-            line = (
-                f"{'rank 0 ' if failure is None else ''}could not {what}{cause}; the checkpoints before "
-                f"it are intact and no partial directory is left (--on-save-error {policy})"
-            )
-            if policy == "stop":
-                raise SaveError(line) from failure
-            logger.warning("%s; continuing", line)
+        """Run ``work()`` on rank 0; every rank learns if it failed (:func:`~.saves.on_rank_0`)."""
+        on_rank_0(work, what, backend=self.backend, policy=self.config.on_save_error)

@@ -18,7 +18,9 @@ parity check, summary and metrics. What the backend does its own way:
   torch's (decay on matrices, betas (0.9, 0.95), eps 1e-8), with torch's global-norm clipping;
 - checkpoints have the same layout and parts; the ``model`` part is a torch state dict with the
   torch model's names (a torch ``HybridLM`` loads it; for ``--model``, transformers' names), the ``optimizer`` part is :class:`AdamW`'s
-  own state (format :data:`ADAMW_FORMAT`), so a run resumes on the platform that saved it.
+  own state (format :data:`ADAMW_FORMAT`), so a run resumes on the platform that saved it;
+  they are whole checkpoints (format 1, written by rank 0): ``--checkpoint-format sharded`` and
+  ``--async-save`` are torch's (DCP) and refused here.
 """
 
 from __future__ import annotations
@@ -250,6 +252,7 @@ class MindSporeBackend(TrainBackend):
             raise NotImplementedError(
                 "--fsdp is torch's FSDP2; on MindSpore parameters stay replicated (use --ac to save memory)"
             )
+        cls.check_checkpoint_options(config, platform_name)
 
     def __init__(self, config: TrainConfig, platform: Platform, mesh: DeviceMesh, *, reference: bool) -> None:
         """The model from the torch model that the trainer's seed draws (or from ``--model DIR``),

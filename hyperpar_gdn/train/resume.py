@@ -6,6 +6,12 @@ root (falling back past a damaged newest checkpoint) and tells the others which 
 load that directory, which is complete (a ``step-N`` appears only by a rename once all of it is on
 disk). Every rank learns of a failure on any rank before the next collective, so none waits forever.
 No framework here: the trainer passes its backend's ``max_over_ranks``.
+
+A sharded checkpoint (format 2) is read here only for its small parts; rank 0's scan checks that
+its shard files are there with their sizes, then every rank checksums its share of them
+(:func:`~.sharded_checkpoint.verify_shards`): a damaged newest one is skipped as in the whole
+format (auto resume), or is the error naming the file (``--resume``). The backend then loads the
+shards into its own layout (:attr:`ResumePoint.shards`).
 """
 
 from __future__ import annotations
@@ -16,11 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from hyperpar_gdn.train.checkpoint import (
+    SHARDED_FORMAT,
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    read_manifest,
     remove_incomplete,
+    resolve_checkpoint,
 )
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.log import logger
@@ -40,31 +49,67 @@ class ResumePoint:
     Attributes:
         path: the ``step-N`` directory (or what ``--resume`` named).
         step: the step it was saved at.
-        parts: its named parts (``model``, ``optimizer``, ``data``, ``train``).
+        parts: its named parts (``model``, ``optimizer``, ``data``, ``train``; a sharded
+            checkpoint's are ``data`` and ``train`` only).
+        shards: a sharded checkpoint's DCP directory (``step-N/state``), holding the model and
+            optimizer state; None for a whole checkpoint.
     """
 
     path: str
     step: int
     parts: dict[str, Any]
+    shards: str | None = None
 
 
 def find_resume_point(
-    config: TrainConfig, *, rank: int, max_over_ranks: Callable[[int], int]
+    config: TrainConfig, *, rank: int, world_size: int, max_over_ranks: Callable[[int], int]
 ) -> ResumePoint | None:
     """The checkpoint to continue from (``--resume``, else auto resume under ``--save``), checked
-    (:func:`check_options`); None: train from step 1. Collective under ``--save``."""
+    (:func:`check_options`); None: train from step 1. Collective when ``--save`` is given or the
+    checkpoint is sharded."""
     if config.resume is not None:
-        step, parts, meta = load_checkpoint(config.resume)
+        step, parts, meta = load_checkpoint(config.resume, whole_state=False)
         check_options(config, config.resume, step, meta, rank=rank, auto=False)
-        return ResumePoint(config.resume, step, parts)
+        directory = resolve_checkpoint(config.resume)
+        shards = _shards_of(directory)
+        if shards is not None:
+            bad = _verify(directory, rank=rank, world_size=world_size, max_over_ranks=max_over_ranks)
+            if bad is not None:
+                raise CheckpointError(bad)
+        return ResumePoint(config.resume, step, parts, shards)
     if config.save is None:
         return None
-    found = _newest_under(config, config.save, rank=rank, max_over_ranks=max_over_ranks)
-    if found is None:
+    damaged: set[int] = set()
+    while True:
+        found = _newest_under(config, config.save, rank=rank, max_over_ranks=max_over_ranks, skip=damaged)
+        if found is None:
+            return None
+        path, (step, parts, meta) = found
+        shards = _shards_of(Path(path))
+        if shards is not None:
+            bad = _verify(Path(path), rank=rank, world_size=world_size, max_over_ranks=max_over_ranks)
+            if bad is not None:
+                if rank == 0:
+                    logger.warning("skipping checkpoint %s: %s; trying the one before it", path, bad)
+                damaged.add(step)
+                continue
+        check_options(config, path, step, meta, rank=rank, auto=True)
+        return ResumePoint(path, step, parts, shards)
+
+
+def _verify(directory: Path, **collective: Any) -> str | None:
+    from hyperpar_gdn.train.sharded_checkpoint import verify_shards  # torch's DCP: imported when needed
+
+    return verify_shards(directory, **collective)
+
+
+def _shards_of(directory: Path) -> str | None:
+    """The DCP directory of a sharded checkpoint; None for a whole one."""
+    if read_manifest(directory)["format"] != SHARDED_FORMAT:
         return None
-    path, (step, parts, meta) = found
-    check_options(config, path, step, meta, rank=rank, auto=True)
-    return ResumePoint(path, step, parts)
+    from hyperpar_gdn.train.sharded_checkpoint import STATE_DIR
+
+    return str(directory / STATE_DIR)
 
 
 def check_options(
@@ -97,15 +142,21 @@ def check_options(
 
 
 def _newest_under(
-    config: TrainConfig, root: str, *, rank: int, max_over_ranks: Callable[[int], int]
+    config: TrainConfig,
+    root: str,
+    *,
+    rank: int,
+    max_over_ranks: Callable[[int], int],
+    skip: set[int],
 ) -> tuple[str, tuple[int, dict[str, Any], dict[str, Any]]] | None:
-    """Rank 0 scans ``root`` and every rank loads the step it took (see the module docstring)."""
+    """Rank 0 scans ``root`` (passing over the steps in ``skip``) and every rank loads the step
+    it took (see the module docstring)."""
     found: tuple[Path, int, dict[str, Any], dict[str, Any]] | None = None
     failure: Exception | None = None
     code = 0  # rank 0's verdict: 0 failed, 1 no checkpoint, 2 + N resume from step-N
     if rank == 0:
         try:
-            found = _scan(config, root)
+            found = _scan(config, root, skip=frozenset(skip))
             code = 1 if found is None else 2 + found[1]
         except Exception as err:
             found, code, failure = None, 0, err
@@ -115,13 +166,14 @@ def _newest_under(
             raise failure
         raise CheckpointError(f"rank 0 failed to look for checkpoints under --save {root}")
     if code == 1:
-        _log_fresh_start(config, root, rank=rank)
+        if not skip:
+            _log_fresh_start(config, root, rank=rank)
         return None
     path = Path(root) / f"step-{code - 2}"
     loaded = None if found is None else (found[1], found[2], found[3])
     if loaded is None:
         try:
-            loaded = load_checkpoint(path)
+            loaded = load_checkpoint(path, whole_state=False)
         except CheckpointError as err:
             logger.error("%s", err)
     if max_over_ranks(int(loaded is None)):
@@ -133,13 +185,16 @@ def _newest_under(
     return str(path), loaded
 
 
-def _scan(config: TrainConfig, root: str) -> tuple[Path, int, dict[str, Any], dict[str, Any]] | None:
+def _scan(
+    config: TrainConfig, root: str, *, skip: frozenset[int]
+) -> tuple[Path, int, dict[str, Any], dict[str, Any]] | None:
     """Rank 0: remove dead saves, then the newest checkpoint that passes its checks (or None)."""
-    for leftover in remove_incomplete(root):
-        logger.warning("removed %s: a save that did not finish", leftover)
+    if not skip:
+        for leftover in remove_incomplete(root):
+            logger.warning("removed %s: a save that did not finish", leftover)
     if not config.auto_resume:
         return None
-    found = latest_checkpoint(root, warn=logger.warning)
+    found = latest_checkpoint(root, warn=logger.warning, whole_state=False, skip=skip)
     if found is None and (damaged := list_checkpoints(root)):
         raise CheckpointError(
             f"every checkpoint under --save {root} ({', '.join(d.name for _, d in damaged)}) "

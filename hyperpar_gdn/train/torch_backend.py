@@ -19,6 +19,8 @@ import contextlib
 import copy
 import resource
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +52,7 @@ class TorchBackend(TrainBackend):
     """:class:`~hyperpar_gdn.train.backend.TrainBackend` on torch (see the module docstring)."""
 
     platforms = ("cpu", "cuda", "npu")
+    checkpoint_formats = ("sharded", "whole")
 
     @classmethod
     def check(cls, config: TrainConfig, platform_name: str) -> None:
@@ -59,6 +62,7 @@ class TorchBackend(TrainBackend):
                 f"is supported, HP_PLATFORM={platform_name} is not (for mindspore use "
                 "hyperpar_gdn.train.mindspore_loop.MindSporeTrainer, which scripts/train.py picks)"
             )
+        cls.check_checkpoint_options(config, platform_name)
 
     def __init__(self, config: TrainConfig, platform: Platform, mesh: DeviceMesh, *, reference: bool) -> None:
         self.config, self.platform, self.mesh = config, platform, mesh
@@ -84,6 +88,9 @@ class TorchBackend(TrainBackend):
         if config.fsdp:
             apply_fsdp(self.model, device_type=self.device.type, dp=mesh.size(0), bf16=config.dtype == "bf16")
         self.optimizer = build_adamw(self.model, config)  # over the sharded parameters under FSDP
+        # --async-save: the background writes talk over a gloo group of their own, never the one
+        # the training steps use at the same time
+        self.save_group = torch.distributed.new_group(backend="gloo") if config.async_save else None
 
     # --- steps ------------------------------------------------------------------------------------
     def backward(self, shard: ContextParallelBatch, *, scale: float) -> tuple[float, float]:
@@ -151,6 +158,30 @@ class TorchBackend(TrainBackend):
         for model, optimizer in ((self.model, self.optimizer), (self.reference, self.ref_optimizer)):
             if model is not None and optimizer is not None:
                 load_full_state_dicts(model, optimizer, parts["model"], parts["optimizer"])
+
+    def save_shards(self, directory: Path, *, background: bool) -> Future | None:
+        from hyperpar_gdn.train.checkpoint import CheckpointError
+        from hyperpar_gdn.train.sharded_checkpoint import (
+            STATE_DIR,
+            local_nonfinite_entries,
+            sharded_state,
+            write_shards,
+        )
+
+        state = sharded_state(self.model, self.optimizer)
+        bad = local_nonfinite_entries(state)
+        if self.max_over_ranks(int(bool(bad))):
+            names = ", ".join(bad[:3]) if bad else "another rank's tensors"
+            raise CheckpointError(f"refusing to save into {directory}: {names} hold NaN or inf values")
+        return write_shards(state, directory / STATE_DIR, group=self.save_group, background=background)
+
+    def load_shards(self, path: str, shards: str) -> None:
+        from hyperpar_gdn.train.sharded_checkpoint import load_shards, load_whole
+
+        load_shards(Path(shards), self.model, self.optimizer)
+        if self.reference is not None and self.ref_optimizer is not None:  # rank 0 alone, whole
+            whole = load_whole(Path(shards))
+            load_full_state_dicts(self.reference, self.ref_optimizer, whole["model"], whole["optimizer"])
 
     def exporter(self, out: str) -> Callable[[], None]:
         state = full_model_state_dict(self.model)  # every rank gathers its shards under FSDP

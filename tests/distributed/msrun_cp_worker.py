@@ -18,9 +18,13 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``bad_input``: the (type, message) of each bad call on every rank, compared with torch's;
 - ``mesh2d`` (4 workers): CP along the ``cp`` axis of a (dp=2, cp=2) mesh, through
   ``hyperpar_gdn.distributed.verify.compare_with_reference``;
-- ``prefill`` (tests/inference/test_prefill_mindspore.py): the MindSpore Qwen3.5 model (dense
-  and MoE) reads a prompt under every mode; the states equal the single-device prefill's and the
-  greedy continuation from them equals its continuation (every mode for dense, p2p for MoE);
+- ``prefill`` (2 and 4 workers, tests/inference/test_prefill_mindspore.py): the MindSpore Qwen3.5
+  model (dense and MoE) reads a prompt under every mode (scan included); the states equal the
+  single-device prefill's and the greedy continuation from them equals its continuation (every
+  mode for dense, p2p for MoE); the dense model's states in the head_tail layout too;
+- ``cp_decoding`` (tests/inference/test_decoding_cp_mindspore.py): after a CP prefill of the
+  MindSpore Qwen3.5 model, greedy decoding on the CP group with the K/V cache sharded, against the
+  single-device greedy continuation; the K/V tokens each rank keeps; the refusals;
 - ``lm_loss`` (tests/distributed/test_batch.py): ``context_parallel_lm_loss`` on each rank's
   shard of :func:`lm_loss_inputs` (float64), the loss and the gradients of the hidden-state shard
   and of the head weight;
@@ -69,6 +73,7 @@ SECTIONS = (
     "grads",
     "lm_loss",
     "prefill",
+    "cp_decoding",
     "scan",
     "stall",
 )
@@ -674,8 +679,10 @@ def section_collectives(platform: Platform, world: int) -> dict[str, Any]:
     return out
 
 
-PREFILL_T = 23  # 12 + 11 tokens at cp 2
+PREFILL_T = 23  # 12 + 11 tokens at cp 2, 6 + 6 + 6 + 5 at cp 4
+PREFILL_HEAD_TAIL_T = 24  # head_tail: 2cp pieces of 6 (cp 2) or 3 (cp 4) tokens, the conv halo
 PREFILL_NEW_TOKENS = 16
+PREFILL_MODES = (*MODES, "scan")
 
 
 def prefill_model(moe: bool) -> Any:
@@ -708,40 +715,127 @@ def prefill_model(moe: bool) -> Any:
     return Qwen3_5ForCausalLM(config)
 
 
+def continues_after_prefill(world: int, *, moe: bool, mode: str) -> bool:
+    """Whether the prefill case of ``world`` ranks also decodes its greedy continuation."""
+    return mode == "p2p" or (world == 2 and not moe)
+
+
 def section_prefill(platform: Platform, world: int) -> dict[str, Any]:
-    """Per model and mode: the continuation (tokens) and the relative state errors against the
-    single-device prefill of the same model."""
+    """Per model, mode and layout (``{dense,moe}/{mode}``, contiguous; ``dense/{mode}/head_tail``
+    on a prompt of :data:`PREFILL_HEAD_TAIL_T`): the continuation (tokens) and the relative state
+    errors against the single-device prefill of the same model."""
     import mindspore as ms
 
-    from hyperpar_gdn import apply_context_parallel, prefill_context_parallel, undo_context_parallel
     from hyperpar_gdn.inference.decoding import greedy_continue, prefill
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    ids = ms.Tensor(np.random.default_rng(3).integers(1, 97, (2, PREFILL_T)).astype(np.int64))
+    rng = np.random.default_rng(3)
+    ids = ms.Tensor(rng.integers(1, 97, (2, PREFILL_T)).astype(np.int64))
+    head_tail_ids = ms.Tensor(rng.integers(1, 97, (2, PREFILL_HEAD_TAIL_T)).astype(np.int64))
     results: dict[str, Any] = {}
     for moe in (False, True):
         model = prefill_model(moe)
         logits, state = prefill(model, ids)
         expected = greedy_continue(model, logits, state, max_new_tokens=PREFILL_NEW_TOKENS)
-        for mode in MODES:
-            apply_context_parallel(model, mesh, mode=mode)
-            cp_logits, cp_state = prefill_context_parallel(model, mesh, ids)
-            undo_context_parallel(model)
-            # MoE: one mode continues (MindSpore's decoding steps are slow); every mode's states
-            got = None
-            if not moe or mode == "p2p":
-                got = greedy_continue(model, cp_logits, cp_state, max_new_tokens=PREFILL_NEW_TOKENS)
-            errors = {"logits": relative_error(platform.to_numpy(cp_logits), platform.to_numpy(logits))}
-            for i, (pair, ref_pair) in enumerate(zip(cp_state.layers, state.layers, strict=True)):
-                for j, (a, b) in enumerate(zip(pair, ref_pair, strict=True)):
-                    errors[f"layer{i}.{j}"] = relative_error(platform.to_numpy(a), platform.to_numpy(b))
-            results[f"{'moe' if moe else 'dense'}/{mode}"] = {
-                "tokens": None if got is None else platform.to_numpy(got).tolist(),
-                "expected": platform.to_numpy(expected).tolist(),
-                "length": cp_state.length,
-                "errors": errors,
-            }
+        for mode in PREFILL_MODES:
+            # one mode continues for MoE, and at cp > 2 for both (MindSpore's decoding steps are
+            # slow); every mode's states are compared
+            continues = continues_after_prefill(world, moe=moe, mode=mode)
+            entry = _prefill_case(
+                platform,
+                model,
+                mesh,
+                ids,
+                (logits, state),
+                mode=mode,
+                layout="contiguous",
+                continues=continues,
+            )
+            entry["expected"] = platform.to_numpy(expected).tolist()
+            results[f"{'moe' if moe else 'dense'}/{mode}"] = entry
+    model = prefill_model(False)
+    reference = prefill(model, head_tail_ids)
+    for mode in PREFILL_MODES:  # the states (equal states continue alike, as checked above)
+        results[f"dense/{mode}/head_tail"] = _prefill_case(
+            platform, model, mesh, head_tail_ids, reference, mode=mode, layout="head_tail", continues=False
+        )
     return results
+
+
+def _prefill_case(
+    platform: Platform,
+    model: Any,
+    mesh: Any,
+    ids: Any,
+    reference: tuple[Any, Any],
+    *,
+    mode: str,
+    layout: str,
+    continues: bool,
+) -> dict[str, Any]:
+    """One CP prefill of ``ids`` ``[B, T]``: its relative errors against ``reference`` (the
+    single-device logits and state), its length, and (``continues``) its greedy continuation."""
+    from hyperpar_gdn import apply_context_parallel, prefill_context_parallel, undo_context_parallel
+    from hyperpar_gdn.inference.decoding import greedy_continue
+
+    logits, state = reference
+    apply_context_parallel(model, mesh, mode=mode, layout=layout)
+    cp_logits, cp_state = prefill_context_parallel(model, mesh, ids)
+    undo_context_parallel(model)
+    got = (
+        greedy_continue(model, cp_logits, cp_state, max_new_tokens=PREFILL_NEW_TOKENS) if continues else None
+    )
+    errors = {"logits": relative_error(platform.to_numpy(cp_logits), platform.to_numpy(logits))}
+    for i, (pair, ref_pair) in enumerate(zip(cp_state.layers, state.layers, strict=True)):
+        for j, (a, b) in enumerate(zip(pair, ref_pair, strict=True)):
+            errors[f"layer{i}.{j}"] = relative_error(platform.to_numpy(a), platform.to_numpy(b))
+    return {
+        "tokens": None if got is None else platform.to_numpy(got).tolist(),
+        "length": cp_state.length,
+        "errors": errors,
+    }
+
+
+CP_DECODING_NEW_TOKENS = 33  # 32 steps on the group
+
+
+def section_cp_decoding(platform: Platform, world: int) -> dict[str, Any]:
+    """Decoding on the CP group (dense model, p2p prefill): the new tokens and the single-device
+    continuation, the K/V tokens this rank keeps, and the messages of the refused calls."""
+    import mindspore as ms
+
+    from hyperpar_gdn import apply_context_parallel, prefill_context_parallel, undo_context_parallel
+    from hyperpar_gdn.inference.cp_decoding import greedy_continue_context_parallel, shard_cache
+    from hyperpar_gdn.inference.decoding import greedy_continue, prefill
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    ids = ms.Tensor(np.random.default_rng(5).integers(1, 97, (2, PREFILL_T)).astype(np.int64))
+    model = prefill_model(moe=False)
+    logits, state = prefill(model, ids)
+    expected = greedy_continue(model, logits, state, max_new_tokens=CP_DECODING_NEW_TOKENS)
+    apply_context_parallel(model, mesh, mode="p2p")
+    cp_logits, cp_state = prefill_context_parallel(model, mesh, ids)
+    refused = {}
+    for name, target in (("under_cp", model), ("no_cache", model.model.layers[0].linear_attn)):
+        try:
+            shard_cache(target, mesh, cp_state, length=PREFILL_T)
+            refused[name] = None
+        except (ValueError, NotImplementedError) as err:
+            refused[name] = f"{type(err).__name__}: {err}"
+    undo_context_parallel(model)
+    sharded = shard_cache(model, mesh, cp_state, length=PREFILL_T)
+    kept_at_start = sharded.kv_bytes()
+    got = greedy_continue_context_parallel(
+        model, mesh, cp_logits, sharded, max_new_tokens=CP_DECODING_NEW_TOKENS
+    )
+    return {
+        "tokens": platform.to_numpy(got).tolist(),
+        "expected": platform.to_numpy(expected).tolist(),
+        "kept": sorted({int(k.shape[2]) for k in (*sharded.keys.values(), *sharded.values.values())}),
+        "length": sharded.length,
+        "kv_bytes": [kept_at_start, sharded.kv_bytes()],
+        "refused": refused,
+    }
 
 
 # The LM loss case: B, T, C, V and a chunk that divides neither T/2 = 7 nor T/4.
@@ -853,6 +947,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "prefill": section_prefill,
     "stall": section_stall,
     "scan": section_scan,
+    "cp_decoding": section_cp_decoding,
 }
 
 

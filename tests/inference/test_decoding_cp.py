@@ -1,7 +1,9 @@
 """Decoding on the CP group with the attention K/V cache kept sharded: after a CP prefill, greedy
 decoding of 33 tokens (32 steps, each merging the ranks' partial attention by log-sum-exp) equals
 transformers' one-device ``generate`` token for token (fp32), dense and MoE, cp 2 and 4; every
-rank keeps within one token of (T + steps) / cp of K/V. The merge of partials equals attention
+rank keeps within one token of (T + steps) / cp of K/V. The same for this package's torch
+``HybridLM`` against its one-device greedy continuation (cp 2; the MindSpore model is
+tests/inference/test_decoding_cp_mindspore.py). The merge of partials equals attention
 over the concatenated keys (fp64, MERGE_TOL). Real gloo groups.
 """
 
@@ -64,7 +66,6 @@ def references(moe: bool) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, refs: dict[str, Any], layout: str) -> list[str]:
-    from hyperpar_gdn.models import HybridLM, HybridLMConfig
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     ids, expected = refs["expected"][layout]
@@ -87,12 +88,40 @@ def _worker(rank: int, world: int, refs: dict[str, Any], layout: str) -> list[st
     want = int(kv_tokens_per_rank(ids.shape[1] + NEW_TOKENS - 1, world)[rank])
     if kept != {want}:
         failures.append(f"{layout}: rank {rank} keeps {kept} tokens of K/V, expected {want}")
-    try:  # a model without a sharded cache: refused on every rank, no communication
-        shard_cache(HybridLM(HybridLMConfig(num_layers=4, vocab_size=61)), mesh, None, length=4)
-        failures.append("HybridLM was not refused")
+    try:  # a model without a sharded cache (transformers' text model has no LM head): refused
+        shard_cache(refs["base"].model, mesh, None, length=4)
+        failures.append("a transformers text model was not refused")
     except NotImplementedError as err:
-        if "HybridLM has no sharded cache: decode on one device" not in str(err):
+        text_model = type(refs["base"].model).__name__  # Qwen3_5TextModel or Qwen3_5MoeTextModel
+        if f"; {text_model} has no sharded cache: decode on one device" not in str(err):
             failures.append(f"unexpected refusal: {err}")
+    if world == 2 and layout == "contiguous":
+        failures += _hybrid_lm_case(mesh, rank, world)
+    return failures
+
+
+def _hybrid_lm_case(mesh: Any, rank: int, world: int) -> list[str]:
+    """This package's torch HybridLM on the same group: sharded greedy decoding equals its
+    one-device greedy continuation."""
+    from hyperpar_gdn.inference.decoding import greedy_continue, prefill
+    from hyperpar_gdn.models import HybridLM, HybridLMConfig
+
+    torch.manual_seed(0)
+    model = HybridLM(HybridLMConfig(num_layers=4, vocab_size=61, initializer_range=0.3))
+    ids = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(1))
+    logits, state = prefill(model, ids)
+    expected = greedy_continue(model, logits, state, max_new_tokens=NEW_TOKENS)
+    apply_context_parallel(model, mesh, mode="p2p")
+    cp_logits, cp_state = prefill_context_parallel(model, mesh, ids)
+    undo_context_parallel(model)
+    sharded = shard_cache(model, mesh, cp_state, length=13)
+    got = greedy_continue_context_parallel(model, mesh, cp_logits, sharded, max_new_tokens=NEW_TOKENS)
+    failures = [] if torch.equal(got, expected) else [f"HybridLM: {got.tolist()} != {expected.tolist()}"]
+    kept = {k.shape[2] for k in sharded.keys.values()}
+    if kept != {int(kv_tokens_per_rank(13 + NEW_TOKENS - 1, world)[rank])}:
+        failures.append(f"HybridLM: rank {rank} keeps {kept} tokens of K/V")
+    if len(set(expected[0].tolist())) < 2:
+        failures.append("HybridLM: a constant continuation would not test the steps")
     return failures
 
 

@@ -49,6 +49,15 @@ def rank_batch(
         ({"save_every": 5}, "--save-every 5 needs --save DIR"),
         ({"keep_last": 2}, "--keep-last 2 needs --save DIR"),
         ({"save": "ck", "keep_last": -1}, "--keep-last must be >= 0; got -1"),
+        (
+            {"save": "ck", "checkpoint_format": "zip"},
+            "--checkpoint-format 'zip' is not one of sharded, whole",
+        ),
+        ({"async_save": True}, "--async-save needs --save DIR"),
+        (
+            {"save": "ck", "async_save": True, "checkpoint_format": "whole"},
+            "--async-save writes sharded checkpoints; --checkpoint-format whole is written by rank 0",
+        ),
         ({"lr": 0.0}, "--lr must be > 0; got 0.0"),
         ({"model_size": "huge"}, "--model-size 'huge' is unknown"),
         ({"steps": 0}, "--steps must be >= 1; got 0"),
@@ -118,7 +127,7 @@ def test_command_line_maps_onto_the_config() -> None:
     config = parse_args(
         "--cp-mode p2p --cp-size 2 --steps 7 --seq-len 32 --model-size small --lr 0.01 --seed 4 "
         "--data x.txt --metrics-json m.json --save ck --save-every 3 --keep-last 2 --no-auto-resume "
-        "--resume ck --check-parity".split()
+        "--resume ck --check-parity --checkpoint-format sharded --async-save".split()
     )
     assert config == TrainConfig(
         cp_mode="p2p",
@@ -136,6 +145,8 @@ def test_command_line_maps_onto_the_config() -> None:
         auto_resume=False,
         resume="ck",
         check_parity=True,
+        checkpoint_format="sharded",
+        async_save=True,
     )
     assert parse_args([]) == TrainConfig()
 

@@ -97,7 +97,4 @@ def test_failed_metrics_write_stops_every_rank(tmp_path: Path) -> None:
     (tmp_path / "no").write_text("a file, not a directory")
     outcome = launch_ranks(_train, 2, options, timeout_s=120)
     assert not outcome.dead and not outcome.timed_out and not outcome.results, outcome
-    assert (
-        "SaveError" in outcome.errors[1]
-        and "rank 0 could not write --metrics-json" in outcome.errors[1]
-    )
+    assert "SaveError" in outcome.errors[1] and "rank 0 could not write --metrics-json" in outcome.errors[1]

@@ -115,8 +115,11 @@ def _resume_error(rank: int, world: int, path: str) -> str:
 
 
 def test_resume_from_a_corrupt_or_missing_checkpoint_fails_clearly(tmp_path: Path) -> None:
-    run_ranks(_train, 1, {**FAST, "steps": 2, "cp_size": 1, "save": str(tmp_path)}, timeout_s=60)
-    model = tmp_path / "step-2" / "model.pt"
+    whole = {**FAST, "steps": 2, "cp_size": 1, "save": str(tmp_path), "checkpoint_format": "whole"}
+    run_ranks(_train, 1, whole, timeout_s=60)
+    model = (
+        tmp_path / "step-2" / "model.pt"
+    )  # the whole format (tests/train/test_sharded_checkpoint.py: shards)
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF
     model.write_bytes(bytes(data))

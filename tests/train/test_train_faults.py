@@ -52,18 +52,19 @@ def _faults(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     out["nan"] = _train({"steps": 6, "save": str(tmp / "nan"), "save_every": 1}, inject="3,5@1")
     # two in a row with --max-bad-steps 2: stopped at the second
     out["stop"] = _train({"steps": 6, "max_bad_steps": 2}, inject="2,3@1")
-    # a file-size limit on rank 0 once step-2 is saved: the step-4 save fails
-    save = str(tmp / "full")
-    out["before"] = _train({"steps": 2, "save": save})
+    # a file-size limit on rank 0 once step-2 is saved: the step-4 save fails (whole checkpoints:
+    # rank 0 alone writes, the others learn it from rank 0)
+    save, whole = str(tmp / "full"), {"checkpoint_format": "whole"}
+    out["before"] = _train({"steps": 2, "save": save, **whole})
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill, as scripts/train.py
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     if rank == 0:
         # under the 1 MB model.pt, over what the log (stdout, a file here) grows to
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, limit[1]))
     try:
-        out["full_stop"] = _train({"steps": 4, "save": save, "save_every": 2})
+        out["full_stop"] = _train({"steps": 4, "save": save, "save_every": 2, **whole})
         out["full_continue"] = _train(
-            {"steps": 4, "save": save, "save_every": 1, "on_save_error": "continue"}
+            {"steps": 4, "save": save, "save_every": 1, "on_save_error": "continue", **whole}
         )
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)

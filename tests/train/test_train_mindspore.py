@@ -255,6 +255,22 @@ def test_save_and_resume_continue_the_same_curve(
     assert "holds no torch AdamW state" in message and "HP_PLATFORM=mindspore" in message, message
 
 
+def test_sharded_checkpoints_are_refused_before_any_process_group() -> None:
+    """MindSpore writes whole checkpoints (format 1); torch's sharded ones and --async-save are
+    refused by the check every rank runs first."""
+    from hyperpar_gdn.train.mindspore_loop import MindSporeBackend
+
+    MindSporeBackend.check(TrainConfig(save="ck"), "mindspore")  # the default: whole
+    with pytest.raises(
+        NotImplementedError, match=r"--checkpoint-format sharded: HP_PLATFORM=mindspore writes whole"
+    ):
+        MindSporeBackend.check(TrainConfig(save="ck", checkpoint_format="sharded"), "mindspore")
+    with pytest.raises(
+        NotImplementedError, match=r"--async-save writes sharded checkpoints in the background"
+    ):
+        MindSporeBackend.check(TrainConfig(save="ck", async_save=True), "mindspore")
+
+
 def test_wrong_platform_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
 

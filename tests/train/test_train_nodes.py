@@ -32,7 +32,7 @@ import pytest
 import torch
 from distributed_harness import run_ranks
 
-from hyperpar_gdn.train import TrainConfig, Trainer
+from hyperpar_gdn.train import TrainConfig, Trainer, load_checkpoint
 from hyperpar_gdn.train.faults import KILL_AT_STEP_ENV, kill_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,8 +173,9 @@ def _final(run: Path) -> tuple[float, dict[str, torch.Tensor]]:
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["steps"][-1] == STEPS
     final = run / "ckpt" / f"step-{STEPS}"
-    flat = {f"model.{k}": v for k, v in torch.load(final / "model.pt", weights_only=True).items()}
-    for index, entry in torch.load(final / "optimizer.pt", weights_only=True)["state"].items():
+    parts = load_checkpoint(final)[1]  # either format, read whole on this host
+    flat = {f"model.{k}": v for k, v in parts["model"].items()}
+    for index, entry in parts["optimizer"]["state"].items():
         flat.update({f"optimizer.{index}.{k}": v for k, v in entry.items() if isinstance(v, torch.Tensor)})
     return metrics["losses"][-1], flat
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from distributed_harness import run_ranks
 
-from hyperpar_gdn.train import CheckpointError, TrainConfig, Trainer
+from hyperpar_gdn.train import CheckpointError, TrainConfig, Trainer, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
@@ -104,8 +104,8 @@ def _run(command: list[str], log: Path, *, kill_rank: int | None = None, kill_af
 
 def _final_state(run: Path) -> tuple[float, dict[str, torch.Tensor]]:
     metrics = json.loads((run / "metrics.json").read_text())
-    state = torch.load(run / "ckpt" / f"step-{STEPS}" / "model.pt", weights_only=True)
-    optimizer = torch.load(run / "ckpt" / f"step-{STEPS}" / "optimizer.pt", weights_only=True)
+    parts = load_checkpoint(run / "ckpt" / f"step-{STEPS}")[1]  # sharded: read whole on this host
+    state, optimizer = parts["model"], parts["optimizer"]
     flat = {f"model.{k}": v for k, v in state.items()}
     for index, entry in optimizer["state"].items():
         flat.update({f"optimizer.{index}.{k}": v for k, v in entry.items() if isinstance(v, torch.Tensor)})
@@ -165,12 +165,12 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
     """A copy of the finished run with its newest checkpoint truncated, run again with more steps:
     it warns naming the file, resumes from the one before, and retrains to the same weights."""
     subprocess.run(["cp", "-r", str(straight[0] / "ckpt"), str(tmp_path / "ckpt")], check=True, timeout=60)
-    model = tmp_path / "ckpt" / f"step-{STEPS}" / "model.pt"
-    model.write_bytes(model.read_bytes()[:1000])
+    shard = tmp_path / "ckpt" / f"step-{STEPS}" / "state" / "__0_0.distcp"  # rank 0's shard
+    shard.write_bytes(shard.read_bytes()[:1000])
     text = _run(
         _command(tmp_path, 4, ["--cp-size", "2", "--keep-last", "2"], static=False), tmp_path / "log.txt"
     )
-    assert f"skipping checkpoint {model.parent}: checkpoint file {model} is corrupt" in text
+    assert f"skipping checkpoint {shard.parents[1]}: checkpoint file {shard} is corrupt" in text
     assert _resumed_step(text) == STEPS - SAVE_EVERY
     _assert_same(_final_state(tmp_path), _final_state(straight[0]))
     # --keep-last 2: the two newest remain

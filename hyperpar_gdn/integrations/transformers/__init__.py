@@ -5,6 +5,7 @@ class or keyword lives in this package.
 - :mod:`.hooks`: the per-forward pre-hooks (positions, padding, packed documents, labels);
 - :mod:`.attention`: transformers' attention layer under the softmax-attention style;
 - :mod:`.cache`: the ``DynamicCache`` a CP prefill fills;
+- :mod:`.sharded_cache`: that cache cut to a rank's share, and a decoding step on the CP group;
 - :mod:`.model_dir`: load a model directory for training, export one, make a tiny one;
 - :mod:`.lm_head`: the final hidden states and head weight of a model the trainer trains;
 - :mod:`.trainer`: ``ContextParallelTrainer`` and ``ContextParallelMixin`` (transformers'

@@ -28,6 +28,7 @@ __all__ = [
     "gdn_dims",
     "load_model_dir",
     "load_tokenizer",
+    "position_range",
     "text_config",
     "write_tiny_qwen35",
 ]
@@ -65,6 +66,12 @@ def gdn_dims(path: str | Path) -> tuple[int, int, int]:
         int(text["linear_num_value_heads"]),
         int(text["linear_conv_kernel_dim"]),
     )
+
+
+def position_range(path: str | Path) -> int | None:
+    """``max_position_embeddings`` of a model directory (None when its config.json has none)."""
+    limit = _text_config(path).get("max_position_embeddings")
+    return None if limit is None else int(limit)
 
 
 def has_softmax_attention(path: str | Path) -> bool:

@@ -3,8 +3,11 @@
 Queries are walked in blocks; each block meets only the key blocks its queries may see
 (:class:`~hyperpar_gdn.ops.attention.plan.BlockPlan`), with an online softmax: a running row
 maximum m, a running sum l and an output accumulator, rescaled by ``exp(m_old - m_new)`` when a
-block raises the maximum. Fully visible blocks run without a mask; the others add a block-sized
-bias (0 or -inf). Extra memory: one ``[B, H, bq, bk]`` score block, never ``[Tq, Tk]``.
+block raises the maximum. Fully visible blocks run without a mask; from the others a block-sized
+bias is subtracted (0 where visible, +inf where hidden). Extra memory: one ``[B, H, bq, bk]``
+score block, never ``[Tq, Tk]``. The row statistics (m, lse, rowsum(do o)) reach their blocks through
+``xp.sub`` / ``xp.mul`` and the probabilities through ``xp.softmax_exp``, which a framework may
+serve faster than plain broadcasting and ``exp`` (MindSpore on CPU: docs/backends.md).
 
 The backward walks the same blocks from the saved output o and log-sum-exp ``lse = m + log l``:
 ``p = exp(s - lse)``, ``dp = do v^T``, ``ds = p (dp - rowsum(do o))``, then dq, dk, dv per block.
@@ -50,11 +53,11 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
     q_sizes, k_sizes = plan.q_sizes(), plan.k_sizes()
     biases: dict[tuple[int, int], Tensor] = {}
 
-    def bias(i: int, j: int, like: Tensor) -> Tensor:
-        """``[B or 1, 1, 1, bq, bk]``: 0 where visible, -inf elsewhere."""
+    def hidden(i: int, j: int, like: Tensor) -> Tensor:
+        """``[B or 1, 1, 1, bq, bk]``: 0 where visible, +inf elsewhere (subtracted from scores)."""
         if (i, j) not in biases:
             mask = plan.mask(i, j)
-            values = np.where(mask, 0.0, -np.inf)[:, None, None]
+            values = np.where(mask, 0.0, np.inf)[:, None, None]
             biases[(i, j)] = xp.constant(values, like=like)
         return biases[(i, j)]
 
@@ -64,7 +67,9 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
         if plan.kind[i, j] == FULL:
             return s
         b, hkv, rows, bk = s.shape
-        return (s.reshape(b, hkv, groups, rows // groups, bk) + bias(i, j, s)).reshape(b, hkv, rows, bk)
+        return xp.sub(s.reshape(b, hkv, groups, rows // groups, bk), hidden(i, j, s)).reshape(
+            b, hkv, rows, bk
+        )
 
     def rows(x: Tensor) -> list[Tensor]:
         """``[B, Hkv, G, Tq, X]`` -> per query block ``[B, Hkv, G*bq, X]``."""
@@ -82,13 +87,13 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
             for j in np.flatnonzero(plan.kind[i] != NONE):
                 s = scores(q_i, kt_blocks[j], i, int(j))
                 m_new = xp.maximum(m, xp.amax(s, -1, keepdim=True))
-                p = xp.exp(s - m_new)
+                p = xp.softmax_exp(xp.sub(s, m_new))
                 if acc is None:
                     row_sum, acc = xp.sum(p, -1, keepdim=True), xp.matmul(p, v_blocks[j])
                 else:
                     alpha = xp.exp(m - m_new)
                     row_sum = row_sum * alpha + xp.sum(p, -1, keepdim=True)
-                    acc = acc * alpha + xp.matmul(p, v_blocks[j])
+                    acc = xp.mul(acc, alpha) + xp.matmul(p, v_blocks[j])
                 m = m_new
             if acc is None:  # no key block visible to this query block
                 outs.append(xp.zeros((b, hkv, q_i.shape[2], d), like=q))
@@ -117,8 +122,8 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
         for i, (q_i, do_i, lse_i, delta_i) in enumerate(blocks):
             dq_i = None
             for j in np.flatnonzero(plan.kind[i] != NONE):
-                p = xp.exp(scores(q_i, kt_blocks[j], i, int(j)) - lse_i)
-                ds = p * (xp.matmul(do_i, vt_blocks[j]) - delta_i)
+                p = xp.softmax_exp(xp.sub(scores(q_i, kt_blocks[j], i, int(j)), lse_i))
+                ds = p * xp.sub(xp.matmul(do_i, vt_blocks[j]), delta_i)
                 pt, dst = xp.swapaxes(p, -1, -2), xp.swapaxes(ds, -1, -2)
                 dv_j, dk_j, dq_ij = xp.matmul(pt, do_i), xp.matmul(dst, q_i), xp.matmul(ds, k_blocks[j])
                 dv[j] = dv_j if dv[j] is None else dv[j] + dv_j

@@ -1,0 +1,209 @@
+"""Sharded checkpoints (format 2): every rank writes its own shard of the model and optimizer
+state, with torch's distributed checkpoint (DCP).
+
+Layout of ``step-N/``::
+
+    manifest.json         format 2, the step, the run's options, and the size and sha256 of
+                          every file below ("parts": the small whole parts, "shards": state/)
+    data.pt, train.pt     the sampler's position and the RNG state (small, written by rank 0)
+    state/.metadata       DCP's index: which file holds which piece of which tensor
+    state/__<r>_0.distcp  what rank r wrote
+
+The state is ``{"model": ..., "optimizer": ...}`` as ``get_state_dict`` gives it, keyed by
+parameter names: under ``--fsdp`` each parameter and its AdamW moments are DTensors and each rank
+writes its own rows; without FSDP the tensors are replicated and DCP writes each once, spread over
+the ranks. No rank gathers the whole state. Loading asks each rank's current layout for its
+pieces and DCP reads them from whichever files hold them, so a checkpoint resumes at any CP or DP
+size, with or without ``--fsdp`` (:func:`load_shards`); :func:`load_whole` reads it whole on one
+host (the converter, tests).
+
+The commit is that of the whole format: every rank writes into the hidden ``.step-N.tmp-<pid>``
+directory (rank 0's pid), DCP's last step is a barrier after rank 0 wrote ``.metadata``, then rank
+0 checksums every file, writes the manifest and renames the directory to ``step-N``
+(:func:`commit_sharded`). A save that dies before the rename leaves only the hidden directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.tensor import DTensor
+
+from hyperpar_gdn.train.checkpoint import (
+    MANIFEST,
+    SHARDED_FORMAT,
+    CheckpointError,
+    check_digest,
+    file_digest,
+    install,
+    nonfinite_entries,
+    os_error_behind,
+    read_manifest,
+    write_manifest,
+    write_parts,
+)
+
+__all__ = [
+    "STATE_DIR",
+    "check_and_load_shards",
+    "commit_sharded",
+    "load_shards",
+    "load_whole",
+    "local_nonfinite_entries",
+    "shard_entries",
+    "sharded_state",
+    "verify_shards",
+    "write_shards",
+]
+
+STATE_DIR = "state"
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model", "optimizer"}`` state dicts keyed by parameter names, each rank's own pieces
+    (DTensors under FSDP2, the replicated tensors without): no gathering, no copy."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def local_nonfinite_entries(state: dict[str, Any]) -> list[str]:
+    """The names of the tensors whose piece on this rank holds a NaN or an inf (no collective)."""
+    return nonfinite_entries(_local(state))
+
+
+def write_shards(
+    state: dict[str, Any], directory: Path, *, group: Any = None, background: bool = False
+) -> Future | None:
+    """Collective: every rank writes its pieces of ``state`` under ``directory`` (DCP). With
+    ``background``, the pieces are first copied to host memory, then written by a thread
+    (``dcp.async_save`` over ``group``, a process group for saving alone); returns its future,
+    done once every rank's files and ``.metadata`` are written."""
+    writer = _Writer(str(directory), sync_files=True)
+    if background:
+        return dcp.async_save(state, storage_writer=writer, process_group=group)
+    dcp.save(state, storage_writer=writer)
+    return None
+
+
+def load_shards(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Collective: load the state under ``directory`` into ``model`` and ``optimizer`` in their
+    current layout (any CP/DP size, FSDP or not): each rank reads the pieces it holds."""
+    state = sharded_state(model, optimizer)  # initializes AdamW's state: DCP loads in place
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_whole(directory: Path) -> dict[str, Any]:
+    """The state under ``directory`` whole, in this process alone (no process group needed):
+    ``{"model": {name: tensor}, "optimizer": {"state": ..., "param_groups": ...}}``."""
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=dcp.FileSystemReader(str(directory)),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    return state
+
+
+def commit_sharded(
+    temp: Path, directory: Path, *, step: int, meta: dict[str, Any], blobs: dict[str, bytes]
+) -> Path:
+    """Rank 0, once every rank's shard is under ``temp/state``: write the small parts (``blobs``,
+    serialized), checksum every file, write the manifest, rename ``temp`` to ``directory``."""
+    try:
+        manifest = write_parts(temp, blobs, {"format": SHARDED_FORMAT, "step": step, "meta": meta})
+        shards = {}
+        for file in sorted((temp / STATE_DIR).rglob("*")):
+            if file.is_file():
+                size, digest = file_digest(file)
+                shards[str(file.relative_to(temp))] = {"bytes": size, "sha256": digest}
+        if not any(name.endswith(".metadata") for name in shards):
+            raise CheckpointError(f"{temp / STATE_DIR} holds no DCP .metadata: the shards were not finished")
+        write_manifest(temp, {**manifest, "shards": shards})
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return install(temp, directory)
+
+
+def shard_entries(
+    directory: Path, manifest: dict[str, Any] | None = None
+) -> list[tuple[Path, dict[str, Any]]]:
+    """(file, its manifest entry: bytes, sha256) of every shard file, sorted by name."""
+    shards = (manifest or read_manifest(directory)).get("shards", {})
+    return [(directory / name, shards[name]) for name in sorted(shards)]
+
+
+def check_and_load_shards(directory: Path, manifest: dict[str, Any], *, whole_state: bool) -> dict[str, Any]:
+    """For :func:`~hyperpar_gdn.train.checkpoint.load_checkpoint`: every shard file is there with
+    its size; with ``whole_state`` also its sha256, then the state is loaded whole (else ``{}``)."""
+    for file, entry in shard_entries(directory, manifest):
+        if not file.is_file():
+            found = None
+        elif whole_state:
+            found = file_digest(file)
+        else:
+            found = (file.stat().st_size, entry["sha256"])
+        check_digest(file, entry, found, directory)
+    if not whole_state:
+        return {}
+    try:
+        return load_whole(directory / STATE_DIR)
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"checkpoint {directory / STATE_DIR} could not be read: {first}") from err
+
+
+def verify_shards(
+    directory: Path, *, rank: int, world_size: int, max_over_ranks: Callable[[int], int]
+) -> str | None:
+    """Collective: each rank checks the size and sha256 of every ``world_size``-th shard file
+    (from its ``rank``-th), so each file is read once in all. Returns the same one line on every
+    rank, naming a file that failed (``None``: every file is as the manifest says)."""
+    files = shard_entries(directory)
+    bad = 0
+    for index in range(rank, len(files), world_size):
+        file, entry = files[index]
+        if not file.is_file() or file_digest(file) != (entry["bytes"], entry["sha256"]):
+            bad = index + 1
+            break
+    bad = max_over_ranks(bad)
+    if not bad:
+        return None
+    return f"checkpoint file {files[bad - 1][0]} is corrupt: its size or sha256 differs from {directory / MANIFEST}"
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, whose failed write raises the ``OSError`` itself: torch's serializer
+    turns it into a ``RuntimeError`` whose context (lost when DCP sends the failure to the other
+    ranks) is the ``OSError``, so no rank could tell a full disk from a bug."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:
+            cause = os_error_behind(err)
+            if cause is None or cause is err:
+                raise
+            raise OSError(cause.errno, cause.strerror, cause.filename) from err
+
+
+def _local(state: Any) -> Any:
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {key: _local(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [_local(value) for value in state]
+    return state

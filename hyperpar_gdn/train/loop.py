@@ -82,9 +82,9 @@ class Trainer:
             raise ValueError(
                 "--plan prints the memory plan (scripts/train.py) and trains nothing; a Trainer needs plan=False"
             )
-        check_memory(config, platform=name)  # every rank: a run over its memory budget is refused here
         self.config = config
-        self.platform = get_platform(name)
+        self.platform = get_platform(name)  # an unusable platform is refused here, by name
+        check_memory(config, platform=name)  # every rank: a run over its memory budget is refused here
         self._kill_at = kill_step(self.platform.rank())  # a test hook (see .faults)
         self._owns_group = not self.platform.is_initialized()
         self.platform.init_distributed(timeout_s=config.timeout_s)

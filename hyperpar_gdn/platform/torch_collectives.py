@@ -160,7 +160,7 @@ class TorchCollectives(Collectives):
         mine = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
         out = torch.empty(world, dtype=torch.int64, device=self.device)
         with _named("all_gather_int", group):
-            _all_gather_single(out, mine, group=group)
+            self._collective(_all_gather_single, out, mine, group=group)
         self.bytes_sent += 8 * (world - 1)
         return [int(v) for v in out.tolist()]
 
@@ -198,7 +198,7 @@ class TorchCollectives(Collectives):
     def barrier(self, group: Group | None) -> None:
         _rank_and_size(group, "barrier")
         with _named("barrier", group):
-            dist.barrier(group=group)
+            self._collective(dist.barrier, group=group)
 
     def all_reduce_sum(self, x: torch.Tensor, group: Group | None = None) -> torch.Tensor:
         """Sum ``x`` over the group in place and return it (not differentiable)."""

@@ -37,8 +37,13 @@ class Stopped(BaseException):  # noqa: N818 (a request, not a failure)
     save's error report, say) let it through."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        # args holds the number, not the name: a copy or unpickling (a checkpoint thread's error
+        # carried to the main thread) rebuilds the exception as ``Stopped(*args)``.
+        super().__init__(int(signum))
+        self.signum = int(signum)
+
+    def __str__(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 USER_ERROR_GRACE_S = 10.0  # how long ranks other than 0 wait after a user error (see run_script)

@@ -58,6 +58,8 @@ def settle(
     ``policy``: "stop" raises :class:`SaveError` on every rank, "continue" warns and returns False.
     Other failures raise (this rank's own, or a :class:`CheckpointError` naming ``what``). Rank 0
     runs ``cleanup`` (removing a partial directory) before either."""
+    if failure is not None and (stop := _stop_inside(failure)) is not None:
+        raise stop from None  # before any collective: the other ranks are stopping too
     code = 0 if failure is None else 1 if _refused_write(failure) else 2
     code = backend.max_over_ranks(code)
     if code == 0:
@@ -215,6 +217,16 @@ class CheckpointWriter:
         if self.config.keep_last:
             for old in prune_checkpoints(self.config.save, self.config.keep_last, up_to=step):
                 logger.info("removed %s (--keep-last %d)", old, self.config.keep_last)
+
+
+def _stop_inside(err: BaseException) -> BaseException | None:
+    """A stop request (Ctrl-C's ``KeyboardInterrupt``, SIGTERM's ``Stopped``: not ``Exception``s)
+    that DCP caught during its write and wrapped, with every rank's failures, in a
+    CheckpointException: the run is stopping, not failing to save."""
+    for _, failure in _rank_failures(err):
+        if not isinstance(failure, Exception):
+            return failure
+    return None
 
 
 def _refused_write(err: BaseException) -> bool:

@@ -74,3 +74,29 @@ def test_stop_is_one_line(tmp_path: Path, signum: int, ranks: int) -> None:
     )
     assert "hyperpar_gdn" not in out and 'train.py", line' not in out, out
     assert code == (128 + signum if not ranks else 1), out  # torchrun: its own code for a stopped job
+
+
+def test_a_stop_during_a_sharded_write_is_a_stop_not_a_failed_save(tmp_path: Path) -> None:
+    """SIGTERM that lands inside DCP's write: DCP wraps it (and, across ranks, pickles it) in a
+    CheckpointException; the writer's settle step raises the stop itself, before any collective."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from hyperpar_gdn.cli import Stopped
+    from hyperpar_gdn.train.saves import settle
+
+    class StoppedWriter(FileSystemWriter):
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            raise Stopped(signal.SIGTERM)
+
+    copy = pickle.loads(pickle.dumps(Stopped(signal.SIGTERM)))  # how DCP carries it between ranks
+    assert copy.signum == signal.SIGTERM and str(copy) == "SIGTERM"
+    with pytest.raises(BaseException) as wrapped:
+        dcp.save({"w": torch.ones(3)}, storage_writer=StoppedWriter(tmp_path), no_dist=True)
+    assert not isinstance(wrapped.value, Stopped)  # DCP's wrapper, holding the stop
+    with pytest.raises(Stopped) as raised:
+        settle(wrapped.value, "save step-2", backend=None, policy="stop")  # type: ignore[arg-type]
+    assert raised.value.signum == signal.SIGTERM

@@ -163,12 +163,13 @@ def panels(rows: list[dict[str, Any]]) -> list[Panel]:
     return [*out, memory]
 
 
-def worker_main(job_json: str, threads: int) -> None:
-    """The MindSpore msrun worker mode: measure, write this rank's result."""
+def worker_main(job_json: str) -> None:
+    """The MindSpore msrun worker mode (its threads come from ``HP_MINDSPORE_THREADS``, set by
+    ``on_msrun``): measure, write this rank's result."""
     start_watchdog()
     job = json.loads(job_json)
     keep_host_memory(job["keep_host_memory"])
-    result = measure_step_mindspore(job, threads)
+    result = measure_step_mindspore(job)
     write_result(result["rank"], result)
 
 
@@ -208,7 +209,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.worker_job is not None:
-        worker_main(args.worker_job, args.total_threads)
+        worker_main(args.worker_job)
         return
     kept = keep_host_memory(not args.glibc_malloc_defaults)  # forked ranks inherit it
     shape = asdict(LayerShape(batch=args.batch))

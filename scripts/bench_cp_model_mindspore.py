@@ -55,8 +55,7 @@ def mindspore_worker(args: argparse.Namespace) -> None:
     from hyperpar_gdn.platform.msrun import write_result
 
     platform = get_platform("mindspore")
-    platform.init_distributed(timeout_s=args.timeout)
-    ms.set_context(runtime_num_threads=1)
+    platform.init_distributed(timeout_s=args.timeout)  # binds this worker to its core (cpu_share)
     rank, cp = platform.rank(), platform.world_size()
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     tokens = token_ids(args.seq_len, args.vocab, np)
@@ -93,8 +92,19 @@ def mindspore_worker(args: argparse.Namespace) -> None:
                 f"{layout}/{mode}",
             )
     barrier = platform.collectives.barrier
-    times = alternating_rounds(calls, repeats=args.repeats, warmup=args.warmup, barrier=lambda: barrier(None))
-    write_result(rank, {"rank": rank, "times_s": times, "loss_share": losses})
+    times = alternating_rounds(
+        calls, repeats=args.repeats, warmup=args.warmup, barrier=lambda: barrier(None), cpu_time=True
+    )
+    share = platform.cpu_share
+    write_result(
+        rank,
+        {
+            "rank": rank,
+            "times_s": times,
+            "loss_share": losses,
+            "cpu_share": {"threads": share.threads, "cpus": share.cpus} if share else None,
+        },
+    )
     platform.destroy()
 
 

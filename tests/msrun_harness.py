@@ -42,9 +42,21 @@ CP_WORKER_SECTIONS = {
         "lm_loss",
         "prefill",
         "cp_decoding",
+        "cpu_share",
         "stall",
     ),
-    4: ("collectives", "cp", "packed", "attention", "bad_input", "mesh2d", "grads", "scan", "prefill"),
+    4: (
+        "collectives",
+        "cp",
+        "packed",
+        "attention",
+        "bad_input",
+        "mesh2d",
+        "grads",
+        "scan",
+        "prefill",
+        "cpu_share",
+    ),
 }
 
 

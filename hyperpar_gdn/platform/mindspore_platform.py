@@ -40,6 +40,12 @@ import numpy as np
 
 from hyperpar_gdn.platform.base import Group, Platform
 from hyperpar_gdn.platform.mindspore_collectives import MindSporeCollectives, MindSporeGroup
+from hyperpar_gdn.platform.mindspore_cpu_share import (
+    CpuShare,
+    apply_cpu_share,
+    plan_cpu_share,
+    read_cpu_share_env,
+)
 from hyperpar_gdn.platform.mindspore_ops import MindSporeOps, enable_launch_blocking
 
 __all__ = ["MindSporeGroup", "MindSporePlatform"]
@@ -111,6 +117,7 @@ class MindSporePlatform(Platform):
         self._groups: dict[tuple[int, ...], MindSporeGroup] = {}
         self._communicating = False  # the communication library was initialised
         self._released = False
+        self.cpu_share: CpuShare | None = None  # what init_distributed set (CPU only)
 
     def __repr__(self) -> str:
         return f"MindSporePlatform({self.device_target!r})"
@@ -137,11 +144,18 @@ class MindSporePlatform(Platform):
         local world. ``timeout_s`` becomes ``MS_CPU_COMM_OP_TIMEOUT`` (CPU) or
         ``HCCL_EXEC_TIMEOUT`` (Ascend), seconds, unless that variable is already set: how long a
         collective waits for its peers before it fails.
+
+        On CPU it also gives each worker its share of the machine before the first kernel: its
+        kernel threads and, under a launcher with several workers on this node, its own cores
+        (``HP_MINDSPORE_THREADS``, ``HP_MINDSPORE_BIND``; :mod:`.mindspore_cpu_share` has the
+        rules). What it set is in :attr:`cpu_share`.
         """
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         if self._world is not None:
             return
+        if self.device_target == "CPU":
+            read_cpu_share_env(os.environ)  # a bad value fails here, before any communication
         if self._released:
             raise RuntimeError(
                 "MindSpore cannot initialise its communication library twice in one process; "
@@ -166,6 +180,7 @@ class MindSporePlatform(Platform):
                     f"launcher environment is incomplete: {', '.join(present)} set but MS_ROLE missing; "
                     "launch with msrun or unset them for one process"
                 )
+            self._share_cpus(launched=False, local_rank=0, local_size=1)
             self._bind(MindSporeGroup("local_world", (0,), local=True), rank=0)
             return
         os.environ.setdefault(_TIMEOUT_VARS[self.device_target], str(math.ceil(timeout_s)))
@@ -173,11 +188,30 @@ class MindSporePlatform(Platform):
             ms.set_device("Ascend")
         ms_comm.init()  # the scheduler process (MS_ROLE=MS_SCHED) never returns from here
         self._communicating = True
+        self._share_cpus(
+            launched=True,
+            local_rank=int(ms_comm.get_local_rank()),
+            local_size=int(ms_comm.get_local_rank_size()),
+        )
         world_name = ms_comm.GlobalComm.WORLD_COMM_GROUP
         world = int(ms_comm.get_group_size())
         if world_name != _ASSUMED_WORLD_GROUP:
             ms_comm.create_group(_ASSUMED_WORLD_GROUP, list(range(world)))
         self._bind(MindSporeGroup(world_name, tuple(range(world))), rank=int(ms_comm.get_rank()))
+
+    def _share_cpus(self, *, launched: bool, local_rank: int, local_size: int) -> None:
+        """On CPU, this worker's threads and cores (:mod:`.mindspore_cpu_share`)."""
+        if self.device_target != "CPU":
+            return
+        share = plan_cpu_share(
+            environ=os.environ,
+            usable_cpus=sorted(os.sched_getaffinity(0)),
+            online_cpus=os.cpu_count() or 1,
+            local_rank=local_rank,
+            local_size=local_size,
+            launched=launched,
+        )
+        self.cpu_share = apply_cpu_share(share)
 
     def _bind(self, world: MindSporeGroup, *, rank: int) -> None:
         self._world = world

@@ -184,7 +184,7 @@ def measure_step(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def measure_step_mindspore(job: dict[str, Any], threads: int) -> dict[str, Any]:
+def measure_step_mindspore(job: dict[str, Any]) -> dict[str, Any]:
     """One msrun worker's measurement of the MindSpore layer (no activation count: MindSpore has
     no saved-tensor hook)."""
     import mindspore as ms
@@ -196,7 +196,6 @@ def measure_step_mindspore(job: dict[str, Any], threads: int) -> dict[str, Any]:
 
     platform = get_platform("mindspore")
     platform.init_distributed(timeout_s=job["timeout_s"])  # msrun's scheduler process stays in here
-    ms.set_context(runtime_num_threads=threads)
     rank, cp = platform.rank(), platform.world_size()
     shape = LayerShape(**job["shape"])
     platform.manual_seed(0)

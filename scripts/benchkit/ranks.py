@@ -36,9 +36,12 @@ def on_ranks(
 def on_msrun(
     script: Path, cp: int, args: Sequence[str], *, threads: int = 1, timeout_s: float = 1800.0
 ) -> list[dict[str, Any]]:
-    """``script args`` on ``cp`` MindSpore workers started by msrun; what each wrote with
+    """``script args`` on ``cp`` MindSpore workers started by msrun, each with ``threads`` CPU
+    kernel threads (``HP_MINDSPORE_THREADS``; the platform binds each worker to its own cores when
+    there is a core per worker); what each wrote with
     :func:`hyperpar_gdn.platform.msrun.write_result`, in rank order."""
-    outcome = run_msrun(script, cp, args, timeout_s=timeout_s, env={"OMP_NUM_THREADS": str(threads)})
+    env = {"OMP_NUM_THREADS": str(threads), "HP_MINDSPORE_THREADS": str(threads)}
+    outcome = run_msrun(script, cp, args, timeout_s=timeout_s, env=env)
     if not outcome.ok:
         raise RuntimeError(f"MindSpore cp={cp} failed:\n{outcome.describe()}")
     return [result for result in outcome.results if result is not None]

@@ -33,6 +33,9 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``scan`` (4 workers, tests/distributed/test_context_parallel_scan_mindspore.py): ``mode="scan"``
   with uneven shards and head_tail, packed documents, against the torch layer per document
   (float64), and the shapes of this rank's sends;
+- ``cpu_share`` (tests/platform/test_mindspore_cpu_share.py, after the sections that ran
+  kernels): what the platform set for this worker's CPU share, and the cores every thread of the
+  process (MindSpore's kernel pool included) may run on;
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
   within the communication timeout with a ``CollectiveError``.
 
@@ -75,6 +78,7 @@ SECTIONS = (
     "prefill",
     "cp_decoding",
     "scan",
+    "cpu_share",
     "stall",
 )
 HIDDEN = 32
@@ -935,6 +939,19 @@ def section_scan(platform: Platform, world: int) -> dict[str, Any]:
     return results
 
 
+def section_cpu_share(platform: Platform, world: int) -> dict[str, Any]:
+    """The share the platform set (threads, cores) and every thread's name and allowed cores."""
+    share = platform.cpu_share
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            threads[tid] = {"name": f.read().strip(), "cpus": sorted(os.sched_getaffinity(int(tid)))}
+    return {
+        "share": None if share is None else {"threads": share.threads, "cpus": share.cpus},
+        "threads": list(threads.values()),
+    }
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "collectives": section_collectives,
     "cp": section_cp,
@@ -948,6 +965,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "stall": section_stall,
     "scan": section_scan,
     "cp_decoding": section_cp_decoding,
+    "cpu_share": section_cpu_share,
 }
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from benchkit.machine import load_average, machine_info
 from benchkit.output import Panel, save_png, write_json
 from benchkit.qwen35_steps import measure_torch, token_ids, write_model_dir
 from benchkit.ranks import on_msrun, on_ranks
-from benchkit.timing import alternating_rounds, slowest_per_round
+from benchkit.timing import alternating_rounds, cpu_percent, slowest_per_round
 from hyperpar_gdn.cli import HelpFormatter
 
 TARGET_EFFICIENCY = 0.85  # MindSpore's whole model at cp=2
@@ -95,16 +96,8 @@ def mindspore_worker(args: argparse.Namespace) -> None:
     times = alternating_rounds(
         calls, repeats=args.repeats, warmup=args.warmup, barrier=lambda: barrier(None), cpu_time=True
     )
-    share = platform.cpu_share
-    write_result(
-        rank,
-        {
-            "rank": rank,
-            "times_s": times,
-            "loss_share": losses,
-            "cpu_share": {"threads": share.threads, "cpus": share.cpus} if share else None,
-        },
-    )
+    share = asdict(platform.cpu_share) if platform.cpu_share else None  # the same on "single"
+    write_result(rank, {"rank": rank, "times_s": times, "loss_share": losses, "cpu_share": share})
     platform.destroy()
 
 
@@ -134,7 +127,7 @@ def run(seq_len: int, args: argparse.Namespace, model_dir: Path) -> dict[str, An
     single_loss = workers[0]["loss_share"]["single"]
     rows = {}
     for name in workers[0]["times_s"]:
-        if name == "single":
+        if name == "single" or name.endswith("/cpu"):
             continue
         per_round = slowest_per_round([w["times_s"][name] for w in workers])
         loss = sum(w["loss_share"][name] for w in workers)  # each worker's term of the global mean
@@ -144,6 +137,7 @@ def run(seq_len: int, args: argparse.Namespace, model_dir: Path) -> dict[str, An
             "loss": loss,
             "loss_rel_diff": abs(loss - single_loss) / abs(single_loss),
             "samples_slowest_rank_s": per_round,
+            "cpu_percent_per_rank": [cpu_percent(w["times_s"], name) for w in workers],
         }
     return {
         "seq_len": seq_len,
@@ -152,6 +146,8 @@ def run(seq_len: int, args: argparse.Namespace, model_dir: Path) -> dict[str, An
         "torch_loss": torch_result["loss"],
         "mindspore_single_s": single,
         "mindspore_single_loss": single_loss,
+        "mindspore_single_cpu_percent": cpu_percent(workers[0]["times_s"], "single"),
+        "cpu_share_per_rank": [w["cpu_share"] for w in workers],
         "mindspore_over_torch": single / min(torch_single.values()),
         "loss_rel_diff_vs_transformers": abs(single_loss - torch_result["loss"]["transformers"])
         / abs(torch_result["loss"]["transformers"]),
@@ -167,13 +163,14 @@ def report(result: dict[str, Any]) -> None:
         f"T={result['seq_len']} cp={result['cp']}: one process: MindSpore {result['mindspore_single_s']:.2f}s, "
         f"torch transformers {ts['transformers']:.2f}s / ours {ts['ours']:.2f}s "
         f"(MindSpore / best torch {result['mindspore_over_torch']:.2f}x, target <= {TARGET_VS_TORCH}); "
-        f"loss MindSpore {result['mindspore_single_loss']:.6f}, transformers {result['torch_loss']['transformers']:.6f}"
+        f"loss MindSpore {result['mindspore_single_loss']:.6f}, transformers {result['torch_loss']['transformers']:.6f}; "
+        f"CPU {result['mindspore_single_cpu_percent']:.0f}%, cores per rank {result['cpu_share_per_rank']}"
     )
-    print(f"{'layout/mode':<24}{'cp step s':>10}{'efficiency':>12}{'loss rel diff':>15}")
+    print(f"{'layout/mode':<24}{'cp step s':>10}{'efficiency':>12}{'loss rel diff':>15}  CPU % per rank")
     for name, row in result["rows"].items():
         print(
             f"{name:<24}{row['cp_slowest_rank_s']:>10.2f}{row['parallel_efficiency']:>12.3f}"
-            f"{row['loss_rel_diff']:>15.2e}"
+            f"{row['loss_rel_diff']:>15.2e}  {' '.join(f'{c:.0f}' for c in row['cpu_percent_per_rank'])}"
         )
 
 

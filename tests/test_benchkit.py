@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import benchkit
-from benchkit.timing import alternating_rounds, compare, machine_bound, slowest_per_round
+from benchkit.timing import alternating_rounds, compare, cpu_percent, machine_bound, slowest_per_round
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +49,13 @@ def test_compare_slowest_rank_and_machine_bound() -> None:
         compare([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match=r"\[1, 2\]"):
         slowest_per_round([[1.0], [1.0, 2.0]])
+
+
+def test_cpu_percent_is_cpu_over_wall_over_all_rounds() -> None:
+    times = {"step": [2.0, 2.0], "step/cpu": [3.0, 2.0]}  # 5 s of CPU in 4 s: more than one core
+    assert cpu_percent(times, "step") == pytest.approx(125.0)
+    busy = alternating_rounds({"spin": lambda: sum(range(200_000))}, repeats=2, warmup=0, cpu_time=True)
+    assert 0.0 < cpu_percent(busy, "spin") <= 100.0 * (os.cpu_count() or 1)
 
 
 def test_docstring_case_runs_on_two_ranks(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 __all__ = [
     "alternating_rounds",
     "compare",
+    "cpu_percent",
     "machine_bound",
     "median_time",
     "rel_err",
@@ -85,6 +86,13 @@ def compare(numerator: Sequence[float], denominator: Sequence[float]) -> dict[st
         "ratio_of_minima": min(numerator) / min(denominator),
         "round_ratios": per_round,
     }
+
+
+def cpu_percent(times: Mapping[str, Sequence[float]], name: str) -> float:
+    """``name``'s process CPU seconds over its wall seconds, summed over the rounds of an
+    ``alternating_rounds(..., cpu_time=True)`` result, in percent (above 100: the process used
+    more than one core)."""
+    return 100.0 * sum(times[f"{name}/cpu"]) / sum(times[name])
 
 
 def slowest_per_round(per_rank: Sequence[Sequence[float]]) -> list[float]:

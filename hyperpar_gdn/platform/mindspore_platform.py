@@ -24,6 +24,9 @@ measurements):
   environment already does. ``msrun --join=True`` kills every worker once one exits non-zero.
 - MCCL cannot be initialised twice in one process: after :meth:`MindSporePlatform.destroy` this
   process cannot join a group again.
+- MindSpore's CPU thread pool ignores ``OMP_NUM_THREADS`` and spreads a worker over every free
+  core; on CPU :meth:`MindSporePlatform.init_distributed` gives each worker its share of the
+  cores first (:mod:`.mindspore_cpu_share`).
 """
 
 from __future__ import annotations

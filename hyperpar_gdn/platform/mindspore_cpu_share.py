@@ -162,4 +162,4 @@ def apply_cpu_share(share: CpuShare) -> CpuShare:
                 os.sched_setaffinity(int(tid), share.cpus)
             except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
                 continue
-    return CpuShare(threads=applied, cpus=share.cpus)
+    return CpuShare(threads=applied, cpus=share.cpus, threads_asked=share.threads_asked)

@@ -94,6 +94,7 @@ def test_a_thread_count_asked_for_after_the_first_kernel_is_an_error() -> None:
         RuntimeError, match="HP_MINDSPORE_THREADS=2 cannot take effect: a MindSpore kernel ran"
     ):
         apply_cpu_share(CpuShare(threads=2, cpus=None, threads_asked=True))
+    assert apply_cpu_share(CpuShare(threads=None, cpus=None, threads_asked=False)) == CpuShare(None, None)
     usable = tuple(sorted(os.sched_getaffinity(0)))
     assert apply_cpu_share(CpuShare(threads=2, cpus=usable)) == CpuShare(threads=None, cpus=usable)
     assert tuple(sorted(os.sched_getaffinity(0))) == usable

@@ -45,6 +45,7 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_tokenizer
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
+from hyperpar_gdn.models.mindspore.weights import DTYPES
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
 from hyperpar_gdn.train.checkpoint import REPLICATED_LAYOUT
@@ -212,9 +213,17 @@ class AdamW:
         step.set_data(ms.Tensor(value, step.dtype))
 
 
+# numpy's name of each MindSpore dtype a checkpoint holds (numpy has no bfloat16; nor does training)
+_NUMPY_NAMES = {ms_dtype: name for name, ms_dtype in DTYPES.items() if name != "bfloat16"}
+
+
 def _leaf(tensor: ms.Tensor) -> Leaf:
     """``tensor`` as a :class:`~.replicated_shards.Leaf`: read, it is copied to a host array."""
-    dtype = np.dtype(ms.dtype_to_nptype(tensor.dtype)).name
+    dtype = _NUMPY_NAMES.get(tensor.dtype)
+    if dtype is None:
+        raise ValueError(
+            f"a {tensor.dtype} tensor cannot be saved sharded: the parts hold {', '.join(_NUMPY_NAMES.values())}"
+        )
     return Leaf(tuple(tensor.shape), dtype, lambda: np.array(tensor.asnumpy(), copy=True))
 
 

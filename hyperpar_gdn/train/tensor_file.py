@@ -55,7 +55,7 @@ def write_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> int:
             raise ValueError(
                 f"array {name!r} has dtype {array.dtype}; a tensor file holds {', '.join(_CODES)}"
             )
-        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        array = np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")  # keeps 0-d arrays
         header[name] = {
             "dtype": code,
             "shape": list(array.shape),

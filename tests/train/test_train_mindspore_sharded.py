@@ -4,7 +4,7 @@ cp 2: the losses after each resume are those of an uninterrupted run at the new 
 relative 1e-5). Both msrun workers write a part and neither holds most of the state; a flipped
 byte in a part is one line naming the file; --async-save (the resume of the whole checkpoint)
 writes the tensors of the synchronous save (the resume of the sharded one, the same state); the
-converter reads the checkpoint, and torch refuses it in one line.
+converter reads the checkpoint; torch refuses it in one line, and MindSpore a torch one.
 
 One msrun job (2 workers) runs every cp 2 run in turn; the cp 1 runs are one-process MindSpore
 worlds in the test process, before the job (the checkpoints it resumes) and after it.
@@ -209,3 +209,27 @@ def test_the_converter_reads_it_and_torch_refuses_it_in_one_line(
     message = run_ranks(_torch_resume_error, 1, options, timeout_s=120)[0]
     assert "\n" not in message and "per-rank parts of a replicated state" in message, message
     assert "HP_PLATFORM=mindspore" in message, message
+
+
+def _torch_save(rank: int, world: int, options: dict[str, Any]) -> list[float]:
+    trainer = Trainer(TrainConfig(**options))
+    try:
+        return trainer.train().losses
+    finally:
+        trainer.close()
+
+
+def test_a_torch_sharded_checkpoint_is_refused_on_mindspore_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+
+    monkeypatch.setenv("HP_PLATFORM", "cpu")
+    run_ranks(_torch_save, 1, {**OPTIONS, "steps": 2, "save": str(tmp_path)}, timeout_s=120)
+    assert read_manifest(tmp_path / "step-2")["layout"] == "dcp"
+    monkeypatch.setenv("HP_PLATFORM", "mindspore")
+    with pytest.raises(ValueError) as caught:
+        MindSporeTrainer(TrainConfig(**NO_SAVES, resume=str(tmp_path)))
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"checkpoint {tmp_path} is sharded by torch's DCP")
+    assert "HP_PLATFORM=cpu|cuda|npu" in message, message

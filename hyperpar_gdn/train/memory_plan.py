@@ -45,6 +45,7 @@ from typing import Any
 from hyperpar_gdn.models.block_config import DecoderSizes
 from hyperpar_gdn.models.qwen35_config import Qwen35Config
 from hyperpar_gdn.ops.lm_loss import default_chunk_tokens
+from hyperpar_gdn.platform.host_memory import MMAP_THRESHOLD
 
 __all__ = [
     "GIB",
@@ -60,7 +61,6 @@ __all__ = [
 ]
 
 GIB = 2**30
-MMAP_THRESHOLD = 2**30  # keep_freed_host_memory's: larger blocks are the kernel's own mappings
 GDN_CHUNK = 64  # the chunk rule's C (hyperpar_gdn.ops.gdn.layer's default)
 # The resident memory of a process that imported the framework and built a tiny model (measured
 # on the CPU machine of docs/training.md: 306 MiB after importing hyperpar_gdn.train and one step of
@@ -294,9 +294,9 @@ def heap_holes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
     the heap (``opts.kept_heap``): torch asks for 64-byte aligned blocks, which glibc serves from a
     free block at least 96 bytes larger than the request, so a freed block is never reused for a
     tensor of its own size and the two ``[n, V]`` fp32 blocks of the chunked loss's forward stay
-    holes beside the backward's own (measured at V = 248,320, n = 270: 1.72 GiB in malloc's use at
-    the peak both ways, a resident peak of 2.72 GiB with the heap kept and 2.25 GiB without; see
-    docs/training.md). Blocks of at least the mmap threshold (1 GiB) are returned at once."""
+    holes beside the backward's own. Blocks of at least ``MMAP_THRESHOLD`` (128 MiB) get mappings
+    of their own, returned when freed, and leave none (a large vocabulary's chunks and ``[V, C]``
+    blocks: see :mod:`hyperpar_gdn.platform.host_memory`)."""
     if not opts.kept_heap or opts.loss != "chunked":
         return 0
     chunk = min(tokens, default_chunk_tokens(shape.vocab_size)) * shape.vocab_size * 4

@@ -30,22 +30,21 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+# Only framework-free modules here: the options and the memory plan are checked before torch is
+# imported (a run over its memory budget is refused in the time Python takes to start).
 from hyperpar_gdn.cli import USER_ERROR_GRACE_S, Stopped, launch_rank, run_script
 from hyperpar_gdn.platform import platform_name
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
-from hyperpar_gdn.train import (
-    FAULTS,
-    USER_ERRORS,
-    RankTimeoutError,
-    TrainConfig,
-    Trainer,
-    TrainResult,
-    parse_args,
-)
-from hyperpar_gdn.train.checkpoint import MANIFEST, list_checkpoints
-from hyperpar_gdn.train.data import VocabularyError
-from hyperpar_gdn.train.memory_check import MemoryBudgetError, plan_lines
+from hyperpar_gdn.train.command_line import parse_args
+from hyperpar_gdn.train.config import TrainConfig
+from hyperpar_gdn.train.errors import FAULTS, USER_ERRORS, VocabularyError
+from hyperpar_gdn.train.faults import RankTimeoutError
+from hyperpar_gdn.train.memory_check import MemoryBudgetError, check_memory, plan_lines
+
+if TYPE_CHECKING:
+    from hyperpar_gdn.train import Trainer, TrainResult
 
 # After a refused memory plan: every rank reached the same arithmetic at about the same time, so a
 # short wait lets the others print their line before the launcher stops them.
@@ -66,6 +65,8 @@ class _Run:
         text = f" at step {step} of {self.config.steps}"
         if self.config.save is None:
             return text + "; no checkpoints (--save DIR keeps them)"
+        from hyperpar_gdn.train.checkpoint import MANIFEST, list_checkpoints
+
         saved = [d for _, d in list_checkpoints(self.config.save) if (d / MANIFEST).is_file()]
         if not saved:
             return text + f"; no checkpoint under --save {self.config.save} yet"
@@ -116,12 +117,19 @@ def _run(argv: Sequence[str] | None, run: _Run) -> int:
         if launch_rank() == 0:
             print("\n".join(lines), flush=True)
         return 0
+    name = platform_name()
+    if config.max_memory_gb is not None or name in ("cpu", "mindspore"):
+        # every rank, before torch is imported and before any communication (the Trainer checks
+        # again, and asks a device for its memory only after the platform was found usable)
+        check_memory(config, platform=name)
+    from hyperpar_gdn.train import Trainer
+
     # a file-size limit (ulimit -f) then fails the write (EFBIG, a save error) instead of killing us
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if platform_name() == "cpu":  # activations live in host memory: reuse it rather than page-fault
+    if name == "cpu":  # activations live in host memory: reuse it rather than page-fault
         keep_freed_host_memory()
     trainer_class: type[Trainer] = Trainer
-    if platform_name() == "mindspore":
+    if name == "mindspore":
         from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
 
         trainer_class = MindSporeTrainer

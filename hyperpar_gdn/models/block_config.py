@@ -16,6 +16,8 @@ class DecoderSizes:
 
     zero_centred_norms = False  # plain RMSNorm weight * x / rms(x); True: x / rms(x) * (1 + weight)
     num_experts = 0  # a dense SwiGLU MLP in every block
+    num_experts_per_tok = moe_intermediate_size = shared_expert_intermediate_size = 0  # MoE sizes
+    tie_word_embeddings = True  # the LM head is the embedding's weight
     rotary_dim: int | None = None  # RoPE over the whole head
 
     def gdn_kwargs(self: Any) -> dict[str, Any]:

@@ -79,21 +79,26 @@ class Qwen35Config(DecoderSizes):
         return cls.from_dict(config, where=str(file))
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any], *, where: str = "config") -> Qwen35Config:
-        """Parse a transformers config dict (text or multimodal); every error names ``where`` and the field."""
+    def from_dict(
+        cls, config: dict[str, Any], *, where: str = "config", sizes_only: bool = False
+    ) -> Qwen35Config:
+        """Parse a transformers config dict (text or multimodal); every error names ``where`` and the
+        field. ``sizes_only``: accept the fields the MindSpore model does not implement (for what
+        reads only the sizes, as the memory plan of a torch run)."""
         model_type = config.get("model_type")
         if model_type in MULTIMODAL:
             text = dict(config.get("text_config") or {})
             text.setdefault("model_type", MULTIMODAL[model_type])
             if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
                 text["tie_word_embeddings"] = config["tie_word_embeddings"]
-            return cls.from_dict(text, where=f"{where}: text_config")
+            return cls.from_dict(text, where=f"{where}: text_config", sizes_only=sizes_only)
         if model_type not in (DENSE, MOE):
             raise ValueError(
                 f"{where}: model_type {model_type!r} is not a Qwen3.5 model; supported: "
                 f"{', '.join([DENSE, MOE, *MULTIMODAL])}"
             )
-        _refuse_unsupported(config, where)
+        if not sizes_only:
+            _refuse_unsupported(config, where)
         n = _int(config, "num_hidden_layers", where)
         layer_types = config.get("layer_types")
         if layer_types is None:

@@ -26,17 +26,21 @@ import ctypes.util
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
-# Allocations up to this size come from the heap; freed memory at the heap's top is returned only
-# above the trim threshold. glibc 2.36 (on the CPU machines where this was measured) takes a 1 GiB mmap
-# threshold; where mallopt refuses it, the 32 MiB cap of older glibc documentation is used.
-MMAP_THRESHOLD = 1 << 30
+# Allocations below this size come from the heap; freed memory at the heap's top is returned only
+# above the trim threshold. Larger blocks (the chunked loss's [n, V] logits and the [V, C] head
+# gradients of a large vocabulary) get their own mapping, returned when freed: in the heap they
+# left holes, because torch asks for 64-byte aligned blocks, which glibc serves from a free block
+# at least 96 bytes larger than the request, so a freed block never takes the next tensor of its
+# own size (measured with V = 248,320, hidden 256: 1.72 GiB allocated at the peak, a resident peak
+# of 2.7 to 3.9 GiB with a 1 GiB threshold, growing with the loss's chunks; docs/training.md).
+MMAP_THRESHOLD = 128 * 1024 * 1024
 MMAP_THRESHOLD_CAPPED = 32 * 1024 * 1024
 TRIM_THRESHOLD = 2**31 - 1  # the largest value mallopt's int takes: 2 GiB
 TOP_PAD = 64 * 1024 * 1024  # the heap grows by at least this much at a time
 
 
 def keep_freed_host_memory() -> bool:
-    """Ask glibc malloc to serve allocations up to 1 GiB from its heap (32 MiB on old glibc), to
+    """Ask glibc malloc to serve allocations below 128 MiB from its heap (32 MiB on old glibc), to
     grow the heap 64 MiB at a time and to keep what is freed (up to 2 GiB at the heap's top).
 
     Returns True if the settings took effect, False where the C library is not glibc (the

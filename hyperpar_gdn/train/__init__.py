@@ -19,45 +19,45 @@
 - :mod:`.memory_plan` (the per-rank memory estimate, framework-free) and :mod:`.memory_check`
   (``--plan``'s table, the refusal of a run over its memory budget).
 - :mod:`.command_line`: ``scripts/train.py``'s options.
+- :mod:`.errors`: the errors reported in one line (:data:`USER_ERRORS`, :data:`FAULTS`).
+
+The names below load their module on first use, so that ``scripts/train.py`` parses its options
+and checks the memory plan before torch is imported (a refused run never loads torch).
 """
 
-from hyperpar_gdn.platform.base import PlatformUnavailableError
-from hyperpar_gdn.train.backend import TrainBackend
-from hyperpar_gdn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from hyperpar_gdn.train.command_line import UsageError, parse_args
-from hyperpar_gdn.train.config import MODEL_SIZES, TrainConfig
-from hyperpar_gdn.train.faults import RankTimeoutError, SaveError, TrainingStopped
-from hyperpar_gdn.train.loop import Trainer
-from hyperpar_gdn.train.metrics import TrainResult
+from __future__ import annotations
 
-# What a user can fix (an option, a file, a directory): scripts/train.py reports these in one line.
-USER_ERRORS = (
-    ValueError,
-    FileNotFoundError,
-    NotADirectoryError,
-    NotImplementedError,
-    ModuleNotFoundError,
-    CheckpointError,
-    PlatformUnavailableError,
-)
+import importlib
+from typing import Any
 
-# Faults that stopped a run (scripts/train.py: one line on every rank, exit code 3).
-FAULTS = (TrainingStopped, SaveError, RankTimeoutError)
+_EXPORTS = {
+    "FAULTS": "hyperpar_gdn.train.errors",
+    "USER_ERRORS": "hyperpar_gdn.train.errors",
+    "CheckpointError": "hyperpar_gdn.train.errors",
+    "RankTimeoutError": "hyperpar_gdn.train.faults",
+    "SaveError": "hyperpar_gdn.train.faults",
+    "TrainingStopped": "hyperpar_gdn.train.faults",
+    "PlatformUnavailableError": "hyperpar_gdn.platform.base",
+    "TrainBackend": "hyperpar_gdn.train.backend",
+    "load_checkpoint": "hyperpar_gdn.train.checkpoint",
+    "save_checkpoint": "hyperpar_gdn.train.checkpoint",
+    "UsageError": "hyperpar_gdn.train.command_line",
+    "parse_args": "hyperpar_gdn.train.command_line",
+    "MODEL_SIZES": "hyperpar_gdn.train.config",
+    "TrainConfig": "hyperpar_gdn.train.config",
+    "Trainer": "hyperpar_gdn.train.loop",
+    "TrainResult": "hyperpar_gdn.train.metrics",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "FAULTS",
-    "RankTimeoutError",
-    "SaveError",
-    "TrainingStopped",
-    "MODEL_SIZES",
-    "CheckpointError",
-    "TrainBackend",
-    "TrainConfig",
-    "TrainResult",
-    "Trainer",
-    "USER_ERRORS",
-    "UsageError",
-    "load_checkpoint",
-    "parse_args",
-    "save_checkpoint",
-]
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hyperpar_gdn.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # loaded once
+    return value

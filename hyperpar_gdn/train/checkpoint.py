@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from hyperpar_gdn.train.errors import CheckpointError
+
 MANIFEST = "manifest.json"
 FORMAT = 1  # the whole format; what save_checkpoint writes
 SHARDED_FORMAT = 2  # the sharded format (.sharded_checkpoint)
@@ -77,10 +79,6 @@ __all__ = [
     "write_manifest",
     "write_parts",
 ]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt; the message names the path."""
 
 
 def write_atomic(path: Path, data: bytes) -> None:

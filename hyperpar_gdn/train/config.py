@@ -211,7 +211,7 @@ class TrainConfig:
     @functools.cached_property
     def _gdn_dims(self) -> tuple[int, int, int]:
         if self.model_dir is not None:
-            from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
+            from hyperpar_gdn.integrations.transformers.model_config import gdn_dims
 
             return gdn_dims(self.model_dir)
         m = self.model
@@ -220,7 +220,7 @@ class TrainConfig:
     @functools.cached_property
     def _has_softmax_attention(self) -> bool:
         if self.model_dir is not None:
-            from hyperpar_gdn.integrations.transformers.model_dir import has_softmax_attention
+            from hyperpar_gdn.integrations.transformers.model_config import has_softmax_attention
 
             return has_softmax_attention(self.model_dir)
         return "full_attention" in self.model.layer_types

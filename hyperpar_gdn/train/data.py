@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS
+from hyperpar_gdn.train.errors import VocabularyError
 
 VOCAB_SIZE = 256  # bytes
 
@@ -63,11 +64,6 @@ def _file_documents(file: Path) -> list[str]:
             raise ValueError(f'--data {file}:{number}: expected an object with a "text" string')
         documents.append(record["text"])
     return documents
-
-
-class VocabularyError(ValueError):
-    """Token ids the model has no embedding for (a tokenizer that does not match the model);
-    raised on every rank before the first step."""
 
 
 @dataclass(frozen=True)

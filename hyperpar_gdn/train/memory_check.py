@@ -50,9 +50,9 @@ def model_shape(config: TrainConfig) -> ModelShape:
     """The sizes of the model to train (``--model``'s config.json is read, not its weights)."""
     if config.model_dir is None:
         return ModelShape.of(config.model)
-    from hyperpar_gdn.integrations.transformers.model_dir import text_config
+    from hyperpar_gdn.integrations.transformers.model_config import read_config
 
-    return ModelShape.of(text_config(config.model_dir))
+    return ModelShape.of(read_config(config.model_dir), where=f"--model {config.model_dir}: config.json")
 
 
 def step_options(config: TrainConfig, world_size: int, *, platform: str) -> StepOptions:
@@ -73,6 +73,7 @@ def step_options(config: TrainConfig, world_size: int, *, platform: str) -> Step
         packed=config.doc_boundaries,
         attention=attention_path(),
         runtime_bytes=RUNTIME_BYTES[runtime] if platform == "cpu" else 0,
+        kept_heap=platform == "cpu",  # scripts/train.py keeps freed host memory on the CPU
     )
 
 
@@ -177,7 +178,7 @@ def plan_lines(config: TrainConfig, *, platform: str) -> list[str]:
     lines.append(f"{'peak':<16}" + "".join(f"{_gib(e.total):>14}" for e in ranks))
     lines.append(
         "peak = runtime + parameters + gradients + optimizer + "
-        "max(activations + communication + max(loss, backward), gradient sync)"
+        "max(activations + communication + max(loss, backward) + heap holes, gradient sync)"
     )
     longest = longest_seq_len(shape, opts, budget)
     verdict = "fits" if worst.total <= budget else "does not fit"

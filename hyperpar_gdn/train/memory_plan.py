@@ -12,17 +12,20 @@ Framework-free arithmetic over the model's sizes (:class:`ModelShape`) and the s
   moments; under FSDP all three divided over every rank, plus the gathered weights of the root
   and two decoder layers (the one computing and the one prefetched);
 - step phase: the tensors autograd saves in the forward (:func:`saved_per_token`, counted from
-  the code of each stage: the norms, the SwiGLU MLP or the dense-routed MoE, the GDN layer's
+  the code of each stage: the norms, the SwiGLU MLP or the routed MoE, the GDN layer's
   projections, conv and the chunk rule's hand-written forward, the attention projections, RoPE,
   the kernel's inputs and outputs and the gathered K/V), plus whichever is larger of the loss's
-  transient (two ``[n, V]`` fp32 chunks of the chunked loss, or the whole ``[N, V]`` logits, their
-  log-softmax and gradient) and one layer's backward (its gradients, as large as what it saved);
+  transient (two ``[n, V]`` fp32 chunks of the chunked loss, or one beside two ``[V, C]``
+  temporaries in its backward; or the whole ``[N, V]`` logits, their log-softmax and gradient)
+  and one layer's backward (its gradients, as large as what it saved);
   under activation checkpointing only each layer's input is kept and one layer at a time is
   recomputed; bf16 adds the autocast copies of the weights and of the head;
+- heap holes (:func:`heap_holes`): on the CPU, where freed memory stays in the heap, the blocks
+  of the loss's forward that its backward cannot reuse;
 - communication: per GDN layer the mode's buffers (p2p's states, all_gather's cp maps, scan's
   rounds, ulysses' all-to-all of activations); after the backward, the flat all-reduce buffer of
   the gradients (one per dtype, the size of the gradients) when there is more than one rank and
-  no FSDP, or the optimizer's largest temporary.
+  no FSDP, or the optimizer's temporaries (two of the largest parameter's size).
 
 Ranks differ where the work does: with contiguous shards the last rank's attention reads every
 key; under ``--check-parity`` rank 0 also holds a whole copy of the model with its optimizer and
@@ -39,7 +42,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from hyperpar_gdn.models.block_config import DecoderSizes
+from hyperpar_gdn.models.qwen35_config import Qwen35Config
 from hyperpar_gdn.ops.lm_loss import default_chunk_tokens
+from hyperpar_gdn.platform.host_memory import MMAP_THRESHOLD
 
 __all__ = [
     "GIB",
@@ -48,7 +54,9 @@ __all__ = [
     "ModelShape",
     "StepOptions",
     "estimate",
+    "heap_holes",
     "longest_seq_len",
+    "mlp_saved_per_token",
     "saved_per_token",
 ]
 
@@ -68,51 +76,33 @@ TERMS = (
     "loss",
     "backward",
     "communication",
+    "heap holes",
     "gradient sync",
 )
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class ModelShape:
-    """The sizes that decide memory, as transformers' Qwen3.5 names them (:meth:`of` reads them
-    from a ``HybridLMConfig``, a ``Qwen35Config`` or a transformers config)."""
+    """The sizes that decide memory: ``config``, a model config with transformers' Qwen3.5 size
+    names (a ``HybridLMConfig`` or a ``Qwen35Config``), whose attributes a shape reads through
+    (``shape.hidden_size``). :meth:`of` also takes a config.json dict or a transformers config."""
 
-    vocab_size: int
-    hidden_size: int
-    layer_types: tuple[str, ...]
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    intermediate_size: int = 0  # dense MLPs (MoE models: the expert sizes below)
-    tie_word_embeddings: bool = True
-    num_experts: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
+    config: Any
 
     @classmethod
-    def of(cls, config: Any) -> ModelShape:
-        """The shape of a model config: an object with these attribute names, or a config.json
-        dict (without ``layer_types``: every ``full_attention_interval``-th layer is attention)."""
-        if isinstance(config, dict):
-            text = dict(config)
-            if "layer_types" not in text:
-                interval, layers = text.get("full_attention_interval", 4), int(text["num_hidden_layers"])
-                text["layer_types"] = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
-            text.setdefault("tie_word_embeddings", False)  # transformers' default for Qwen3.5
-            values = {f.name: text.get(f.name, f.default) for f in dataclasses.fields(cls)}
-        else:
-            values = {f.name: getattr(config, f.name, f.default) for f in dataclasses.fields(cls)}
-        missing = [name for name, value in values.items() if value is dataclasses.MISSING]
-        if missing:
-            raise ValueError(f"the model config has no {', '.join(missing)}: the memory plan needs them")
-        values["layer_types"] = tuple(values["layer_types"])
-        values["num_experts"] = int(values["num_experts"] or 0)
-        return cls(**values)
+    def of(cls, config: Any, *, where: str = "the model config") -> ModelShape:
+        """The shape of a model config, a config.json dict or a transformers config (parsed as
+        ``Qwen35Config`` reads a model directory, accepting what only the MindSpore model refuses;
+        its errors name ``where``)."""
+        if isinstance(config, DecoderSizes):
+            return cls(config)
+        text = config if isinstance(config, dict) else config.to_dict()
+        return cls(Qwen35Config.from_dict(text, where=where, sizes_only=True))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "config":  # copying and pickling look for these first
+            raise AttributeError(name)
+        return getattr(self.config, name)
 
     @property
     def conv_dim(self) -> int:
@@ -139,6 +129,15 @@ class ModelShape:
             mlp = 3 * c * self.intermediate_size
         return 2 * c + mixer + mlp
 
+    def largest_parameter(self) -> int:
+        """Elements of the largest single parameter (the embedding, a projection, an expert stack)."""
+        c = self.hidden_size
+        sizes = [self.vocab_size * c, c * self.conv_dim, c * self.intermediate_size]
+        sizes.append(2 * c * self.num_attention_heads * self.head_dim)  # the query with its gate
+        if self.num_experts:  # the experts' gate and up projections, one [E, 2I, C] tensor
+            sizes.append(2 * self.num_experts * self.moe_intermediate_size * c)
+        return max(sizes)
+
     def num_parameters(self) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return embed + self.hidden_size + sum(self.layer_parameters(k) for k in self.layer_types)
@@ -159,6 +158,8 @@ class StepOptions:
         attention: "reference" holds each rank's ``[H, N, keys]`` scores; any other path (the
             fused kernel, blockwise) holds no score matrix.
         runtime_bytes: the framework's own memory (:data:`RUNTIME_BYTES`).
+        kept_heap: freed host memory stays in the process heap (the CPU trainer's
+            ``keep_freed_host_memory``), where the loss's blocks leave holes (:func:`heap_holes`).
     """
 
     seq_len: int
@@ -175,6 +176,7 @@ class StepOptions:
     loss: str = "chunked"
     attention: str = "auto"
     runtime_bytes: int = 0
+    kept_heap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "rows", "cp", "world_size"):
@@ -199,7 +201,7 @@ class Estimate:
     def total(self) -> int:
         t = self.terms
         fixed = t["runtime"] + t["parameters"] + t["gradients"] + t["optimizer"]
-        step = t["activations"] + t["communication"] + max(t["loss"], t["backward"])
+        step = t["activations"] + t["communication"] + max(t["loss"], t["backward"]) + t["heap holes"]
         return fixed + max(step, t["gradient sync"])
 
 
@@ -208,9 +210,9 @@ def saved_per_token(shape: ModelShape, kind: str, *, bf16: bool, cp: int, packed
     layer of ``kind``, not counting the gathered K/V of attention (per rank, see :func:`estimate`).
 
     Counted from the stages: RMSNorm keeps its fp32 input and normalised value and gives the
-    projections their input (2C fp32 + C, twice a layer); SwiGLU keeps gate, silu, up and their
-    product (4I); the GDN layer keeps its projections (conv_dim + value_dim + 2H), the conv's
-    output and silu (2 conv_dim; packed documents add the padded input), the gates (3H fp32), the
+    projections their input (2C fp32 + C, twice a layer); the MLP (:func:`mlp_saved_per_token`);
+    the GDN layer keeps its projections (conv_dim + value_dim + 2H), the conv's output and silu
+    (2 conv_dim; packed documents add the padded input), the gates (3H fp32), the
     chunk rule's saved set (per value head: q, k, v, three per-token gates, two l2 norms, seven
     c x c matrices per chunk, then q exp(G), w, k decay, the state per chunk, v_new; q_eff under CP)
     and the gated norm (4 value_dim fp32 + the output projection's input); the attention layer keeps
@@ -218,13 +220,8 @@ def saved_per_token(shape: ModelShape, kind: str, *, bf16: bool, cp: int, packed
     gated (7 H D + 2 Hkv D), the norms' and the kernel's per-head scalars and RoPE's cos and sin
     (2 H + Hkv + 2 D fp32)."""
     c = shape.hidden_size
-    lin, f32 = 2 * c, 4 * c  # the two norms
-    if shape.num_experts:
-        e, im, shared = shape.num_experts, shape.moe_intermediate_size, shape.shared_expert_intermediate_size
-        lin += 4 * (e * im + shared) + e * c + c
-        f32 += 2 * e
-    else:
-        lin += 4 * shape.intermediate_size
+    lin, f32 = mlp_saved_per_token(shape)
+    lin, f32 = lin + 2 * c, f32 + 4 * c  # the two norms
     if kind == LINEAR:
         h, dk, dv = shape.linear_num_value_heads, shape.linear_key_head_dim, shape.linear_value_head_dim
         conv, value = shape.conv_dim, shape.value_dim
@@ -241,6 +238,18 @@ def saved_per_token(shape: ModelShape, kind: str, *, bf16: bool, cp: int, packed
     # (the mixer's projections - 1) + (the MLP's two - 1) more copies than in fp32
     lin += c * (4 if kind == LINEAR else 3)
     return lin, f32
+
+
+def mlp_saved_per_token(shape: ModelShape) -> tuple[int, int]:
+    """(elements in the compute dtype, fp32 elements) that the MLP keeps per token: SwiGLU's gate,
+    silu, up and product (4I); a MoE block the same per routed expert (k of them) with the
+    expert's gathered input, output and weighted output (3C: the index_add that scatters the
+    last keeps it), the shared expert (4 I_shared) and its gated output (C), and the router's fp32
+    logits, probabilities and choice (3E)."""
+    if not shape.num_experts:
+        return 4 * shape.intermediate_size, 0
+    c, k, im = shape.hidden_size, shape.num_experts_per_tok, shape.moe_intermediate_size
+    return k * (3 * c + 4 * im) + 4 * shape.shared_expert_intermediate_size + c, 3 * shape.num_experts
 
 
 def _layer_bytes(shape: ModelShape, kind: str, opts: StepOptions, tokens: int, keys: int) -> int:
@@ -270,12 +279,28 @@ def _loss_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
     if opts.loss == "logits":  # logits, log-softmax, their gradient
         return 3 * tokens * v * 4
     n = min(tokens, default_chunk_tokens(v))
-    # two [n, V] chunks at a time; in the backward the [V, C] product P^T h and the new sum
-    # dW + P^T h beside the accumulator (which becomes the head's gradient, counted there)
-    size = 2 * n * v * 4 + tokens * 4 + 2 * v * shape.hidden_size * 4
+    chunk, head = n * v * 4, v * shape.hidden_size * 4
+    # two [n, V] chunks at a time (each step rebinds one name); in the backward, beside one chunk of
+    # probabilities, the [V, C] product P^T h and the new sum dW + P^T h beside the accumulator
+    # (which becomes the head's gradient, counted there)
+    size = max(2 * chunk, chunk + 2 * head) + tokens * 4
     if opts.dtype == "bf16":  # bf16 logits and probabilities, the head cast once
         size += 2 * n * v * 2 + v * shape.hidden_size * 2
     return size
+
+
+def heap_holes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
+    """Resident heap that no tensor holds during the loss's backward, when freed memory stays in
+    the heap (``opts.kept_heap``): torch asks for 64-byte aligned blocks, which glibc serves from a
+    free block at least 96 bytes larger than the request, so a freed block is never reused for a
+    tensor of its own size and the two ``[n, V]`` fp32 blocks of the chunked loss's forward stay
+    holes beside the backward's own. Blocks of at least ``MMAP_THRESHOLD`` (128 MiB) get mappings
+    of their own, returned when freed, and leave none (a large vocabulary's chunks and ``[V, C]``
+    blocks: see :mod:`hyperpar_gdn.platform.host_memory`)."""
+    if not opts.kept_heap or opts.loss != "chunked":
+        return 0
+    chunk = min(tokens, default_chunk_tokens(shape.vocab_size)) * shape.vocab_size * 4
+    return 2 * chunk if chunk < MMAP_THRESHOLD else 0
 
 
 def _comm_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
@@ -317,6 +342,7 @@ def _step_terms(shape: ModelShape, opts: StepOptions, rank: int) -> dict[str, in
         "loss": _loss_bytes(shape, opts, tokens),
         "backward": largest,
         "communication": _comm_bytes(shape, opts, tokens),
+        "heap holes": heap_holes(shape, opts, tokens),
     }
 
 
@@ -336,9 +362,11 @@ def estimate(shape: ModelShape, opts: StepOptions, *, rank: int = 0) -> Estimate
         terms["parameters"] += (root + 2 * layer) * width
         terms["gradients"] += (root + 2 * layer) * 4
     terms.update(_step_terms(shape, opts, rank))
-    largest_param = shape.vocab_size * shape.hidden_size * 4 // shards
+    # AdamW on the CPU (one tensor at a time): sqrt(v) and its quotient by the bias correction, two
+    # temporaries of the largest parameter at once
+    optimizer_temporaries = 2 * shape.largest_parameter() * 4 // shards
     flat = params * 4 if opts.world_size > 1 and not opts.fsdp else 0
-    terms["gradient sync"] = max(flat, largest_param)
+    terms["gradient sync"] = max(flat, optimizer_temporaries)
     if opts.check_parity and rank == 0:  # a whole copy trained on the whole batch, full logits
         whole = dataclasses.replace(
             opts, cp=1, world_size=1, rows=opts.rows * (opts.world_size // opts.cp), loss="logits"

@@ -10,22 +10,20 @@ from typing import Any
 
 from benchkit.machine import peak_rss_bytes, rss_bytes
 
-__all__ = ["VOCAB", "build_model", "measure_loss", "measure_step"]
+__all__ = ["VOCAB", "build_model", "measure_loss", "measure_step", "qwen35_sizes"]
 
 VOCAB = 248_320
 
 
-def build_model(hidden: int, layers: int) -> Any:
-    """A random transformers Qwen3.5 text model with the 248,320-token vocabulary (tied head)."""
-    import torch
-    import transformers
-
+def qwen35_sizes(hidden: int, layers: int, *, experts: int = 0) -> dict[str, Any]:
+    """The config fields of the benchmark's Qwen3.5 model: the 248,320-token vocabulary (tied
+    head), ``hidden`` wide (a multiple of 64), ``layers`` deep (every 4th softmax attention); with
+    ``experts`` > 0 a Qwen3.5-MoE with 2 experts per token and a shared expert."""
     heads = max(1, hidden // 64)
-    config = transformers.Qwen3_5TextConfig(
+    sizes: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=hidden,
         num_hidden_layers=layers,
-        intermediate_size=3 * hidden,
         num_attention_heads=heads,
         num_key_value_heads=1,
         head_dim=64,
@@ -36,6 +34,20 @@ def build_model(hidden: int, layers: int) -> Any:
         max_position_embeddings=1 << 20,
         tie_word_embeddings=True,
     )
+    if experts:
+        sizes.update(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=hidden)
+        sizes.update(shared_expert_intermediate_size=hidden)
+    else:
+        sizes.update(intermediate_size=3 * hidden)
+    return sizes
+
+
+def build_model(hidden: int, layers: int) -> Any:
+    """A random transformers Qwen3.5 text model of :func:`qwen35_sizes`."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3_5TextConfig(**qwen35_sizes(hidden, layers))
     torch.manual_seed(0)
     return transformers.Qwen3_5ForCausalLM(config)
 

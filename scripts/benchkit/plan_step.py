@@ -1,8 +1,7 @@
 """``bench_plan``'s measurement: the peak resident memory of every rank over a few steps of the real
-trainer (:class:`hyperpar_gdn.train.Trainer`, the built-in model, byte tokens of a generated text
-file), on ranks of :func:`benchkit.ranks.on_ranks` (fresh processes: a peak is not hidden by an
-earlier one). The Qwen3.5 model with the 248,320-token vocabulary is measured by
-:func:`benchkit.memory_step.measure_step` instead (the trainer's byte data cannot feed it)."""
+trainer (:class:`hyperpar_gdn.train.Trainer`: the built-in model on byte tokens of a generated text
+file, or a transformers model directory with its tokenizer), on ranks of
+:func:`benchkit.ranks.on_ranks` (fresh processes: a peak is not hidden by an earlier one)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Any
 
 from benchkit.machine import peak_rss_bytes, rss_bytes
 
-__all__ = ["TRAIN_OPTIONS", "measure_trainer", "write_text_data"]
+__all__ = ["TRAIN_OPTIONS", "measure_trainer", "write_model_dir", "write_text_data"]
 
 # What every measured run shares: one sequence per step, the p2p mode, quiet logs.
 TRAIN_OPTIONS = {"batch_size": 1, "cp_mode": "p2p", "steps": 2, "log_every": 1000, "warmup_steps": 0}
@@ -41,3 +40,12 @@ def measure_trainer(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
     finally:
         trainer.close()
     return {"rank": rank, "rss_built": built, "peak": peak_rss_bytes(), "seconds": seconds}
+
+
+def write_model_dir(rank: int, cp: int, job: dict[str, Any]) -> str:
+    """One rank: a random transformers Qwen3.5 directory at ``job["out"]`` (``job["moe"]``,
+    ``job["sizes"]``). Written in a rank of its own: whatever the parent process allocated, its
+    forked measuring ranks would count as resident memory."""
+    from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35
+
+    return str(write_tiny_qwen35(job["out"], moe=job["moe"], sizes=job["sizes"]))

@@ -59,15 +59,34 @@ def test_a_run_over_the_budget_is_refused_on_every_rank_quickly(tmp_path: Path) 
         assert "--ac " in line and "--dtype bf16 " in line, line
     assert "step 1" not in result.stdout + result.stderr
     assert 'train.py", line' not in result.stderr, result.stderr  # no traceback of ours
-    # the check is arithmetic after the imports: the time is torchrun's start and `import torch`
-    # (about 4 s on a quiet machine; the bound leaves room for a loaded CI machine)
+    # the workers refuse before importing torch: the time is torchrun's own start and `import torch`
+    # (see docs/training.md; the bound leaves room for a loaded CI machine)
     assert seconds < 120, seconds
 
 
+def test_a_refused_run_never_imports_torch(tmp_path: Path) -> None:
+    """Plain python: the options and the memory plan are checked before the framework is loaded,
+    so a refusal costs the interpreter's start, not ``import torch``."""
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['train.py', '--max-memory-gb', '0.01', '--seq-len', '64']\n"
+        "try:\n"
+        f"    runpy.run_path({str(ROOT / 'scripts' / 'train.py')!r}, run_name='__main__')\n"
+        "except SystemExit as stop:\n"
+        "    print('exit', stop.code, 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.strip().splitlines()[-1] == "exit 2 False", result.stdout + result.stderr
+    assert "rank 0: error: the step needs an estimated" in result.stderr, result.stderr
+
+
 def test_the_estimate_tracks_the_measured_peak(tmp_path: Path) -> None:
-    """A real 2-step run (small preset, T=2048, cp 2): its peak RSS over the ranks within 20% of
-    the largest rank's estimate (the plan aims at 15%; on a clean checkout this run measured 15.5%
-    above it once, so the test allows for the RSS's run-to-run spread)."""
+    """A real 2-step run (small preset, T=2048, cp 2): its peak RSS over the ranks within 15% of
+    the largest rank's estimate (measured 0.92 to 0.93 of the peak in three runs on a loaded
+    machine; docs/training.md)."""
     args = ["--model-size", "small", "--seq-len", "2048", "--batch-size", "1", "--steps", "2"]
     args += ["--cp-mode", "p2p", "--metrics-json", "m.json", "--log-every", "100"]
     data = tmp_path / "data.txt"
@@ -77,4 +96,4 @@ def test_the_estimate_tracks_the_measured_peak(tmp_path: Path) -> None:
     measured = json.loads((tmp_path / "m.json").read_text())["peak_memory_bytes"]
     config = TrainConfig(model_size="small", seq_len=2048, batch_size=1, cp_mode="p2p", data=str(data))
     planned = largest_rank(model_shape(config), step_options(config, 2, platform="cpu")).total
-    assert abs(planned / measured - 1) < 0.2, (planned, measured)
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)

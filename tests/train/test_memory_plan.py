@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hyperpar_gdn.models.lm import DecoderBlock, HybridLM
+from hyperpar_gdn.models.qwen35_config import Qwen35Config
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.memory_check import check_memory, model_shape
 from hyperpar_gdn.train.memory_plan import (
@@ -19,6 +20,7 @@ from hyperpar_gdn.train.memory_plan import (
     estimate,
     largest_rank,
     longest_seq_len,
+    mlp_saved_per_token,
     saved_per_token,
 )
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
@@ -30,13 +32,12 @@ def test_parameters_match_the_built_model(size: str) -> None:
     assert ModelShape.of(MODEL_SIZES[size]).num_parameters() == model.num_parameters()
 
 
-def test_parameters_match_a_transformers_qwen35_model() -> None:
+def _qwen35_config(moe: bool, **changes: object) -> object:
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3_5TextConfig(
+    sizes: dict[str, object] = dict(
         vocab_size=1000,
         hidden_size=128,
         num_hidden_layers=4,
-        intermediate_size=384,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
@@ -46,8 +47,53 @@ def test_parameters_match_a_transformers_qwen35_model() -> None:
         linear_value_head_dim=32,
         tie_word_embeddings=True,
     )
-    model = transformers.Qwen3_5ForCausalLM(config)
-    assert ModelShape.of(config).num_parameters() == sum(p.numel() for p in model.parameters())
+    sizes.update(changes)
+    if moe:
+        sizes.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=96)
+        return transformers.Qwen3_5MoeTextConfig(**sizes, shared_expert_intermediate_size=64)
+    return transformers.Qwen3_5TextConfig(**sizes, intermediate_size=384)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_parameters_match_a_transformers_qwen35_model(moe: bool) -> None:
+    config = _qwen35_config(moe)
+    import transformers
+
+    model = (transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM)(config)
+    shape = ModelShape.of(config)
+    assert shape.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert shape.largest_parameter() == max(p.numel() for p in model.parameters())
+
+
+def test_a_config_json_is_read_as_the_qwen35_config_reads_it() -> None:
+    """The plan's sizes of a config.json are Qwen35Config's (one parser): a multimodal directory's
+    text_config, layer_types from the interval; fields only the MindSpore model refuses are read."""
+    text = {**_qwen35_config(False).to_dict(), "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}
+    text.pop("layer_types")
+    with pytest.raises(NotImplementedError, match="rope_type"):
+        Qwen35Config.from_dict(text)
+    shape = ModelShape.of({"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": True})
+    assert shape.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert shape.vocab_size == 1000 and shape.tie_word_embeddings
+    with pytest.raises(ValueError, match="config.json: hidden_size must be a positive int; got 0"):
+        ModelShape.of({**text, "hidden_size": 0}, where="config.json")
+
+
+def test_the_moe_count_matches_what_autograd_saves() -> None:
+    """transformers' Qwen3.5-MoE block (routed experts, a shared expert), T=512 fp32: the plan's
+    elements per token against the distinct storages a saved-tensor hook sees, within 15%."""
+    config = _qwen35_config(True, hidden_size=256)
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    torch.manual_seed(0)
+    block = Qwen3_5MoeSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    tokens = 512
+    x = torch.randn(1, tokens, config.hidden_size, requires_grad=True)
+    measured = _saved_bytes(block, x) - x.numel() * 4  # the input is the norm's, counted there
+    lin, f32 = mlp_saved_per_token(ModelShape.of(config))
+    assert abs(tokens * 4 * (lin + f32) / measured - 1) < 0.15, (tokens * 4 * (lin + f32), measured)
 
 
 def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:

@@ -9,7 +9,6 @@ trained and exported is exactly what transformers loads.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -19,68 +18,26 @@ from typing import Any
 import torch
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS
+from hyperpar_gdn.integrations.transformers.model_config import (
+    _text_config,
+    gdn_dims,
+    has_softmax_attention,
+    position_range,
+    text_config,
+)
 
 EOS = "<|endoftext|>"
-TEXT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 __all__ = [
     "export_model_dir",
     "gdn_dims",
+    "has_softmax_attention",
     "load_model_dir",
     "load_tokenizer",
     "position_range",
     "text_config",
     "write_tiny_qwen35",
 ]
-
-
-def _text_config(path: str | Path) -> dict[str, Any]:
-    """The text part of ``path/config.json`` (checked), without importing transformers."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"--model {path}: no config.json there (expected a transformers model directory)"
-        )
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--model {path}: config.json is not valid JSON ({err})") from None
-    model_type = config.get("model_type")
-    if model_type not in TEXT_MODEL_TYPES:
-        raise ValueError(
-            f"--model {path}: model_type {model_type!r} is not a Qwen3.5 model; supported: {', '.join(TEXT_MODEL_TYPES)}"
-        )
-    return config.get("text_config", config)
-
-
-def text_config(path: str | Path) -> dict[str, Any]:
-    """The text part of a model directory's config.json (checked; transformers is not imported)."""
-    return _text_config(path)
-
-
-def gdn_dims(path: str | Path) -> tuple[int, int, int]:
-    """(linear_num_key_heads, linear_num_value_heads, linear_conv_kernel_dim) of a model directory."""
-    text = _text_config(path)
-    return (
-        int(text["linear_num_key_heads"]),
-        int(text["linear_num_value_heads"]),
-        int(text["linear_conv_kernel_dim"]),
-    )
-
-
-def position_range(path: str | Path) -> int | None:
-    """``max_position_embeddings`` of a model directory (None when its config.json has none)."""
-    limit = _text_config(path).get("max_position_embeddings")
-    return None if limit is None else int(limit)
-
-
-def has_softmax_attention(path: str | Path) -> bool:
-    """Whether a model directory's decoder has softmax-attention (``full_attention``) layers."""
-    text = _text_config(path)
-    if "layer_types" in text:
-        return "full_attention" in text["layer_types"]
-    interval, layers = text.get("full_attention_interval", 4), int(text["num_hidden_layers"])
-    return layers >= interval  # transformers' default: every interval-th layer
 
 
 def _require_transformers(path: str | Path) -> None:
@@ -164,13 +121,19 @@ def train_tokenizer(vocab_size: int = 512) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS)
 
 
-def write_tiny_qwen35(out: str | Path, *, moe: bool = False, seed: int = 0) -> Path:
+def write_tiny_qwen35(
+    out: str | Path, *, moe: bool = False, seed: int = 0, sizes: dict[str, Any] | None = None
+) -> Path:
     """A small random Qwen3.5 model directory (3 GDN layers and 1 attention layer per 4) with a
-    tokenizer trained on the built-in corpus; no downloads."""
+    tokenizer trained on the built-in corpus; no downloads.
+
+    ``sizes``: config fields that replace the tiny ones (``vocab_size``, ``hidden_size``, ...; a
+    ``vocab_size`` larger than the tokenizer's leaves ids it never produces, as real checkpoints
+    do); a field the config class does not have is refused."""
     import transformers
 
     tokenizer = train_tokenizer()
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         num_hidden_layers=4,
@@ -186,18 +149,21 @@ def write_tiny_qwen35(out: str | Path, *, moe: bool = False, seed: int = 0) -> P
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
     if moe:
-        config = transformers.Qwen3_5MoeTextConfig(
-            **common,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=64,
-        )
-        model = transformers.Qwen3_5MoeForCausalLM(config)
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+        common.update(shared_expert_intermediate_size=64)
+        config_class, model_class = transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM
     else:
-        model = transformers.Qwen3_5ForCausalLM(
-            transformers.Qwen3_5TextConfig(**common, intermediate_size=192)
+        common.update(intermediate_size=192)
+        config_class, model_class = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
+    unknown = sorted(set(sizes or {}) - set(common) - set(config_class().to_dict()))
+    if unknown:
+        raise ValueError(f"write_tiny_qwen35: {config_class.__name__} has no field {', '.join(unknown)}")
+    common.update(sizes or {})
+    if common["vocab_size"] < len(tokenizer):
+        raise ValueError(
+            f"write_tiny_qwen35: vocab_size={common['vocab_size']} is below the tokenizer's {len(tokenizer)} tokens"
         )
+    torch.manual_seed(seed)
+    model = model_class(config_class(**common))
     return export_model_dir(model, tokenizer, out)

@@ -30,28 +30,11 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))  # msrun_harness
+sys.path.insert(0, str(ROOT / "tests"))  # msrun_harness, tiny_models
 
 from msrun_harness import start_watchdog, write_result  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
-
-
-def lm_config() -> Any:
-    from hyperpar_gdn.models.lm import HybridLMConfig
-
-    return HybridLMConfig(
-        hidden_size=32,
-        num_layers=4,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-    )
 
 
 def _rel(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -60,12 +43,13 @@ def _rel(actual: np.ndarray, expected: np.ndarray) -> float:
 
 def lm_cp_section(platform: Any) -> dict[str, Any]:
     import torch
+    from tiny_models import TINY_LM
 
     from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
     from hyperpar_gdn.models.mindspore import HybridLM
 
     torch.manual_seed(0)
-    initial = TorchHybridLM(lm_config())
+    initial = TorchHybridLM(TINY_LM)
     with torch.no_grad():  # move every parameter off its init so each gradient is exercised
         for p in initial.parameters():
             p.add_(0.1 * torch.randn_like(p))

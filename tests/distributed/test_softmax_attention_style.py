@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from distributed_harness import run_ranks
-from tiny_models import TINY_LM
+from tiny_models import TINY_LM, move_off_init
 
 from hyperpar_gdn import init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel, undo_context_parallel
@@ -103,9 +103,7 @@ def _lm_errors(rank: int, world: int, mode: str, dtype: torch.dtype) -> dict[str
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
     reference = HybridLM(TINY_LM)
-    with torch.no_grad():  # move every parameter off its init so each gradient is exercised
-        for p in reference.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    move_off_init(reference, 0.1)  # every gradient is exercised
     reference = reference.to(dtype)
     parallel = HybridLM(TINY_LM).to(dtype)
     parallel.load_state_dict(reference.state_dict())

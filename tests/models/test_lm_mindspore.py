@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 ms = pytest.importorskip("mindspore")
 
-from tiny_models import TINY_LM  # noqa: E402
+from tiny_models import TINY_LM, move_off_init  # noqa: E402
 
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM  # noqa: E402
 from hyperpar_gdn.models.mindspore import HybridLM, load_torch_state_dict  # noqa: E402
@@ -33,9 +33,7 @@ pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 def _torch_model(dtype: torch.dtype) -> TorchHybridLM:
     torch.manual_seed(0)
     model = TorchHybridLM(TINY_LM)
-    with torch.no_grad():  # move every parameter off its init so each gradient is exercised
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    move_off_init(model, 0.1)  # every gradient is exercised
     return model.to(dtype)
 
 

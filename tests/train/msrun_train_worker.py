@@ -43,16 +43,14 @@ def _rel(actual: np.ndarray, expected: np.ndarray) -> float:
 
 def lm_cp_section(platform: Any) -> dict[str, Any]:
     import torch
-    from tiny_models import TINY_LM
+    from tiny_models import TINY_LM, move_off_init
 
     from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
     from hyperpar_gdn.models.mindspore import HybridLM
 
     torch.manual_seed(0)
     initial = TorchHybridLM(TINY_LM)
-    with torch.no_grad():  # move every parameter off its init so each gradient is exercised
-        for p in initial.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    move_off_init(initial, 0.1)  # every gradient is exercised
     initial = initial.to(torch.float64)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1)).numpy()
     return cp_errors(platform, lambda: HybridLM.from_torch(initial), ids)

@@ -67,6 +67,7 @@ class TrainBackend(ABC):
 
     platforms: tuple[str, ...] = ()
     checkpoint_formats: tuple[str, ...] = ("whole",)  # what it saves; the first is the default
+    shard_layout: str | None = None  # its sharded checkpoints' state/ (.checkpoint.SHARD_LAYOUTS)
     tokenizer: Any = None
 
     @classmethod
@@ -135,12 +136,13 @@ class TrainBackend(ABC):
         a state that holds NaN or inf. ``background``: returns the future of the writes."""
         raise NotImplementedError(f"{type(self).__name__} writes whole checkpoints only")
 
-    def load_shards(self, path: str, shards: str) -> None:
-        """Collective: load a sharded checkpoint's state (directory ``shards``) into the model in its
-        current layout, and the reference; ``ValueError`` naming ``path`` where it cannot."""
+    def load_shards(self, path: str, shards: str, *, layout: str) -> None:
+        """Collective: load a sharded checkpoint's state (directory ``shards``, laid out as
+        ``layout``) into the model in its current layout, and the reference; ``ValueError`` naming
+        ``path`` where it cannot (the same on every rank, before any communication)."""
         raise ValueError(
-            f"checkpoint {path} is sharded (format 2, torch's DCP, with torch's AdamW state): resume it "
-            f"on torch; HP_PLATFORM={self.platform.name} resumes the whole checkpoints it writes"
+            f"checkpoint {path} is sharded (format 2, layout {layout!r}); HP_PLATFORM={self.platform.name} "
+            "resumes the whole checkpoints it writes"
         )
 
     @abstractmethod

@@ -19,7 +19,9 @@ checkpoint with a warning naming the file and takes the one before it.
 This module writes the whole format (format 1: every part gathered and written by one rank). The
 sharded format (format 2, :mod:`.sharded_checkpoint`: each rank writes its own shard of the model
 and optimizer state) shares the directory names, the manifest and the commit by rename; its
-manifest also lists every shard file with its size and sha256 (``"shards"``). Both are read here:
+manifest also lists every shard file with its size and sha256 (``"shards"``) and says how
+``state/`` is laid out (``"layout"``: torch's DCP files, or the per-rank parts of a replicated
+state that MindSpore writes, :mod:`.replicated_shards`). Both formats are read here:
 :func:`load_checkpoint` loads a sharded checkpoint whole on one host (``whole_state=True``, for
 converters and tests) or only its small parts (a resuming run then loads its shards itself).
 """
@@ -42,11 +44,19 @@ MANIFEST = "manifest.json"
 FORMAT = 1  # the whole format; what save_checkpoint writes
 SHARDED_FORMAT = 2  # the sharded format (.sharded_checkpoint)
 FORMATS = (FORMAT, SHARDED_FORMAT)
+# How a sharded checkpoint's state/ is laid out (its manifest's "layout"; "dcp" when absent):
+# torch's DCP files (.sharded_checkpoint), or the parts of a replicated state (.replicated_shards)
+DCP_LAYOUT = "dcp"
+REPLICATED_LAYOUT = "replicated"
+SHARD_LAYOUTS = (DCP_LAYOUT, REPLICATED_LAYOUT)
 _CHUNK = 1 << 20  # bytes read at a time for a checksum
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _INCOMPLETE = re.compile(r"^\.step-\d+\.(tmp|old)-\d+$")  # a save in progress, or one that died
 
 __all__ = [
+    "DCP_LAYOUT",
+    "REPLICATED_LAYOUT",
+    "SHARD_LAYOUTS",
     "CheckpointError",
     "check_digest",
     "file_digest",
@@ -62,6 +72,7 @@ __all__ = [
     "resolve_checkpoint",
     "save_checkpoint",
     "serialize_parts",
+    "shard_layout",
     "write_atomic",
     "write_manifest",
     "write_parts",
@@ -317,7 +328,18 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"{manifest_path} has format {manifest.get('format')!r}; this code reads "
             f"{' and '.join(map(str, FORMATS))}"
         )
+    if manifest["format"] == SHARDED_FORMAT and shard_layout(manifest) not in SHARD_LAYOUTS:
+        raise CheckpointError(
+            f"{manifest_path} has shard layout {manifest['layout']!r}; this code reads "
+            f"{' and '.join(SHARD_LAYOUTS)}"
+        )
     return manifest
+
+
+def shard_layout(manifest: dict[str, Any]) -> str:
+    """The layout of a sharded checkpoint's ``state/`` (:data:`SHARD_LAYOUTS`) from its manifest;
+    checkpoints written before the layout was recorded are DCP's."""
+    return manifest.get("layout", DCP_LAYOUT)
 
 
 def _checked_bytes(file: Path, entry: dict[str, Any], manifest_path: Path) -> bytes:

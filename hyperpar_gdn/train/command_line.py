@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-format",
         choices=CHECKPOINT_FORMATS,
         default=None,
-        help="sharded: every rank writes its shard (torch's DCP); whole: rank 0 writes the gathered "
-        "state (default: sharded on torch, whole on MindSpore; both formats resume)",
+        help="sharded: every rank writes its shard (torch's DCP; on MindSpore a part of its replicated "
+        "state); whole: rank 0 writes the gathered state (default: sharded; both formats resume)",
     )
     add(
         "--async-save",

@@ -62,11 +62,12 @@ class TrainConfig:
         auto_resume: with ``save``, resume from the newest complete checkpoint under it when one
             exists (a restarted run continues); False (``--no-auto-resume``): always start at step 1.
         resume: a ``step-N`` directory, or a root whose latest ``step-N`` is taken.
-        checkpoint_format: "sharded" (every rank writes its shard, torch's DCP) or "whole" (the
-            state gathered and written by rank 0). None: the backend's default (sharded on torch,
-            whole on MindSpore). Either format resumes, whatever this option says.
-        async_save: write the sharded checkpoints in the background (``dcp.async_save``): training
-            goes on while the shards are written; each is committed at the next save or at the end.
+        checkpoint_format: "sharded" (every rank writes its shard: torch's DCP, MindSpore's parts
+            of its replicated state) or "whole" (the state gathered and written by rank 0). None:
+            the backend's default (sharded). Either format resumes, whatever this option says.
+        async_save: write the sharded checkpoints in the background (``dcp.async_save`` on
+            torch, a thread per rank on MindSpore): training goes on while the shards are written;
+            each is committed at the next save or at the end.
         fsdp: shard parameters, gradients and optimizer state over all ranks (FSDP2).
         ac: activation checkpointing: recompute each decoder layer in the backward.
         dtype: compute dtype, "fp32" or "bf16" (bf16 matmuls with fp32 master weights, optimizer

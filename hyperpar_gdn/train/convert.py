@@ -4,13 +4,15 @@ transformers directory.
     python -m hyperpar_gdn.train.convert ckpt/step-40 whole-ckpt --to whole
     python -m hyperpar_gdn.train.convert ckpt out-model --to transformers   # a --model run's
 
-``CKPT`` is a ``step-N`` directory or a root (its newest ``step-N``), in either format; every file
-is checked against the manifest first (a damaged one is the error, naming it). ``--to whole``
-writes ``OUT/step-N`` in the whole format (model, optimizer, data, train, the same manifest meta),
-which every platform resumes. ``--to transformers`` writes the trained weights as a transformers
-directory, with the config and tokenizer of the run's ``--model`` directory (or ``--model DIR``
-when that one moved), complete or not at all; only for runs of a ``--model``. The whole state is
-held in this process's memory (the sum of every rank's shard).
+``CKPT`` is a ``step-N`` directory or a root (its newest ``step-N``), in either format (a sharded
+one in either layout: torch's DCP or MindSpore's per-rank parts); every file is checked against
+the manifest first (a damaged one is the error, naming it). ``--to whole`` writes ``OUT/step-N``
+in the whole format (model, optimizer, data, train, the same manifest meta), which the platform
+that wrote the checkpoint resumes (the optimizer state is that platform's AdamW's). ``--to
+transformers`` writes the trained weights as a transformers directory, with the config and
+tokenizer of the run's ``--model`` directory (or ``--model DIR`` when that one moved), complete or
+not at all; only for runs of a ``--model``. The whole state is held in this process's memory
+(the sum of every rank's shard).
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class Trainer:
         )
         if point is not None:
             if point.shards is not None:
-                self.backend.load_shards(point.path, point.shards)
+                self.backend.load_shards(point.path, point.shards, layout=point.layout)
             else:
                 self.backend.load_state_dict(point.path, point.parts)
             self.sampler.load_state_dict(point.parts["data"])

@@ -19,8 +19,9 @@ parity check, summary and metrics. What the backend does its own way:
 - checkpoints have the same layout and parts; the ``model`` part is a torch state dict with the
   torch model's names (a torch ``HybridLM`` loads it; for ``--model``, transformers' names), the ``optimizer`` part is :class:`AdamW`'s
   own state (format :data:`ADAMW_FORMAT`), so a run resumes on the platform that saved it;
-  they are whole checkpoints (format 1, written by rank 0): ``--checkpoint-format sharded`` and
-  ``--async-save`` are torch's (DCP) and refused here.
+  sharded by default, as on torch, in the replicated layout (:mod:`.replicated_shards`: the state
+  is the same on every rank, each rank writes a disjoint part, as a safetensors-layout file;
+  ``--async-save``: a thread writes the part's host copies), or whole (format 1, rank 0).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from __future__ import annotations
 import functools
 import resource
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import mindspore as ms
@@ -42,10 +45,14 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_tokenizer
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
+from hyperpar_gdn.models.mindspore.weights import DTYPES
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
+from hyperpar_gdn.train.checkpoint import REPLICATED_LAYOUT
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.loop import Trainer
+from hyperpar_gdn.train.replicated_shards import Leaf, write_replicated_shards
+from hyperpar_gdn.train.sharded_checkpoint import STATE_DIR, load_whole_state
 
 __all__ = [
     "ADAMW_FORMAT",
@@ -167,6 +174,17 @@ class AdamW:
             "exp_avg_sq": [torch.from_numpy(v.asnumpy().copy()) for v in self.exp_avg_sq],
         }
 
+    def shard_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` with :class:`~.replicated_shards.Leaf` moments: nothing is copied
+        until a rank reads the moments it saves."""
+        return {
+            "format": ADAMW_FORMAT,
+            "steps": self.steps,
+            "names": list(self.names),
+            "exp_avg": [_leaf(m) for m in self.exp_avg],
+            "exp_avg_sq": [_leaf(v) for v in self.exp_avg_sq],
+        }
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; the parameter names and shapes must match."""
         if state.get("format") != ADAMW_FORMAT:
@@ -193,6 +211,20 @@ class AdamW:
         step = self.optimizer.state_step
         value = np.full(step.shape, int(state["steps"]) - self._step_offset)
         step.set_data(ms.Tensor(value, step.dtype))
+
+
+# numpy's name of each MindSpore dtype a checkpoint holds (numpy has no bfloat16; nor does training)
+_NUMPY_NAMES = {ms_dtype: name for name, ms_dtype in DTYPES.items() if name != "bfloat16"}
+
+
+def _leaf(tensor: ms.Tensor) -> Leaf:
+    """``tensor`` as a :class:`~.replicated_shards.Leaf`: read, it is copied to a host array."""
+    dtype = _NUMPY_NAMES.get(tensor.dtype)
+    if dtype is None:
+        raise ValueError(
+            f"a {tensor.dtype} tensor cannot be saved sharded: the parts hold {', '.join(_NUMPY_NAMES.values())}"
+        )
+    return Leaf(tuple(tensor.shape), dtype, lambda: np.array(tensor.asnumpy(), copy=True))
 
 
 class _Replica:
@@ -239,6 +271,8 @@ class MindSporeBackend(TrainBackend):
     """:class:`~hyperpar_gdn.train.backend.TrainBackend` on MindSpore (see the module docstring)."""
 
     platforms = ("mindspore",)
+    checkpoint_formats = ("sharded", "whole")  # sharded by default, as on torch
+    shard_layout = REPLICATED_LAYOUT
 
     @classmethod
     def check(cls, config: TrainConfig, platform_name: str) -> None:
@@ -318,6 +352,32 @@ class MindSporeBackend(TrainBackend):
             if replica is not None:
                 load_torch_state_dict(replica.model, parts["model"])
                 replica.optimizer.load_state_dict(parts["optimizer"])
+
+    def save_shards(self, directory: Path, *, background: bool) -> Future | None:
+        """Every rank writes its part of the replicated state (:mod:`.replicated_shards`); the
+        ``model`` part keeps the torch names, the ``optimizer`` part is :meth:`AdamW.shard_state`."""
+        state = {
+            "model": {name: _leaf(p) for name, p in self.model.parameters_and_names()},
+            "optimizer": self.replica.optimizer.shard_state(),
+        }
+        return write_replicated_shards(
+            state,
+            directory / STATE_DIR,
+            rank=self.rank,
+            world_size=self.world_size,
+            max_over_ranks=self.max_over_ranks,
+            background=background,
+        )
+
+    def load_shards(self, path: str, shards: str, *, layout: str) -> None:
+        """Every rank reads every part (the state is whole on each rank), at any CP or DP size."""
+        if layout != REPLICATED_LAYOUT:
+            raise ValueError(
+                f"checkpoint {path} is sharded by torch's DCP (layout {layout!r}, torch's AdamW state): "
+                "resume it with HP_PLATFORM=cpu|cuda|npu, or convert it (python -m "
+                "hyperpar_gdn.train.convert --to whole) and load only its model part"
+            )
+        self.load_state_dict(path, load_whole_state(Path(shards), layout))
 
     def exporter(self, out: str) -> Callable[[], None]:
         """Parameters are whole on every rank (no FSDP here): rank 0 writes the directory."""

@@ -7,11 +7,11 @@ load that directory, which is complete (a ``step-N`` appears only by a rename on
 disk). Every rank learns of a failure on any rank before the next collective, so none waits forever.
 No framework here: the trainer passes its backend's ``max_over_ranks``.
 
-A sharded checkpoint (format 2) is read here only for its small parts; rank 0's scan checks that
-its shard files are there with their sizes, then every rank checksums its share of them
-(:func:`~.sharded_checkpoint.verify_shards`): a damaged newest one is skipped as in the whole
-format (auto resume), or is the error naming the file (``--resume``). The backend then loads the
-shards into its own layout (:attr:`ResumePoint.shards`).
+A sharded checkpoint (format 2, either layout of its state) is read here only for its small
+parts; rank 0's scan checks that its shard files are there with their sizes, then every rank
+checksums its share of them (:func:`~.sharded_checkpoint.verify_shards`): a damaged newest one is
+skipped as in the whole format (auto resume), or is the error naming the file (``--resume``).
+The backend then loads the shards into its own layout (:attr:`ResumePoint.shards`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperpar_gdn.train.checkpoint import (
+    DCP_LAYOUT,
     SHARDED_FORMAT,
     CheckpointError,
     latest_checkpoint,
@@ -30,6 +31,7 @@ from hyperpar_gdn.train.checkpoint import (
     read_manifest,
     remove_incomplete,
     resolve_checkpoint,
+    shard_layout,
 )
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.log import logger
@@ -51,14 +53,16 @@ class ResumePoint:
         step: the step it was saved at.
         parts: its named parts (``model``, ``optimizer``, ``data``, ``train``; a sharded
             checkpoint's are ``data`` and ``train`` only).
-        shards: a sharded checkpoint's DCP directory (``step-N/state``), holding the model and
+        shards: a sharded checkpoint's state directory (``step-N/state``), holding the model and
             optimizer state; None for a whole checkpoint.
+        layout: how ``shards`` is laid out (``.checkpoint.SHARD_LAYOUTS``; unused without shards).
     """
 
     path: str
     step: int
     parts: dict[str, Any]
     shards: str | None = None
+    layout: str = DCP_LAYOUT
 
 
 def find_resume_point(
@@ -76,7 +80,7 @@ def find_resume_point(
             bad = _verify(directory, rank=rank, world_size=world_size, max_over_ranks=max_over_ranks)
             if bad is not None:
                 raise CheckpointError(bad)
-        return ResumePoint(config.resume, step, parts, shards)
+        return ResumePoint(config.resume, step, parts, shards, _layout_of(directory, shards))
     if config.save is None:
         return None
     damaged: set[int] = set()
@@ -94,7 +98,7 @@ def find_resume_point(
                 damaged.add(step)
                 continue
         check_options(config, path, step, meta, rank=rank, auto=True)
-        return ResumePoint(path, step, parts, shards)
+        return ResumePoint(path, step, parts, shards, _layout_of(Path(path), shards))
 
 
 def _verify(directory: Path, **collective: Any) -> str | None:
@@ -110,6 +114,10 @@ def _shards_of(directory: Path) -> str | None:
     from hyperpar_gdn.train.sharded_checkpoint import STATE_DIR
 
     return str(directory / STATE_DIR)
+
+
+def _layout_of(directory: Path, shards: str | None) -> str:
+    return DCP_LAYOUT if shards is None else shard_layout(read_manifest(directory))
 
 
 def check_options(

@@ -142,7 +142,12 @@ class CheckpointWriter:
 
             directory = Path(self.config.save) / f"step-{pending.step}"
             path = commit_sharded(
-                pending.temp, directory, step=pending.step, meta=self.meta, blobs=pending.blobs
+                pending.temp,
+                directory,
+                step=pending.step,
+                meta=self.meta,
+                blobs=pending.blobs,
+                layout=self.backend.shard_layout,
             )
             logger.info("saved %s (sharded)", path)
             self._prune(pending.step)

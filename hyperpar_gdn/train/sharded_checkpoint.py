@@ -9,6 +9,11 @@ Layout of ``step-N/``::
     state/.metadata       DCP's index: which file holds which piece of which tensor
     state/__<r>_0.distcp  what rank r wrote
 
+That is the ``"dcp"`` layout of ``state/`` (torch). MindSpore writes the ``"replicated"`` one
+(:mod:`.replicated_shards`: each rank a disjoint part of its replicated state, ``state/index.json``
+and ``state/rank-<r>.safetensors``); the manifest's ``"layout"`` says which, and everything below
+but DCP's own reading and writing serves both.
+
 The state is ``{"model": ..., "optimizer": ...}`` as ``get_state_dict`` gives it, keyed by
 parameter names: under ``--fsdp`` each parameter and its AdamW moments are DTensors and each rank
 writes its own rows; without FSDP the tensors are replicated and DCP writes each once, spread over
@@ -20,7 +25,9 @@ host (the converter, tests).
 The commit is that of the whole format: every rank writes into the hidden ``.step-N.tmp-<pid>``
 directory (rank 0's pid), DCP's last step is a barrier after rank 0 wrote ``.metadata``, then rank
 0 checksums every file, writes the manifest and renames the directory to ``step-N``
-(:func:`commit_sharded`). A save that dies before the rename leaves only the hidden directory.
+(:func:`commit_sharded`; in the replicated layout the barrier is the reduction that settles the
+save, after every rank wrote its part). A save that dies before the rename leaves only the
+hidden directory.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -40,7 +48,9 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from hyperpar_gdn.train.checkpoint import (
+    DCP_LAYOUT,
     MANIFEST,
+    REPLICATED_LAYOUT,
     SHARDED_FORMAT,
     CheckpointError,
     check_digest,
@@ -49,9 +59,12 @@ from hyperpar_gdn.train.checkpoint import (
     nonfinite_entries,
     os_error_behind,
     read_manifest,
+    shard_layout,
     write_manifest,
     write_parts,
 )
+from hyperpar_gdn.train.replicated_shards import INDEX as REPLICATED_INDEX
+from hyperpar_gdn.train.replicated_shards import load_replicated
 
 __all__ = [
     "STATE_DIR",
@@ -59,6 +72,7 @@ __all__ = [
     "commit_sharded",
     "load_shards",
     "load_whole",
+    "load_whole_state",
     "local_nonfinite_entries",
     "shard_entries",
     "sharded_state",
@@ -116,11 +130,39 @@ def load_whole(directory: Path) -> dict[str, Any]:
     return state
 
 
+def load_whole_state(directory: Path, layout: str) -> dict[str, Any]:
+    """The state under ``directory`` (a ``state/``) whole, in this process alone, as torch tensors:
+    DCP's layout through :func:`load_whole`, the replicated one through
+    :func:`~.replicated_shards.load_replicated` (every rank's part)."""
+    if layout == REPLICATED_LAYOUT:
+        return _as_torch(load_replicated(directory))
+    return load_whole(directory)
+
+
+_INDEX_FILES = {DCP_LAYOUT: ".metadata", REPLICATED_LAYOUT: REPLICATED_INDEX}  # rank 0 writes it
+
+
+def _as_torch(node: Any) -> Any:
+    if isinstance(node, np.ndarray):
+        return torch.from_numpy(node)
+    if isinstance(node, dict):
+        return {key: _as_torch(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_as_torch(value) for value in node]
+    return node
+
+
 def commit_sharded(
-    temp: Path, directory: Path, *, step: int, meta: dict[str, Any], blobs: dict[str, bytes]
+    temp: Path,
+    directory: Path,
+    *,
+    step: int,
+    meta: dict[str, Any],
+    blobs: dict[str, bytes],
+    layout: str = DCP_LAYOUT,
 ) -> Path:
-    """Rank 0, once every rank's shard is under ``temp/state``: write the small parts (``blobs``,
-    serialized), checksum every file, write the manifest, rename ``temp`` to ``directory``."""
+    """Rank 0, once every rank's shard is under ``temp/state`` in ``layout``: write the small parts
+    (``blobs``, serialized), checksum every file, write the manifest, rename ``temp`` to ``directory``."""
     try:
         manifest = write_parts(temp, blobs, {"format": SHARDED_FORMAT, "step": step, "meta": meta})
         shards = {}
@@ -128,9 +170,10 @@ def commit_sharded(
             if file.is_file():
                 size, digest = file_digest(file)
                 shards[str(file.relative_to(temp))] = {"bytes": size, "sha256": digest}
-        if not any(name.endswith(".metadata") for name in shards):
-            raise CheckpointError(f"{temp / STATE_DIR} holds no DCP .metadata: the shards were not finished")
-        write_manifest(temp, {**manifest, "shards": shards})
+        index = _INDEX_FILES[layout]
+        if not (temp / STATE_DIR / index).is_file():
+            raise CheckpointError(f"{temp / STATE_DIR} holds no {index}: the shards were not finished")
+        write_manifest(temp, {**manifest, "layout": layout, "shards": shards})
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
@@ -159,7 +202,7 @@ def check_and_load_shards(directory: Path, manifest: dict[str, Any], *, whole_st
     if not whole_state:
         return {}
     try:
-        return load_whole(directory / STATE_DIR)
+        return load_whole_state(directory / STATE_DIR, shard_layout(manifest))
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(f"checkpoint {directory / STATE_DIR} could not be read: {first}") from err

@@ -35,6 +35,7 @@ from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, l
 from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
+from hyperpar_gdn.train.checkpoint import DCP_LAYOUT
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.optim import adamw_step, build_adamw, clip_gradients, torch_optimizer_step
 from hyperpar_gdn.train.sharding import (
@@ -53,6 +54,7 @@ class TorchBackend(TrainBackend):
 
     platforms = ("cpu", "cuda", "npu")
     checkpoint_formats = ("sharded", "whole")
+    shard_layout = DCP_LAYOUT
 
     @classmethod
     def check(cls, config: TrainConfig, platform_name: str) -> None:
@@ -175,9 +177,15 @@ class TorchBackend(TrainBackend):
             raise CheckpointError(f"refusing to save into {directory}: {names} hold NaN or inf values")
         return write_shards(state, directory / STATE_DIR, group=self.save_group, background=background)
 
-    def load_shards(self, path: str, shards: str) -> None:
+    def load_shards(self, path: str, shards: str, *, layout: str) -> None:
         from hyperpar_gdn.train.sharded_checkpoint import load_shards, load_whole
 
+        if layout != DCP_LAYOUT:
+            raise ValueError(
+                f"checkpoint {path} holds the per-rank parts of a replicated state (layout {layout!r}, "
+                "MindSpore's AdamW state, written under HP_PLATFORM=mindspore): resume it there, or "
+                "convert it (python -m hyperpar_gdn.train.convert --to whole) and load only its model part"
+            )
         load_shards(Path(shards), self.model, self.optimizer)
         if self.reference is not None and self.ref_optimizer is not None:  # rank 0 alone, whole
             whole = load_whole(Path(shards))

@@ -1,4 +1,5 @@
-"""msrun worker for tests/train/test_train_mindspore.py: one 2-worker job, four sections.
+"""msrun worker for tests/train/test_train_mindspore.py (one 2-worker job, these sections) and
+tests/train/test_train_mindspore_sharded.py (its `runs` section).
 
 - ``lm_cp``: the MindSpore HybridLM under ``apply_context_parallel`` in every mode against the
   single-device MindSpore model with the same fp64 weights: logits shard and every parameter
@@ -10,7 +11,9 @@
   ``--``; rank 0 returns the losses of its ``--metrics-json``; ``train_ac``: the same with ``--ac``;
   ``train_packed``: the same on ``--packed-data`` (documents packed with boundaries);
 - ``train_model``: the same with ``--model`` (the first ``--qwen-dirs`` entry) and
-  ``--export`` (``--export-dir``).
+  ``--export`` (``--export-dir``);
+- ``runs``: ``scripts/train.py`` once per entry of ``--runs-json`` (a JSON object: name -> its
+  command line), in order; the data is each run's, by name.
 
 Each rank writes ``{"rank", "sections": {name: {"ok", "seconds", "data" or "error"}}}``.
 """
@@ -158,6 +161,7 @@ def main() -> None:
     parser.add_argument("--qwen-dirs", nargs="*", default=[], help="transformers Qwen3.5 directories")
     parser.add_argument("--export-dir", default=None, help="train_model's --export")
     parser.add_argument("--packed-data", default=None, help="train_packed's --data (several documents)")
+    parser.add_argument("--runs-json", default=None, help="runs: a JSON file, name -> command line")
     parser.add_argument("train_options", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     train_options = [a for a in args.train_options if a != "--"]
@@ -182,6 +186,9 @@ def main() -> None:
                 data = train_section(platform, [*train_options, "--ac"])
             elif section == "train_packed":  # documents packed with boundaries (the default)
                 data = train_section(platform, [*train_options, "--data", args.packed_data])
+            elif section == "runs":
+                runs = json.loads(Path(args.runs_json).read_text())
+                data = {name: train_section(platform, options) for name, options in runs.items()}
             elif section == "train_model":
                 model_options = ["--model", args.qwen_dirs[0], "--export", args.export_dir]
                 data = train_section(platform, [*train_options, *model_options])

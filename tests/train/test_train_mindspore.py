@@ -229,11 +229,13 @@ def test_save_and_resume_continue_the_same_curve(
 ) -> None:
     """Saving at step 2 and resuming to step 4 gives bit for bit the straight run's losses; the
     model part is a torch state dict (the torch model's or transformers' names), the optimizer
-    part MindSpore's own (torch refuses it)."""
+    part MindSpore's own (torch refuses it). The built-in model saves sharded (the default), the
+    Qwen3.5 one whole."""
     monkeypatch.setenv("HP_PLATFORM", "mindspore")
     options: dict[str, Any] = {"seq_len": 32, "batch_size": 2, "steps": 4, "seed": 5}
     if model == "qwen35":
         options["model_dir"] = str(_model_dirs()["dense"])
+        options["checkpoint_format"] = "whole"
     straight = _ms_train(TrainConfig(**options, save=str(tmp_path), save_every=2))
     resumed = _ms_train(TrainConfig(**options, resume=str(tmp_path / "step-2")))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
@@ -252,23 +254,19 @@ def test_save_and_resume_continue_the_same_curve(
         assert (missing, unexpected) == (["lm_head.weight"], []), (missing, unexpected)  # tied head
     monkeypatch.setenv("HP_PLATFORM", "cpu")
     message = run_ranks(_torch_resume_error, 1, {**options, "steps": 6, "resume": str(tmp_path)})[0]
-    assert "holds no torch AdamW state" in message and "HP_PLATFORM=mindspore" in message, message
+    refusal = "holds no torch AdamW state" if model == "qwen35" else "per-rank parts of a replicated state"
+    assert refusal in message and "HP_PLATFORM=mindspore" in message, message
 
 
-def test_sharded_checkpoints_are_refused_before_any_process_group() -> None:
-    """MindSpore writes whole checkpoints (format 1); torch's sharded ones and --async-save are
-    refused by the check every rank runs first."""
+def test_checkpoint_options_match_torchs() -> None:
+    """MindSpore saves sharded by default, as torch does, and takes --async-save and
+    --checkpoint-format whole (tests/train/test_train_mindspore_sharded.py runs them)."""
     from hyperpar_gdn.train.mindspore_loop import MindSporeBackend
+    from hyperpar_gdn.train.torch_backend import TorchBackend
 
-    MindSporeBackend.check(TrainConfig(save="ck"), "mindspore")  # the default: whole
-    with pytest.raises(
-        NotImplementedError, match=r"--checkpoint-format sharded: HP_PLATFORM=mindspore writes whole"
-    ):
-        MindSporeBackend.check(TrainConfig(save="ck", checkpoint_format="sharded"), "mindspore")
-    with pytest.raises(
-        NotImplementedError, match=r"--async-save writes sharded checkpoints in the background"
-    ):
-        MindSporeBackend.check(TrainConfig(save="ck", async_save=True), "mindspore")
+    assert MindSporeBackend.checkpoint_formats[0] == TorchBackend.checkpoint_formats[0] == "sharded"
+    for options in ({}, {"async_save": True}, {"checkpoint_format": "whole"}):
+        MindSporeBackend.check(TrainConfig(save="ck", **options), "mindspore")  # accepted
 
 
 def test_wrong_platform_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -291,8 +289,8 @@ def test_a_restart_resumes_from_the_newest_complete_checkpoint(
     straight = _ms_train(config)
     assert straight.start_step == 0 and [r.step for r in straight.records] == [1, 2, 3, 4]
     _, weights, _ = load_checkpoint(tmp_path / "step-4")
-    model = tmp_path / "step-4" / "model.pt"
-    model.write_bytes(model.read_bytes()[:500])  # the newest checkpoint is damaged
+    part = tmp_path / "step-4" / "state" / "rank-0.safetensors"  # sharded, the default
+    part.write_bytes(part.read_bytes()[:500])  # the newest checkpoint is damaged
     resumed = _ms_train(config)
     assert resumed.start_step == 2 and resumed.losses == straight.losses[2:]
     _, again, _ = load_checkpoint(tmp_path / "step-4")

@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from distributed_harness import ROOT, run_script, script_command
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
 
 
@@ -22,7 +21,7 @@ SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with a tiny model directory, a prompt, an empty prompt and a checkpoint directory."""
     tmp = tmp_path_factory.mktemp("user_errors")
-    command = [sys.executable, str(ROOT / "scripts" / "make_tiny_qwen35.py"), str(tmp / "tiny")]
+    command = script_command("scripts/make_tiny_qwen35.py", str(tmp / "tiny"), ranks=0)
     subprocess.run(command, check=True, capture_output=True, timeout=300, env=_env())
     (tmp / "prompt.txt").write_text("The mill wheel turns all day long.")
     (tmp / "empty.txt").write_text("\n")
@@ -129,10 +128,7 @@ def test_user_error_is_one_line(case: str, work: Path) -> None:
     script, ranks, args, env, expected = CASES[case]
     if env.get("HP_PLATFORM") == "mindspore":
         pytest.importorskip("mindspore")
-    command = [sys.executable, str(ROOT / "scripts" / script), *args]
-    if ranks:
-        command[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-    result = subprocess.run(command, cwd=work, env=_env(**env), capture_output=True, text=True, timeout=120)
+    result = run_script(f"scripts/{script}", *args, ranks=ranks, cwd=work, env=_env(**env), timeout=120)
     out = result.stdout + result.stderr
     ours = [line for line in out.splitlines() if line.startswith(f"{script}: error:")]
     assert len(ours) == 1, out  # rank 0 only, once
@@ -164,7 +160,7 @@ def test_every_option_of_every_script_has_help_and_default() -> None:
     its default (argparse's ``(default: X)`` or the help's own words)."""
     procs = {
         name: subprocess.Popen(
-            [sys.executable, str(ROOT / "scripts" / name), "--help"],
+            script_command(f"scripts/{name}", "--help", ranks=0),
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 from distributed_harness import run_ranks
-from oracles import transformers_gdn_layer
+from tiny_models import transformers_gdn_layer
 
 from hyperpar_gdn import LinearAttentionContextParallel
 from hyperpar_gdn.distributed.cp.scan import scan_rounds

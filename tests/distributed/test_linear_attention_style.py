@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from distributed_harness import launch_ranks, run_ranks
-from oracles import transformers_gdn_layer
+from tiny_models import transformers_gdn_layer
 
 from hyperpar_gdn import DTensor, LinearAttentionContextParallel, Replicate, Shard, init_device_mesh
 from hyperpar_gdn.distributed.dtensor import distribute_tensor

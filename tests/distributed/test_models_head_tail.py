@@ -13,8 +13,8 @@ import copy
 import pytest
 import torch
 from distributed_harness import run_ranks
-from oracles import tiny_model
 from test_models_varlen import _hybrid
+from tiny_models import tiny_model
 
 from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
 from hyperpar_gdn.distributed.layout import TokenLayout

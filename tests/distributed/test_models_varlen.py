@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 from distributed_harness import run_ranks
-from oracles import tiny_model
+from tiny_models import tiny_model
 
 from hyperpar_gdn import apply_context_parallel, init_device_mesh
 from hyperpar_gdn.models.lm import HybridLM, HybridLMConfig

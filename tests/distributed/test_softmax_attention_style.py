@@ -9,27 +9,16 @@ from dataclasses import replace
 import pytest
 import torch
 from distributed_harness import run_ranks
+from tiny_models import TINY_LM, move_off_init
 
 from hyperpar_gdn import init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel, undo_context_parallel
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
 from hyperpar_gdn.models.attention import CausalSelfAttention
-from hyperpar_gdn.models.lm import HybridLM, HybridLMConfig
+from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.platform import get_platform
 
 TOL = 1e-4  # fp32, relative to each tensor's scale
-LM = HybridLMConfig(
-    hidden_size=32,
-    num_layers=4,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,12 +102,10 @@ def _lm_errors(rank: int, world: int, mode: str, dtype: torch.dtype) -> dict[str
     """Per-tensor relative errors of the CP model's logits and summed parameter gradients."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
-    reference = HybridLM(LM)
-    with torch.no_grad():  # move every parameter off its init so each gradient is exercised
-        for p in reference.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    reference = HybridLM(TINY_LM)
+    move_off_init(reference, 0.1)  # every gradient is exercised
     reference = reference.to(dtype)
-    parallel = HybridLM(LM).to(dtype)
+    parallel = HybridLM(TINY_LM).to(dtype)
     parallel.load_state_dict(reference.state_dict())
     apply_context_parallel(parallel, mesh, mode=mode)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -152,7 +139,7 @@ def test_whole_model_cp_matches_single_device(mode: str, dtype: torch.dtype) -> 
     tol = 1e-10 if dtype == torch.float64 else TOL
     results = run_ranks(_lm_errors, 2, mode, dtype, timeout_s=90)
     for rank, errors in enumerate(results):
-        assert len(errors) == 2 + len(list(HybridLM(LM).parameters()))
+        assert len(errors) == 2 + len(list(HybridLM(TINY_LM).parameters()))
         bad = {name: err for name, err in errors.items() if not err <= tol}
         assert not bad, f"rank {rank}: errors above {tol}: {bad}"
 
@@ -167,8 +154,10 @@ def _misuse(rank: int, world: int) -> list[str]:
         lambda: style.apply(attn, mesh),
         lambda: SoftmaxAttentionContextParallel.undo(SoftmaxAttentionContextParallel.undo(attn)),
         lambda: style.apply(torch.nn.Linear(4, 4), mesh),
-        lambda: apply_context_parallel(HybridLM(replace(LM, linear_num_value_heads=6)), mesh, mode="ulysses"),
-        lambda: apply_context_parallel(HybridLM(LM), mesh, mode="ring"),
+        lambda: apply_context_parallel(
+            HybridLM(replace(TINY_LM, linear_num_value_heads=6)), mesh, mode="ulysses"
+        ),
+        lambda: apply_context_parallel(HybridLM(TINY_LM), mesh, mode="ring"),
     ):
         try:
             action()

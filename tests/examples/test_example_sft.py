@@ -4,32 +4,20 @@
 from __future__ import annotations
 
 import ast
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from distributed_harness import run_script
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.timeout(300)
 def test_sft_example_runs_and_the_loss_falls(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += [
-        str(ROOT / "examples" / "sft_qwen35.py"),
-        "--steps",
-        "15",
-        "--output-dir",
-        str(tmp_path / "out"),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    options = ["--steps", "15", "--output-dir", str(tmp_path / "out")]
+    result = run_script("examples/sft_qwen35.py", *options, cwd=tmp_path, timeout=280)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     logs = [ast.literal_eval(line) for line in re.findall(r"^\{'loss'.*\}$", result.stdout, flags=re.M)]

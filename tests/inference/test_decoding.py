@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import gdn_layer_config, move_off_init
 
 from hyperpar_gdn.inference.decoding import decode_step, greedy_continue, greedy_generate, prefill
 from hyperpar_gdn.models import HybridLM, HybridLMConfig
@@ -66,21 +67,10 @@ def test_prompt_shorter_than_the_conv() -> None:
 
 def test_gdn_step_equals_transformers_cached_step() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3_5TextConfig(
-        vocab_size=61,
-        hidden_size=32,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-    )
+    config = gdn_layer_config(key_head_dim=8)
     torch.manual_seed(0)
     layer = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet(config, 0).double().eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(0.2 * torch.randn_like(p))
+    move_off_init(layer, 0.2)
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     cache = transformers.DynamicCache(config=config)
     with torch.no_grad():

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 from distributed_harness import run_ranks
-from test_prefill import VOCAB, tiny_model
+from test_prefill import VOCAB
+from tiny_models import generation_model
 
 from hyperpar_gdn import (
     apply_context_parallel,
@@ -55,7 +56,7 @@ def test_merge_partials_equals_attention_over_all_keys(sizes: tuple[int, ...]) -
 
 
 def references(moe: bool) -> dict[str, Any]:
-    base = tiny_model(moe=moe, dtype=torch.float32)
+    base = generation_model(moe=moe, dtype=torch.float32)
     ids = torch.randint(1, VOCAB, (2, 29), generator=torch.Generator().manual_seed(11))
     expected = {}
     with torch.no_grad():  # head_tail reads 24 tokens (divisible by 2cp = 4 and 8), contiguous 29

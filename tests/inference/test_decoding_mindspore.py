@@ -13,6 +13,8 @@ import torch
 ms = pytest.importorskip("mindspore")
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import GENERATION_VOCAB, generation_model  # noqa: E402
+
 from hyperpar_gdn.inference.decoding import decode_step, greedy_generate, prefill  # noqa: E402
 from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM  # noqa: E402
 
@@ -24,49 +26,16 @@ pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 
 
 def write_tiny_model(moe: bool, out: Path) -> Path:
-    common = dict(
-        vocab_size=97,
-        hidden_size=32,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    if moe:
-        config = transformers.Qwen3_5MoeTextConfig(
-            **common,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=24,
-            shared_expert_intermediate_size=24,
-        )
-        model = transformers.Qwen3_5MoeForCausalLM(config)
-    else:
-        model = transformers.Qwen3_5ForCausalLM(
-            transformers.Qwen3_5TextConfig(**common, intermediate_size=48)
-        )
-    with torch.no_grad():  # peaked logits: no near ties between the frameworks' argmax
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(out)
+    """The decoding tests' model (its weights peaked: no near ties between the frameworks' argmax;
+    transformers' default decay), saved to ``out``."""
+    generation_model(moe=moe, dt_bias_shift=None).save_pretrained(out)
     return out
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_greedy_generate_equals_transformers(moe: bool, tmp_path: Path) -> None:
     path = write_tiny_model(moe, tmp_path / "model")
-    ids = np.random.default_rng(1).integers(1, 97, (2, 21)).astype(np.int64)
+    ids = np.random.default_rng(1).integers(1, GENERATION_VOCAB, (2, 21)).astype(np.int64)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = reference.generate(torch.from_numpy(ids), max_new_tokens=NEW_TOKENS, do_sample=False).numpy()
     model = Qwen3_5ForCausalLM.from_pretrained(path)

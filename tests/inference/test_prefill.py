@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from distributed_harness import run_ranks
+from tiny_models import GENERATION_VOCAB, generation_model
 
 from hyperpar_gdn import (
     apply_context_parallel,
@@ -35,52 +36,7 @@ NEW_TOKENS = 16
 EXACT_TOL = 1e-12
 STATE_TOL = 2e-5
 MODES_TOL = 1e-10
-VOCAB = 97
-
-
-def tiny_model(*, moe: bool, dtype: torch.dtype) -> torch.nn.Module:
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    if moe:
-        config = transformers.Qwen3_5MoeTextConfig(
-            **common,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=24,
-            shared_expert_intermediate_size=24,
-        )
-        config._experts_implementation = "eager"  # the grouped matmul refuses float64
-    else:
-        config = transformers.Qwen3_5TextConfig(**common, intermediate_size=48)
-    torch.manual_seed(0)
-    cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
-    model = cls(config)
-    with torch.no_grad():  # weights large enough for peaked logits (no near ties in greedy decoding)
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-        for layer in model.model.layers:
-            if getattr(layer, "linear_attn", None) is not None:  # slow decay: the prompt's state matters
-                layer.linear_attn.A_log.copy_(
-                    torch.log(torch.empty_like(layer.linear_attn.A_log).uniform_(0.05, 0.5))
-                )
-                layer.linear_attn.dt_bias.add_(-3.0)
-    return model.to(dtype).eval()
+VOCAB = GENERATION_VOCAB
 
 
 def prompt(t: int, *, padded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,7 +92,10 @@ Case = tuple[int, bool, "list[int] | None", tuple[str, ...]]  # T, padded, lengt
 def references(moe: bool, cases: list[Case]) -> dict[str, Any]:
     """One process, before the ranks fork: the models, transformers' greedy continuation (fp32)
     and its prefill's states and last logits (fp64) per case."""
-    base32, base64 = tiny_model(moe=moe, dtype=torch.float32), tiny_model(moe=moe, dtype=torch.float64)
+    base32, base64 = (
+        generation_model(moe=moe, dtype=torch.float32),
+        generation_model(moe=moe, dtype=torch.float64),
+    )
     refs = {"base32": base32, "base64": base64, "cases": []}
     for t, padded, _, _ in cases:
         ids, mask = prompt(t, padded=padded)
@@ -311,7 +270,7 @@ def _refusals_worker(rank: int, world: int, base: torch.nn.Module) -> list[str]:
 
 
 def test_refuses_bad_input() -> None:
-    base = tiny_model(moe=False, dtype=torch.float32)
+    base = generation_model(moe=False, dtype=torch.float32)
     for rank, messages in enumerate(run_ranks(_refusals_worker, 2, base, timeout_s=120)):
         assert "is not under context parallelism: call apply_context_parallel" in messages[0]
         assert "lengths=[5, 5] must give each of cp=2 ranks at least one token and sum to T=12" in messages[1]

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 from distributed_harness import run_ranks
-from test_prefill import MODES, NEW_TOKENS, STATE_TOL, VOCAB, cache_states, continue_with_generate, tiny_model
+from test_prefill import MODES, NEW_TOKENS, STATE_TOL, VOCAB, cache_states, continue_with_generate
+from tiny_models import generation_model
 
 from hyperpar_gdn import (
     apply_context_parallel,
@@ -38,7 +39,10 @@ def packed_row() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
 def references(moe: bool) -> dict[str, Any]:
     """One process: the models and, per prompt alone, transformers' greedy continuation (fp32),
     its prefill's last logits and cache states (fp64)."""
-    base32, base64 = tiny_model(moe=moe, dtype=torch.float32), tiny_model(moe=moe, dtype=torch.float64)
+    base32, base64 = (
+        generation_model(moe=moe, dtype=torch.float32),
+        generation_model(moe=moe, dtype=torch.float64),
+    )
     _, prompts, _ = packed_row()
     alone = []
     with torch.no_grad():

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracles import assert_close, transformers_gdn_layer
+from oracles import assert_close
+from tiny_models import transformers_gdn_layer
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from hyperpar_gdn.models import GatedDeltaNet

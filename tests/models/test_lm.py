@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import TINY_LM
 
 from hyperpar_gdn.models.attention import CausalSelfAttention
 from hyperpar_gdn.models.lm import FULL, LINEAR, HybridLM, HybridLMConfig
-
-SMALL = HybridLMConfig(
-    hidden_size=32,
-    num_layers=4,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-)
 
 
 def test_three_of_four_blocks_are_gdn() -> None:
@@ -35,7 +23,7 @@ def test_three_of_four_blocks_are_gdn() -> None:
 
 def test_lm_head_is_tied_to_the_embedding() -> None:
     torch.manual_seed(0)
-    model = HybridLM(SMALL)
+    model = HybridLM(TINY_LM)
     names = set(model.state_dict())
     assert not any("lm_head" in name for name in names)
     ids = torch.randint(0, 256, (2, 12))
@@ -50,7 +38,7 @@ def test_lm_head_is_tied_to_the_embedding() -> None:
 @pytest.mark.parametrize("position", [0, 9, 20])
 def test_lm_is_causal(position: int) -> None:
     torch.manual_seed(0)
-    model = HybridLM(SMALL)
+    model = HybridLM(TINY_LM)
     ids = torch.randint(0, 256, (2, 21))
     other = ids.clone()
     other[:, position] = (other[:, position] + 1) % 256

@@ -13,24 +13,13 @@ import torch.nn.functional as F
 
 ms = pytest.importorskip("mindspore")
 
+from tiny_models import TINY_LM, move_off_init  # noqa: E402
+
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM  # noqa: E402
-from hyperpar_gdn.models.lm import HybridLMConfig  # noqa: E402
 from hyperpar_gdn.models.mindspore import HybridLM, load_torch_state_dict  # noqa: E402
 from hyperpar_gdn.platform import ops_for  # noqa: E402
 from hyperpar_gdn.train.mindspore_loop import AdamW, clip_grad_norm  # noqa: E402
 
-LM = HybridLMConfig(
-    hidden_size=32,
-    num_layers=4,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-)
 # Relative to the tensor's largest entry (gradients: to the largest gradient). fp32: docs/maths.md's
 # 1e-4; measured 3.3e-5 (each module agrees to 3e-6, the 4 blocks of perturbed weights amplify it).
 # fp64: RoPE angles are fp32 (numpy) whatever the dtype, on both frameworks (RMSNorm is fp64 since it
@@ -43,10 +32,8 @@ pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 
 def _torch_model(dtype: torch.dtype) -> TorchHybridLM:
     torch.manual_seed(0)
-    model = TorchHybridLM(LM)
-    with torch.no_grad():  # move every parameter off its init so each gradient is exercised
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    model = TorchHybridLM(TINY_LM)
+    move_off_init(model, 0.1)  # every gradient is exercised
     return model.to(dtype)
 
 
@@ -57,8 +44,8 @@ def _rel(actual: Any, expected: torch.Tensor) -> float:
 
 
 def test_parameter_names_and_shapes_equal_torchs() -> None:
-    torch_model = TorchHybridLM(LM)
-    ms_model = HybridLM(LM)
+    torch_model = TorchHybridLM(TINY_LM)
+    ms_model = HybridLM(TINY_LM)
     ms_shapes = {name: tuple(p.shape) for name, p in ms_model.parameters_and_names()}
     assert ms_shapes == {name: tuple(p.shape) for name, p in torch_model.named_parameters()}
     assert ms_model.num_parameters() == torch_model.num_parameters()
@@ -103,11 +90,11 @@ def test_logits_loss_and_gradients_equal_torchs(dtype: torch.dtype) -> None:
 
 
 def test_from_torch_refuses_different_parameters() -> None:
-    torch_model = TorchHybridLM(LM)
+    torch_model = TorchHybridLM(TINY_LM)
     state = torch_model.state_dict()
     state.pop("layers.3.self_attn.q_norm.weight")
     with pytest.raises(ValueError, match=r"lacks \['layers\.3\.self_attn\.q_norm\.weight'\]"):
-        load_torch_state_dict(HybridLM(LM), state)
+        load_torch_state_dict(HybridLM(TINY_LM), state)
     with pytest.raises(TypeError, match="needs a torch hyperpar_gdn.models.lm.HybridLM"):
         HybridLM.from_torch(torch.nn.Linear(2, 2))
 

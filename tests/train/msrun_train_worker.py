@@ -33,28 +33,11 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))  # msrun_harness
+sys.path.insert(0, str(ROOT / "tests"))  # msrun_harness, tiny_models
 
 from msrun_harness import start_watchdog, write_result  # noqa: E402
 
 MODES = ("ulysses", "p2p", "all_gather")
-
-
-def lm_config() -> Any:
-    from hyperpar_gdn.models.lm import HybridLMConfig
-
-    return HybridLMConfig(
-        hidden_size=32,
-        num_layers=4,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-    )
 
 
 def _rel(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -63,15 +46,14 @@ def _rel(actual: np.ndarray, expected: np.ndarray) -> float:
 
 def lm_cp_section(platform: Any) -> dict[str, Any]:
     import torch
+    from tiny_models import TINY_LM, move_off_init
 
     from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
     from hyperpar_gdn.models.mindspore import HybridLM
 
     torch.manual_seed(0)
-    initial = TorchHybridLM(lm_config())
-    with torch.no_grad():  # move every parameter off its init so each gradient is exercised
-        for p in initial.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    initial = TorchHybridLM(TINY_LM)
+    move_off_init(initial, 0.1)  # every gradient is exercised
     initial = initial.to(torch.float64)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1)).numpy()
     return cp_errors(platform, lambda: HybridLM.from_torch(initial), ids)

@@ -4,14 +4,11 @@ with changed options warns once (rank 0), not once per rank."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from hyperpar_gdn.train.command_line import build_parser
+from distributed_harness import ROOT, run_script
 
-ROOT = Path(__file__).resolve().parents[2]
+from hyperpar_gdn.train.command_line import build_parser
 
 
 def _help_of(option: str, text: str) -> str:
@@ -32,13 +29,7 @@ def test_train_help_shows_the_real_defaults() -> None:
 
 
 def test_selfcheck_options_have_help_and_train_names() -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "selfcheck.py"), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    result = run_script("scripts/selfcheck.py", "--help", ranks=0, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
     for option in ("--seq-len", "--batch-size", "--seed", "--timeout-s", "--hidden", "--v-heads"):
         paragraph = _help_of(option, result.stdout)
@@ -47,10 +38,9 @@ def test_selfcheck_options_have_help_and_train_names() -> None:
 
 
 def _torchrun(tmp: Path, *args: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += [str(ROOT / "scripts" / "train.py"), "--seq-len", "32", "--batch-size", "2", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=180)
+    result = run_script(
+        "scripts/train.py", "--seq-len", "32", "--batch-size", "2", *args, cwd=tmp, timeout=180
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout + result.stderr
 

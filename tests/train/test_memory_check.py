@@ -5,32 +5,20 @@ quickly, before any step; and the estimate tracks the peak memory of a real run.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from distributed_harness import run_script
 
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.memory_check import model_shape, step_options
 from hyperpar_gdn.train.memory_plan import TERMS, largest_rank
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _torchrun(tmp: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--monitor-interval",
-        "0.1",
-    ]
-    command += [str(ROOT / "scripts" / "train.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+    launcher = ["--monitor-interval", "0.1"]
+    return run_script("scripts/train.py", *args, cwd=tmp, timeout=timeout, launcher=launcher)
 
 
 def test_plan_prints_every_term_and_trains_nothing(tmp_path: Path) -> None:

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed_harness import run_ranks
+from distributed_harness import run_ranks, run_script
 
 from hyperpar_gdn.train import CheckpointError, TrainConfig, Trainer
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
 PARITY_TOL = 1e-4  # fp32, per step
 # The default --lr 1e-3: at 3e-3 this small-batch run is chaotic enough that ANY rounding
@@ -133,23 +130,8 @@ def test_resume_from_a_corrupt_or_missing_checkpoint_fails_clearly(tmp_path: Pat
 
 def test_script_runs_under_torchrun(tmp_path: Path) -> None:
     metrics_path = tmp_path / "metrics.json"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "scripts" / "train.py"),
-        "--steps",
-        "3",
-        "--seq-len",
-        "64",
-        "--check-parity",
-        "--metrics-json",
-        str(metrics_path),
-    ]
-    env = {**os.environ, "HP_PLATFORM": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    options = ["--steps", "3", "--seq-len", "64", "--check-parity", "--metrics-json", str(metrics_path)]
+    done = run_script("scripts/train.py", *options, cwd=tmp_path, timeout=180)
     metrics = json.loads(metrics_path.read_text())
     parity = metrics["parity"]
     assert done.returncode == (0 if parity["max_abs_diff"] <= parity["tolerance"] else 1), done.stderr

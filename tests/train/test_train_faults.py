@@ -13,14 +13,13 @@ import re
 import resource
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from distributed_harness import run_ranks
+from distributed_harness import run_ranks, run_script, script_command, script_env, worker_pid
 
 from hyperpar_gdn.integrations.transformers.model_dir import train_tokenizer, write_tiny_qwen35
 from hyperpar_gdn.train import SaveError, TrainConfig, Trainer, TrainingStopped, load_checkpoint
@@ -28,7 +27,6 @@ from hyperpar_gdn.train.checkpoint import list_checkpoints, nonfinite_entries
 from hyperpar_gdn.train.data import TokenStream, VocabularyError, check_vocabulary
 from hyperpar_gdn.train.faults import INJECT_NAN_ENV
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = {"seq_len": 32, "batch_size": 2, "warmup_steps": 1}
 
 
@@ -141,12 +139,9 @@ def test_nonfinite_entries_names_the_tensors() -> None:
 
 @pytest.mark.timeout(150)
 def test_script_stops_with_one_line_per_rank_and_exit_code_3(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += [str(ROOT / "scripts" / "train.py"), "--steps", "4", "--seq-len", "32", "--batch-size", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", INJECT_NAN_ENV: "1,2@0"}
-    result = subprocess.run(
-        [*command, "--max-bad-steps", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
+    options = ["--steps", "4", "--seq-len", "32", "--batch-size", "2", "--max-bad-steps", "2"]
+    env = script_env(**{INJECT_NAN_ENV: "1,2@0"})
+    result = run_script("scripts/train.py", *options, cwd=tmp_path, env=env, timeout=120)
     assert result.returncode != 0
     lines = sorted(line for line in result.stderr.splitlines() if "train.py: rank" in line)
     assert len(lines) == 2, result.stderr
@@ -156,19 +151,10 @@ def test_script_stops_with_one_line_per_rank_and_exit_code_3(tmp_path: Path) -> 
 
 
 def _torchrun(args: list[str], cwd: Path, **popen: Any) -> subprocess.Popen[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--monitor-interval",
-        "0.1",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
-    env["PYTHONFAULTHANDLER"] = "1"
-    script = [str(ROOT / "scripts" / "train.py"), "--seq-len", "32", "--batch-size", "2", *args]
-    return subprocess.Popen([*command, *script], cwd=cwd, env=env, text=True, **popen)
+    script = ["--seq-len", "32", "--batch-size", "2", *args]
+    command = script_command("scripts/train.py", *script, launcher=["--monitor-interval", "0.1"])
+    env = script_env(PYTHONFAULTHANDLER="1")
+    return subprocess.Popen(command, cwd=cwd, env=env, text=True, **popen)
 
 
 def test_token_ids_outside_the_vocabulary_are_refused() -> None:
@@ -219,7 +205,7 @@ def test_a_stopped_rank_is_named_by_the_others_within_the_timeout(tmp_path: Path
         while not (tmp_path / "ckpt" / "step-2").is_dir():
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
-        waiting, stuck = _worker_pid(process.pid, 0), _worker_pid(process.pid, 1)
+        waiting, stuck = worker_pid(process.pid, 0), worker_pid(process.pid, 1)
         assert waiting is not None and stuck is not None
         os.kill(stuck, signal.SIGSTOP)
         stopped = time.monotonic()
@@ -251,18 +237,3 @@ def _running(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
-
-
-def _worker_pid(launcher: int, rank: int) -> int | None:
-    """The pid of torchrun's worker process with ``RANK=rank``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None

@@ -24,7 +24,7 @@ from distributed_harness import run_ranks
 pytest.importorskip("mindspore")
 
 from msrun_harness import MsrunOutcome, run_msrun  # noqa: E402
-from msrun_train_worker import lm_config  # noqa: E402  (tests/train is on sys.path under pytest)
+from tiny_models import TINY_LM  # noqa: E402
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS  # noqa: E402
 from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35  # noqa: E402
@@ -109,7 +109,7 @@ def _torch_losses(rank: int, world: int, options: dict[str, Any]) -> list[float]
 
 @pytest.mark.parametrize("mode", MODES)
 def test_lm_cp_equals_single_device_on_mindspore(mode: str) -> None:
-    num_params = len(list(HybridLM(lm_config()).parameters()))
+    num_params = len(list(HybridLM(TINY_LM).parameters()))
     for rank, results in enumerate(_section("lm_cp")):
         for key in (mode, f"{mode}/head_tail"):  # contiguous and head_tail layouts
             errors = results[key]

@@ -21,37 +21,28 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from distributed_harness import run_ranks
+from distributed_harness import free_port, run_ranks, script_command, script_env
 
 from hyperpar_gdn.train import TrainConfig, Trainer, load_checkpoint
 from hyperpar_gdn.train.faults import KILL_AT_STEP_ENV, kill_step
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
 SAVE_EVERY = 4
 KILL_AT = 7  # the worker dies before step 7: step-4 is the last checkpoint, steps 5 and 6 are redone
 TINY = {"seq_len": 32, "batch_size": 4, "steps": STEPS, "save_every": SAVE_EVERY, "timeout_s": 30.0}
 LAST_CALL_S = 5  # a quorum of 1 agent waits this long for the second (both must meet at the start)
 RDZV_CONF = f"join_timeout=60,last_call_timeout={LAST_CALL_S},keep_alive_interval=1,keep_alive_max_attempt=3"
-AGENT = "--nnodes 1:2 --nproc-per-node 1 --max-restarts 2 --monitor-interval 0.1 --local-addr 127.0.0.1"
+AGENT = "--nnodes 1:2 --max-restarts 2 --monitor-interval 0.1 --local-addr 127.0.0.1"
 JOB_S = 150  # a whole two-agent job, its restart included
 HEADER = re.compile(r"(\d+) ranks? = dp (\d+) x cp (\d+) .*steps (\d+)\.\.(\d+)")
 RESUMED = re.compile(r"resuming from \S*step-(\d+) \(the newest complete checkpoint")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(options: dict[str, Any]) -> list[str]:
@@ -64,20 +55,18 @@ class _TwoNodes:
 
     def __init__(self, run: Path, env: dict[str, str] | None = None) -> None:
         self.run, self.job = run, f"nodes-{os.getpid()}-{run.name}"
-        port = _free_port()
-        environ = {**os.environ, "HP_PLATFORM": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        port = free_port()
         # a fresh store for every attempt: agents that count restarts differently still meet
-        environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})})
+        environ = script_env(**{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})})
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         for name, host in (("a", 1), ("b", 0)):
             rdzv = f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id {self.job}"
             rdzv += f" --rdzv-conf {RDZV_CONF},is_host={host}"
-            launcher = [sys.executable, "-m", "torch.distributed.run", *AGENT.split(), *rdzv.split()]
-            script = [str(ROOT / "scripts" / "train.py"), *_cli(TINY), "--save", str(run / "ckpt")]
-            script += ["--metrics-json", str(run / "metrics.json")]
+            script = [*_cli(TINY), "--save", str(run / "ckpt"), "--metrics-json", str(run / "metrics.json")]
+            launcher = [*AGENT.split(), *rdzv.split()]
             with open(run / f"{name}.log", "wb") as log:
                 self.agents[name] = subprocess.Popen(
-                    [*launcher, *script],
+                    script_command("scripts/train.py", *script, ranks=1, launcher=launcher),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=environ,

@@ -14,60 +14,30 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from distributed_harness import run_ranks
+from distributed_harness import free_port, run_ranks, script_command, script_env, worker_pid
 
 from hyperpar_gdn.train import CheckpointError, TrainConfig, Trainer, load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16
 SAVE_EVERY = 4
 TINY = ["--seq-len", "32", "--batch-size", "4", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
 TIMEOUT_S = 240  # a whole torchrun job, restart included; the process groups time out after 60 s
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _command(run: Path, nproc: int, options: list[str], *, static: bool) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    launcher += ["--max-restarts", "1", "--monitor-interval", "0.1"]
+    launcher = ["--max-restarts", "1", "--monitor-interval", "0.1"]
     if static:  # torchrun's static rendezvous (what --master-port selects); else its c10d default
-        launcher += ["--master-port", str(_free_port())]
-    script = [str(ROOT / "scripts" / "train.py"), *TINY, *options, "--timeout-s", "60"]
-    return [*launcher, *script, "--save", str(run / "ckpt"), "--metrics-json", str(run / "metrics.json")]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "HP_PLATFORM": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _worker_pid(launcher: int, rank: int) -> int | None:
-    """The pid of torchrun's worker process with ``RANK=rank``, if it runs now."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if parent != launcher:
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        if f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
+        launcher += ["--master-port", str(free_port())]
+    script = [*TINY, *options, "--timeout-s", "60", "--save", str(run / "ckpt")]
+    script += ["--metrics-json", str(run / "metrics.json")]
+    return script_command("scripts/train.py", *script, ranks=nproc, launcher=launcher)
 
 
 def _run(command: list[str], log: Path, *, kill_rank: int | None = None, kill_after_step: int = 0) -> str:
@@ -76,7 +46,9 @@ def _run(command: list[str], log: Path, *, kill_rank: int | None = None, kill_af
     save = Path(command[command.index("--save") + 1])
     deadline = time.monotonic() + TIMEOUT_S
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=log.parent)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=script_env(), cwd=log.parent
+        )
         try:
             if kill_rank is not None:
                 while not (save / f"step-{kill_after_step}").is_dir():
@@ -85,7 +57,7 @@ def _run(command: list[str], log: Path, *, kill_rank: int | None = None, kill_af
                     )
                     assert time.monotonic() < deadline, f"no step-{kill_after_step}:\n{log.read_text()}"
                     time.sleep(0.02)
-                pid = _worker_pid(process.pid, kill_rank)
+                pid = worker_pid(process.pid, kill_rank)
                 assert pid is not None, f"no worker of rank {kill_rank} under torchrun {process.pid}"
                 os.kill(pid, signal.SIGKILL)
                 killed_with = sorted(int(p.name.split("-")[1]) for p in save.glob("step-*"))
@@ -242,14 +214,16 @@ def test_rank_0_killed_while_saving_falls_back_to_the_checkpoint_before(tmp_path
     command[command.index("--steps") + 1] = "8"  # step-8 is the last save
     deadline = time.monotonic() + TIMEOUT_S
     with open(tmp_path / "log.txt", "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=script_env(), cwd=tmp_path
+        )
         try:
             while not (temps := list(save.glob(".step-8.tmp-*"))):
                 assert process.poll() is None and time.monotonic() < deadline, (
                     tmp_path / "log.txt"
                 ).read_text()
                 time.sleep(0.005)
-            pid = _worker_pid(process.pid, 0)
+            pid = worker_pid(process.pid, 0)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
             caught = temps[0].exists() and not (save / "step-8").exists()

@@ -3,34 +3,16 @@ and where, and exits with code 2; no rank prints a traceback."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from distributed_harness import run_script
 
 
 def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "scripts" / "train.py"),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu"}
-    return subprocess.run(
-        [*command, "--steps", "2", "--seq-len", "32", "--batch-size", "2", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    options = ["--steps", "2", "--seq-len", "32", "--batch-size", "2", *args]
+    return run_script("scripts/train.py", *options, cwd=cwd, timeout=120)
 
 
 def _corrupt_checkpoint(tmp: Path) -> str:

@@ -9,21 +9,16 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from distributed_harness import script_command, script_env
 
 
 def _run_until_saved(tmp: Path, signum: int, *, ranks: int) -> tuple[int, str]:
     """Start a long run with a checkpoint every 2 steps; send ``signum`` once one is saved."""
-    command = [sys.executable, str(ROOT / "scripts" / "train.py")]
-    if ranks:
-        command[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-    command += [
+    options = [
         "--steps",
         "5000",
         "--seq-len",
@@ -35,7 +30,7 @@ def _run_until_saved(tmp: Path, signum: int, *, ranks: int) -> tuple[int, str]:
         "--save-every",
         "2",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
+    command, env = script_command("scripts/train.py", *options, ranks=ranks), script_env()
     log = tmp / "out.txt"
     with log.open("w") as out:
         proc = subprocess.Popen(

@@ -55,6 +55,24 @@ def prefill_hidden(
 def dynamic_cache(model: Any, text_model: Any, states: PrefillStates) -> Any:
     """transformers' ``DynamicCache`` for ``model`` holding the recorded states, filled through
     its own update methods as its prefill fills it."""
+    return _filled_cache(model, text_model, states)
+
+
+def dynamic_caches(model: Any, text_model: Any, states: PrefillStates, cu: np.ndarray) -> list[Any]:
+    """One ``DynamicCache`` per packed prompt (bounds ``cu`` int ``[N+1]``): the GDN layers
+    recorded a row per prompt (conv ``[N, C, W]``, S ``[N, H, K, V]``), the attention layers the K
+    and V of the whole row ``[1, Hkv, T, D]``, cut at the bounds."""
+    return [
+        _filled_cache(model, text_model, states, prompt=(n, int(cu[n]), int(cu[n + 1])))
+        for n in range(len(cu) - 1)
+    ]
+
+
+def _filled_cache(
+    model: Any, text_model: Any, states: PrefillStates, *, prompt: tuple[int, int, int] | None = None
+) -> Any:
+    """A ``DynamicCache`` holding the recorded states: all of them, or with ``prompt`` = (n,
+    start, stop) the GDN states of row n and the attention K/V of tokens [start, stop)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -62,33 +80,13 @@ def dynamic_cache(model: Any, text_model: Any, states: PrefillStates) -> Any:
         kind, module = mixer_of(i, block)
         if kind == "linear_attn":
             conv, s = states.gdn[id(module)]
+            if prompt is not None:
+                conv, s = conv[prompt[0] : prompt[0] + 1], s[prompt[0] : prompt[0] + 1]
             cache.update_conv_state(conv.to(module.conv1d.weight.dtype), i, conv_kernel_size=conv.shape[-1])
             cache.update_recurrent_state(s, i)
         else:
             k, v = states.kv[id(module)]
+            if prompt is not None:
+                k, v = (x[:, :, prompt[1] : prompt[2]].contiguous() for x in (k, v))
             cache.update(k, v, i)
     return cache
-
-
-def dynamic_caches(model: Any, text_model: Any, states: PrefillStates, cu: np.ndarray) -> list[Any]:
-    """One ``DynamicCache`` per packed prompt (bounds ``cu`` int ``[N+1]``): the GDN layers
-    recorded a row per prompt (conv ``[N, C, W]``, S ``[N, H, K, V]``), the attention layers the K
-    and V of the whole row ``[1, Hkv, T, D]``, cut at the bounds."""
-    from transformers import DynamicCache
-
-    caches = []
-    for n in range(len(cu) - 1):
-        cache = DynamicCache(config=model.config)
-        for i, block in enumerate(text_model.layers):
-            kind, module = mixer_of(i, block)
-            if kind == "linear_attn":
-                conv, s = states.gdn[id(module)]
-                conv_n = conv[n : n + 1].to(module.conv1d.weight.dtype)
-                cache.update_conv_state(conv_n, i, conv_kernel_size=conv.shape[-1])
-                cache.update_recurrent_state(s[n : n + 1], i)
-            else:
-                k, v = states.kv[id(module)]
-                start, stop = int(cu[n]), int(cu[n + 1])
-                cache.update(k[:, :, start:stop].contiguous(), v[:, :, start:stop].contiguous(), i)
-        caches.append(cache)
-    return caches

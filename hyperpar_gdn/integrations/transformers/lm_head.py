@@ -16,7 +16,7 @@ import torch
 
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
 
-__all__ = ["hidden_and_head"]
+__all__ = ["hidden_and_head", "transformers_hidden_and_head"]
 
 
 def hidden_and_head(
@@ -28,6 +28,16 @@ def hidden_and_head(
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         return model(input_ids, return_hidden=True, **packed), model.embed_tokens.weight
     packed = {} if cu_seqlens is None else {"cu_seq_lens_q": cu_seqlens}
+    return transformers_hidden_and_head(model, model, {"input_ids": input_ids, **packed})
+
+
+def transformers_hidden_and_head(
+    model: torch.nn.Module, unwrapped: torch.nn.Module, inputs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final hidden states ``[B, T, C]``, head weight ``[V, C]``) from one call
+    ``model(**inputs, use_cache=False)`` of a transformers causal LM. ``model`` may be a wrapper
+    of ``unwrapped`` (DDP, FSDP: its hooks run); the hooks go on ``unwrapped``'s text model and
+    head, and are removed again whatever happens."""
     captured: dict[str, torch.Tensor] = {}
 
     def keep(module: Any, args: Any, output: Any) -> None:
@@ -36,10 +46,11 @@ def hidden_and_head(
     def no_tokens(module: Any, args: tuple) -> tuple:
         return (args[0][:, :0],)  # the head multiplies no token: [B, 0, V] logits
 
-    head = model.get_output_embeddings()
-    handles = [text_model_of(model).register_forward_hook(keep), head.register_forward_pre_hook(no_tokens)]
+    head = unwrapped.get_output_embeddings()
+    handles = [text_model_of(unwrapped).register_forward_hook(keep)]
     try:
-        model(input_ids=input_ids, use_cache=False, **packed)
+        handles.append(head.register_forward_pre_hook(no_tokens))
+        model(**inputs, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()

@@ -26,17 +26,16 @@ Legend: B batch rows, T whole sequence, T/cp a rank's shard, V vocabulary, C hid
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import Trainer
 
 from hyperpar_gdn.distributed.batch import IGNORE_INDEX, context_parallel_lm_loss, shard_for_context_parallel
-from hyperpar_gdn.distributed.decoder_layers import text_model_of
 from hyperpar_gdn.distributed.layout import layout_error
 from hyperpar_gdn.distributed.mesh import init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
 from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_trainer_setup
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 
@@ -195,7 +194,7 @@ class ContextParallelMixin:
             layout=self.cp_setup.layout,
         )
         unwrapped = self.accelerator.unwrap_model(model)
-        hidden, head_weight = _hidden_and_head(model, unwrapped, shard.model_inputs())
+        hidden, head_weight = transformers_hidden_and_head(model, unwrapped, shard.model_inputs())
         if num_items_in_batch is None:  # evaluation: the batch mean, the same on every CP rank
             loss = context_parallel_lm_loss(hidden, head_weight, shard.labels, cp_mesh).detach()
             if self.cp_setup.cp > 1:
@@ -275,31 +274,3 @@ def _packed_cu_seqlens(inputs: dict[str, Any]) -> torch.Tensor | None:
                 f"batch key {key} does not describe the documents of cu_seq_lens_q={cu.tolist()}"
             )
     return cu
-
-
-def _hidden_and_head(
-    model: torch.nn.Module, unwrapped: torch.nn.Module, inputs: dict[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(final hidden states ``[B, T/cp, C]``, head weight ``[V, C]``) from one call of ``model``
-    (the DDP/FSDP wrapper, so its hooks run); the head multiplies no token (``[B, 0, V]`` logits)."""
-    captured: dict[str, torch.Tensor] = {}
-
-    def keep(module: Any, args: Any, output: Any) -> None:
-        captured["hidden"] = output.last_hidden_state
-
-    def no_tokens(module: Any, args: tuple) -> tuple:
-        return (args[0][:, :0],)
-
-    head = unwrapped.get_output_embeddings()
-    handles: list[Callable[[], None]] = []
-    for hook in (
-        text_model_of(unwrapped).register_forward_hook(keep),
-        head.register_forward_pre_hook(no_tokens),
-    ):
-        handles.append(hook.remove)
-    try:
-        model(**inputs, use_cache=False)
-    finally:
-        for remove in handles:
-            remove()
-    return captured["hidden"], head.weight

@@ -10,7 +10,7 @@ import copy
 
 import torch
 from distributed_harness import run_ranks
-from oracles import tiny_config
+from tiny_models import tiny_config
 
 from hyperpar_gdn import apply_context_parallel, init_device_mesh
 from hyperpar_gdn.models.lm import HybridLM, HybridLMConfig

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 from distributed_harness import run_ranks
-from oracles import tiny_model
+from tiny_models import tiny_model
 
 from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
 

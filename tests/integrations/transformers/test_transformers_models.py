@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 from distributed_harness import run_ranks
-from oracles import tiny_config, tiny_model
+from tiny_models import tiny_config, tiny_model
 
 from hyperpar_gdn import (
     apply_context_parallel,

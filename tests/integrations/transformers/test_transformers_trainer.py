@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from distributed_harness import run_ranks
-from oracles import tiny_config, tiny_model
+from tiny_models import tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

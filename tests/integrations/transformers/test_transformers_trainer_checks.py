@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from oracles import tiny_model
+from tiny_models import tiny_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from distributed_harness import run_script
+from distributed_harness import ROOT, run_script, script_env
 
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.memory_check import model_shape, step_options
@@ -63,9 +64,13 @@ def test_a_refused_run_never_imports_torch(tmp_path: Path) -> None:
         "except SystemExit as stop:\n"
         "    print('exit', stop.code, 'torch' in sys.modules)\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_PLATFORM": "cpu", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.stdout.strip().splitlines()[-1] == "exit 2 False", result.stdout + result.stderr
     assert "rank 0: error: the step needs an estimated" in result.stderr, result.stderr

@@ -55,6 +55,13 @@ def _launched_ranks() -> int:
     return int(value) if value.strip().isdigit() else 1
 
 
+def print_line(text: str) -> None:
+    """``text`` and its newline to stderr in one write: lines that several ranks print into one
+    pipe at once stay whole (``print`` writes the text and the newline separately)."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"{text}\n".encode(errors="backslashreplace"))
+
+
 def launch_rank() -> int:
     """This process's global rank as the launcher set it (torchrun ``RANK``, msrun ``RANK_ID``)."""
     value = os.environ.get("RANK", os.environ.get("RANK_ID", "0"))
@@ -162,7 +169,7 @@ def run_script(
     except (UsageError, *user_errors) as err:
         message = f"{name}: error: {err}"
         if rank == 0:
-            print(message, file=sys.stderr, flush=True)
+            print_line(message)
             _write_torchelastic_error(message)
         elif _launched_ranks() > 1:
             # The launcher stops every worker once one exits: give rank 0 (which hits the same
@@ -176,7 +183,7 @@ def run_script(
         signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
         if rank == 0:
             detail = where() if where is not None else ""
-            print(f"{name}: stopped by {signal.Signals(signum).name}{detail}", file=sys.stderr, flush=True)
+            print_line(f"{name}: stopped by {signal.Signals(signum).name}{detail}")
         return 128 + signum
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 # Only framework-free modules here: the options and the memory plan are checked before torch is
 # imported (a run over its memory budget is refused in the time Python takes to start).
-from hyperpar_gdn.cli import USER_ERROR_GRACE_S, Stopped, launch_rank, run_script
+from hyperpar_gdn.cli import USER_ERROR_GRACE_S, Stopped, launch_rank, print_line, run_script
 from hyperpar_gdn.platform import platform_name
 from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 from hyperpar_gdn.train.command_line import parse_args
@@ -84,18 +84,18 @@ def _every_rank(body: Callable[[], int]) -> int:
     try:
         return body()
     except FAULTS as err:  # each rank saw it in its own way: every rank says so
-        print(f"train.py: rank {launch_rank()}: stopped: {err}", file=sys.stderr, flush=True)
+        print_line(f"train.py: rank {launch_rank()}: stopped: {err}")
         if isinstance(err, RankTimeoutError):  # a group with a silent peer hangs the interpreter's exit
             sys.stdout.flush()
             os._exit(3)
         _let_the_others_print()
         return 3
     except VocabularyError as err:  # a bad input that every rank checks alone
-        print(f"train.py: rank {launch_rank()}: error: {err}", file=sys.stderr, flush=True)
+        print_line(f"train.py: rank {launch_rank()}: error: {err}")
         _let_the_others_print()
         return 2
     except MemoryBudgetError as err:  # every rank finds the same estimate at once, before any communication
-        print(f"train.py: rank {launch_rank()}: error: {err}", file=sys.stderr, flush=True)
+        print_line(f"train.py: rank {launch_rank()}: error: {err}")
         _let_the_others_print(grace_s=BUDGET_GRACE_S)
         return 2
 

@@ -93,6 +93,7 @@ class MindSporeOps(TensorOps):
         target = device_target if device_target is not None else ms.get_context("device_target")
         self.device_target = str(target)
         self._ascend = self.device_target == "Ascend"
+        self.prefers_written_backward = not self._ascend
         # CPU fast routes (see the module docstring); caches keyed by shape and dtype.
         self._matmul_prims: dict[tuple[bool, bool, bool], Any] = {}
         self._row_orders: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[ms.Tensor, ms.Tensor]] = {}
@@ -382,4 +383,7 @@ class MindSporeOps(TensorOps):
         backward: Callable[..., tuple[ms.Tensor | None, ...]],
         *inputs: ms.Tensor,
     ) -> tuple[ms.Tensor, ...]:
+        # A Parameter given to a cell with bprop gets its gradient through float32 (MindSpore 2.10:
+        # float64 weights came back 1e-8 off); a copy made by an op keeps autograd's own dtype.
+        inputs = tuple(x + 0 if isinstance(x, ms.Parameter) else x for x in inputs)
         return CustomVJPCell(forward, backward)(*inputs)

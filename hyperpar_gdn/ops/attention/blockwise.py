@@ -12,8 +12,11 @@ serve faster than plain broadcasting and ``exp`` (MindSpore on CPU: docs/backend
 The backward walks the same blocks from the saved output o and log-sum-exp ``lse = m + log l``:
 ``p = exp(s - lse)``, ``dp = do v^T``, ``ds = p (dp - rowsum(do o))``, then dq, dk, dv per block.
 
-Grouped KV heads are not repeated: the G query heads of one KV head are stacked along the rows,
-``q [B, Hkv, G*bq, D]`` against ``k [B, Hkv, bk, D]``.
+Grouped KV heads are not repeated: the G query heads of one KV head are interleaved along the
+rows, ``q [B, Hkv, Tq*G, D]`` with row ``t*G + j`` for query t of the group's j-th head, against
+``k [B, Hkv, bk, D]``. A query block is then a run of consecutive rows ``[B, Hkv, bq*G, D]``, a
+view of the rows rather than a gather of G strided pieces (MindSpore on CPU copies such a piece
+at a few hundred MB/s); q goes into this order and o out of it once per call.
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H / Hkv, D head dim, bq / bk block sizes.
 """
@@ -38,12 +41,20 @@ def blockwise_attention(
     ``D**-0.5``) -> ``[B, H, Tq, D]`` in q's dtype; a query that sees no key gives zeros."""
     b, h, tq, d = q_BHTD.shape
     hkv = k_BHTD.shape[1]
+    g = h // hkv
     dtype = xp.compute_dtype(q_BHTD)
     q, k, v = (xp.cast(x, dtype) for x in (q_BHTD, k_BHTD, v_BHTD))
-    q_grouped = q.reshape(b, hkv, h // hkv, tq, d)
-    fwd, bwd = _functions(xp, plan, h // hkv, d**-0.5)
-    (o,) = xp.custom_vjp(fwd, bwd, q_grouped, k, v)
+    q_rows = _swap_heads_and_tokens(xp, q.reshape(b, hkv, g, tq, d)).reshape(b, hkv, tq * g, d)
+    fwd, bwd = _functions(xp, plan, g, d**-0.5)
+    (o_rows,) = xp.custom_vjp(fwd, bwd, q_rows, k, v)
+    o = _swap_heads_and_tokens(xp, o_rows.reshape(b, hkv, tq, g, d))
     return xp.cast(o.reshape(b, h, tq, d), xp.dtype(q_BHTD))
+
+
+def _swap_heads_and_tokens(xp: TensorOps, x: Tensor) -> Tensor:
+    """``[B, Hkv, A, C, D] -> [B, Hkv, C, A, D]`` (nothing to move when A or C is 1)."""
+    b, hkv, a, c, d = x.shape
+    return x.reshape(b, hkv, c, a, d) if 1 in (a, c) else xp.permute(x, (0, 1, 3, 2, 4))
 
 
 # Long on purpose: the forward, the backward and the block-mask cache they share are closures over
@@ -51,33 +62,33 @@ def blockwise_attention(
 def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tuple[Any, Any]:
     """The forward and backward of one call (they share the plan and the block masks)."""
     q_sizes, k_sizes = plan.q_sizes(), plan.k_sizes()
+    row_sizes = [size * groups for size in q_sizes]
     biases: dict[tuple[int, int], Tensor] = {}
 
     def hidden(i: int, j: int, like: Tensor) -> Tensor:
-        """``[B or 1, 1, 1, bq, bk]``: 0 where visible, +inf elsewhere (subtracted from scores)."""
+        """``[B or 1, 1, bq, 1, bk]``: 0 where visible, +inf elsewhere (subtracted from scores)."""
         if (i, j) not in biases:
             mask = plan.mask(i, j)
-            values = np.where(mask, 0.0, np.inf)[:, None, None]
+            values = np.where(mask, 0.0, np.inf)[:, None, :, None, :]
             biases[(i, j)] = xp.constant(values, like=like)
         return biases[(i, j)]
 
     def scores(q_i: Tensor, kt_j: Tensor, i: int, j: int) -> Tensor:
-        """``[B, Hkv, G*bq, bk]``: scaled scores, -inf where hidden."""
+        """``[B, Hkv, bq*G, bk]``: scaled scores, -inf where hidden."""
         s = xp.matmul(q_i, kt_j) * xp.scalar(scale, q_i)
         if plan.kind[i, j] == FULL:
             return s
         b, hkv, rows, bk = s.shape
-        return xp.sub(s.reshape(b, hkv, groups, rows // groups, bk), hidden(i, j, s)).reshape(
+        return xp.sub(s.reshape(b, hkv, rows // groups, groups, bk), hidden(i, j, s)).reshape(
             b, hkv, rows, bk
         )
 
     def rows(x: Tensor) -> list[Tensor]:
-        """``[B, Hkv, G, Tq, X]`` -> per query block ``[B, Hkv, G*bq, X]``."""
-        b, hkv, g, _, last = x.shape
-        return [p.reshape(b, hkv, g * p.shape[3], last) for p in xp.split(x, q_sizes, 3)]
+        """``[B, Hkv, Tq*G, X]`` -> per query block ``[B, Hkv, bq*G, X]`` (views)."""
+        return xp.split(x, row_sizes, 2)
 
     def forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[Tensor], tuple[Tensor, ...]]:
-        b, hkv, g, tq, d = q.shape
+        b, hkv, _, d = q.shape
         k_blocks, v_blocks = xp.split(k, k_sizes, 2), xp.split(v, k_sizes, 2)
         kt_blocks = [xp.swapaxes(kb, -1, -2) for kb in k_blocks]
         outs, lses = [], []
@@ -104,8 +115,7 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
             )  # rows that saw no key: o = 0, lse = floor
             outs.append(acc / safe)
             lses.append(m + xp.log(safe))
-        o = _unrows(xp, outs, g)
-        lse = _unrows(xp, lses, g)
+        o, lse = _cat_rows(xp, outs), _cat_rows(xp, lses)
         return (o,), (q, k, v, o, lse)
 
     def backward(saved: tuple[Tensor, ...], do: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -114,7 +124,7 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
         k_blocks, v_blocks = xp.split(k, k_sizes, 2), xp.split(v, k_sizes, 2)
         kt_blocks = [xp.swapaxes(kb, -1, -2) for kb in k_blocks]
         vt_blocks = [xp.swapaxes(vb, -1, -2) for vb in v_blocks]
-        delta = xp.sum(do * o, -1, keepdim=True)  # [B, Hkv, G, Tq, 1]
+        delta = xp.sum(do * o, -1, keepdim=True)  # [B, Hkv, Tq*G, 1]
         dk: list[Tensor | None] = [None] * len(k_sizes)
         dv: list[Tensor | None] = [None] * len(k_sizes)
         dqs = []
@@ -131,7 +141,7 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
                 dq_i = dq_ij if dq_i is None else dq_i + dq_ij
             dqs.append(xp.zeros(q_i.shape, like=q) if dq_i is None else dq_i)
         scale_t = xp.scalar(scale, q)
-        dq = _unrows(xp, dqs, q.shape[2]) * scale_t
+        dq = _cat_rows(xp, dqs) * scale_t
         dk_full = xp.cat([_or_zeros(xp, g, kb) for g, kb in zip(dk, k_blocks, strict=True)], 2) * scale_t
         dv_full = xp.cat([_or_zeros(xp, g, vb) for g, vb in zip(dv, v_blocks, strict=True)], 2)
         return dq, dk_full, dv_full
@@ -139,10 +149,9 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
     return forward, backward
 
 
-def _unrows(xp: TensorOps, blocks: list[Tensor], groups: int) -> Tensor:
-    """Per query block ``[B, Hkv, G*bq, X]`` -> ``[B, Hkv, G, Tq, X]``."""
-    parts = [x.reshape(x.shape[0], x.shape[1], groups, x.shape[2] // groups, x.shape[3]) for x in blocks]
-    return xp.cat(parts, 3) if len(parts) > 1 else parts[0]
+def _cat_rows(xp: TensorOps, blocks: list[Tensor]) -> Tensor:
+    """Per query block ``[B, Hkv, bq*G, X]`` -> ``[B, Hkv, Tq*G, X]``."""
+    return xp.cat(blocks, 2) if len(blocks) > 1 else blocks[0]
 
 
 def _or_zeros(xp: TensorOps, grad: Tensor | None, like: Tensor) -> Tensor:

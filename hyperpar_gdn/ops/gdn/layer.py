@@ -26,6 +26,7 @@ import numpy as np
 from hyperpar_gdn.ops.gdn.chunk import chunk_gated_delta_rule, outputs_from, prepare_chunks
 from hyperpar_gdn.ops.gdn.varlen import check_doc_starts, conv_tap_masks, packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates, conv_state_of
+from hyperpar_gdn.ops.rms_norm_vjp import written_gated_rms_norm
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
 REQUIRED_ATTRIBUTES = (
@@ -318,6 +319,8 @@ def gates(
 def gated_rms_norm(xp: TensorOps, o: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Per head: weight * o / rms(o) * silu(z), normalised in the compute dtype.
     o, z ``[..., Dv]``; the result has o's dtype."""
+    if xp.prefers_written_backward:
+        return written_gated_rms_norm(xp, o, z, weight, eps)
     dtype = xp.dtype(o)
     ct = xp.compute_dtype(o)
     x = xp.cast(o, ct)

@@ -27,8 +27,7 @@ and checks the memory plan before torch is imported (a refused run never loads t
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hyperpar_gdn._lazy import lazy_exports
 
 _EXPORTS = {
     "FAULTS": "hyperpar_gdn.train.errors",
@@ -49,15 +48,4 @@ _EXPORTS = {
     "TrainResult": "hyperpar_gdn.train.metrics",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hyperpar_gdn.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # loaded once
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

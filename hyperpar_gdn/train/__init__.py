@@ -5,7 +5,7 @@
 - :mod:`.batches`: a rank's part of a batch, cut by ``shard_for_context_parallel``.
 - :mod:`.loop`: :class:`Trainer` (build, train, close), written once for every framework.
 - :mod:`.backend`: what a framework provides (:class:`TrainBackend`); :mod:`.torch_backend`
-  and :mod:`.mindspore_loop` implement it.
+  and :mod:`.mindspore_loop` implement it (MindSpore's AdamW in :mod:`.mindspore_adamw`).
 - :mod:`.optim` (AdamW settings, warm-up), :mod:`.resume` (``--resume`` and auto resume),
   :mod:`.metrics` (records, log lines, ``--metrics-json``), :mod:`.parity` (``--check-parity``).
 - :mod:`.model_sizes`: the built-in model's ``--model-size`` presets.

@@ -122,7 +122,11 @@ class AdamW:
         # more parameters then kept updating with a stale rate (0.003 off torch after one change).
         for group in self.optimizer.param_groups:
             group["lr"] = float(lr)
-        self.optimizer(tuple(grads[i] for i in self._order))
+        # Each gradient marked a variable (mindspore.mutable; tensors are variables of a compiled
+        # graph anyway): the library's AdamW passes a group's gradients to a jit function as a
+        # tuple, and at its second compile (the second group, first step) MindSpore 2.10 otherwise
+        # logs a "might cause recompiling" warning that prints every gradient of that tuple.
+        self.optimizer(tuple(ms.mutable(grads[i]) for i in self._order))
 
     def state_dict(self) -> dict[str, Any]:
         """The moments (torch tensors, so ``torch.load(weights_only=True)`` reads them), the step

@@ -37,8 +37,7 @@ Guides: README.md and docs/ in the repository.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hyperpar_gdn._lazy import lazy_exports
 
 _EXPORTS = {
     "DTensor": "hyperpar_gdn.distributed.dtensor",
@@ -62,13 +61,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hyperpar_gdn' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -211,7 +211,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, Path, int]:
     add("--chunk-size", type=int, default=64, help="chunk length C of the kernel")
     add("--repeats", type=int, default=5, help="timed rounds (median reported)")
     add("--warmup", type=int, default=1, help="untimed rounds first")
-    add("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add("--threads", type=int, default=None, help="torch's and MindSpore's CPU threads (default: theirs)")
     add("--matmul-size", type=int, default=2048, help="n of the n x n x n matmul that measures the machine")
     add("--backend", choices=sorted(BACKENDS), default="torch", help="framework to time")
     add("--packed-T", type=int, default=8192, help="tokens of the packed case (torch)")

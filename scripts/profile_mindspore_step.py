@@ -3,7 +3,9 @@
 The model is ``bench_cp_model_mindspore``'s (transformers' Qwen3.5 with the 27B head ratios / 4,
 3 GDN + 1 attention layers, hidden 256, seed 0), loaded by MindSpore's ``Qwen3_5ForCausalLM`` and
 by transformers (its GDN layers running our maths, as ``apply_context_parallel`` does on one
-rank). One process, one thread per framework (``OMP_WAIT_POLICY=PASSIVE`` is set here), fp32.
+rank). One process, one thread per framework (``OMP_WAIT_POLICY=PASSIVE`` is set here; MindSpore's
+kernel threads come from ``HP_MINDSPORE_THREADS``, 1 unless set, which the platform applies; its
+CPU pool still has two threads), fp32.
 
 Three measurements, each in alternating rounds (the frameworks take turns, so load falls on both):
 
@@ -38,6 +40,7 @@ from benchkit.timing import alternating_rounds
 from hyperpar_gdn.cli import HelpFormatter
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HP_MINDSPORE_THREADS", "1")  # MindSporePlatform.init_distributed applies it
 
 
 def torch_side(model_dir: Path, ids_np: Any) -> tuple[Any, dict[str, Any]]:
@@ -110,8 +113,7 @@ def mindspore_side(model_dir: Path, ids_np: Any) -> tuple[Any, dict[str, Any]]:
     from hyperpar_gdn.ops.lm_loss import lm_loss_sum
     from hyperpar_gdn.platform import get_platform
 
-    get_platform("mindspore").init_distributed()
-    ms.set_context(runtime_num_threads=1)
+    get_platform("mindspore").init_distributed()  # PyNative, launch blocking, HP_MINDSPORE_THREADS
     model = Qwen3_5ForCausalLM.from_pretrained(model_dir)
     ids = ms.Tensor(ids_np)
     labels = ms.Tensor(_shifted(ids_np))

@@ -4,8 +4,9 @@ pytest imports this file with ``tests/`` prepended to ``sys.path`` (its default 
 ``tests/`` is not a package). That is what lets test modules in subfolders import the shared
 modules beside it, whether run as ``pytest`` or ``python -m pytest``: ``oracles`` (the reference
 implementations and the input helpers), ``tiny_models`` (the small model configurations used in
-several files), ``distributed_harness`` (forked gloo ranks; scripts under torchrun) and
-``msrun_harness``. ``tests/distributed`` is put on the path as well: the shared MindSpore msrun
+several files), ``distributed_harness`` (forked gloo ranks; scripts under torchrun),
+``msrun_harness`` and ``torch_training`` (the torch runs the MindSpore training tests compare
+with). ``tests/distributed`` is put on the path as well: the shared MindSpore msrun
 worker there (``msrun_cp_worker``) names the sections that tests in several folders read.
 
 Fixtures:

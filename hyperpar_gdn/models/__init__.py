@@ -7,8 +7,7 @@ The torch models (``GatedDeltaNet``, ``HybridLM``, ...) load on first use, so th
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hyperpar_gdn._lazy import lazy_exports
 
 _EXPORTS = {
     "CausalSelfAttention": "hyperpar_gdn.models.attention",
@@ -20,13 +19,4 @@ _EXPORTS = {
     "RMSNorm": "hyperpar_gdn.models.norm",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hyperpar_gdn.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

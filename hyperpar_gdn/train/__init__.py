@@ -5,7 +5,7 @@
 - :mod:`.batches`: a rank's part of a batch, cut by ``shard_for_context_parallel``.
 - :mod:`.loop`: :class:`Trainer` (build, train, close), written once for every framework.
 - :mod:`.backend`: what a framework provides (:class:`TrainBackend`); :mod:`.torch_backend`
-  and :mod:`.mindspore_loop` implement it.
+  and :mod:`.mindspore_loop` implement it (MindSpore's AdamW in :mod:`.mindspore_adamw`).
 - :mod:`.optim` (AdamW settings, warm-up), :mod:`.resume` (``--resume`` and auto resume),
   :mod:`.metrics` (records, log lines, ``--metrics-json``), :mod:`.parity` (``--check-parity``).
 - :mod:`.model_sizes`: the built-in model's ``--model-size`` presets.
@@ -27,8 +27,7 @@ and checks the memory plan before torch is imported (a refused run never loads t
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hyperpar_gdn._lazy import lazy_exports
 
 _EXPORTS = {
     "FAULTS": "hyperpar_gdn.train.errors",
@@ -49,15 +48,4 @@ _EXPORTS = {
     "TrainResult": "hyperpar_gdn.train.metrics",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hyperpar_gdn.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # loaded once
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -14,11 +14,13 @@ parity check, summary and metrics. What the backend does its own way:
   losses over the tokens of its DP replica, gradients are summed over the CP group and averaged
   over the DP groups: the gradient of the mean loss over the global batch, as on torch;
 - ``--dtype bf16`` is refused (:data:`BF16_REFUSED` says why): MindSpore trains in fp32;
-- the optimizer is :class:`AdamW`: MindSpore's library AdamW (torch's ``AdamW`` maths) set up as
-  torch's (decay on matrices, betas (0.9, 0.95), eps 1e-8), with torch's global-norm clipping;
+- the optimizer is :class:`~.mindspore_adamw.AdamW`: MindSpore's library AdamW (torch's
+  ``AdamW`` maths) set up as torch's (decay on matrices, betas (0.9, 0.95), eps 1e-8), with
+  torch's global-norm clipping;
 - checkpoints have the same layout and parts; the ``model`` part is a torch state dict with the
-  torch model's names (a torch ``HybridLM`` loads it; for ``--model``, transformers' names), the ``optimizer`` part is :class:`AdamW`'s
-  own state (format :data:`ADAMW_FORMAT`), so a run resumes on the platform that saved it;
+  torch model's names (a torch ``HybridLM`` loads it; for ``--model``, transformers' names), the
+  ``optimizer`` part is :class:`~.mindspore_adamw.AdamW`'s own state (format
+  :data:`~.mindspore_adamw.ADAMW_FORMAT`), so a run resumes on the platform that saved it;
   sharded by default, as on torch, in the replicated layout (:mod:`.replicated_shards`: the state
   is the same on every rank, each rank writes a disjoint part, as a safetensors-layout file;
   ``--async-save``: a thread writes the part's host copies), or whole (format 1, rank 0).
@@ -36,7 +38,6 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 import torch
-from mindspore import ops
 
 from hyperpar_gdn.distributed.batch import ContextParallelBatch, context_parallel_lm_loss
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
@@ -51,166 +52,18 @@ from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
 from hyperpar_gdn.train.checkpoint import REPLICATED_LAYOUT
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.loop import Trainer
+from hyperpar_gdn.train.mindspore_adamw import ADAMW_FORMAT, AdamW, clip_grad_norm
 from hyperpar_gdn.train.replicated_shards import Leaf, write_replicated_shards
 from hyperpar_gdn.train.sharded_checkpoint import STATE_DIR, load_whole_state
 
-__all__ = [
-    "ADAMW_FORMAT",
-    "AdamW",
-    "MindSporeBackend",
-    "MindSporeTrainer",
-    "clip_grad_norm",
-    "library_adamw_class",
-]
+__all__ = ["MindSporeBackend", "MindSporeTrainer"]
 
-ADAMW_FORMAT = "hyperpar_gdn.train.mindspore_loop.AdamW/1"
 BF16_REFUSED = (
     "--dtype {dtype} trains on torch only: MindSpore 2.10 has no bf16 kernels on CPU for MatMul, "
     "BatchMatMul, Exp, Softmax, Sigmoid, Rsqrt or reductions (measured), and its "
     "auto_mixed_precision does not reach these models' functional maths (amp_level 'auto' leaves "
     "them fp32, 'O1' and 'O2' fail); use --dtype fp32 on MindSpore"
 )
-
-
-def clip_grad_norm(grads: Sequence[ms.Tensor], max_norm: float) -> tuple[list[ms.Tensor], float]:
-    """torch's ``clip_grad_norm_``: scale every gradient by ``min(1, max_norm / (norm + 1e-6))``,
-    where norm is the 2-norm of all of them together. Returns (gradients, norm before clipping)."""
-    if max_norm <= 0:
-        raise ValueError(f"max_norm={max_norm} must be positive")
-    squares = [(g.astype(ms.float32) ** 2).sum() for g in grads]
-    total = ops.sqrt(ops.stack(squares).sum())
-    coef = ops.clamp(ms.Tensor(max_norm, ms.float32) / (total + 1e-6), max=1.0)
-    return [g * coef.astype(g.dtype) for g in grads], float(total.asnumpy())
-
-
-def library_adamw_class() -> type:
-    """MindSpore's AdamW for the device target: ``mindspore.mint.optim.AdamW`` on Ascend; on CPU,
-    where its ``AdamW`` kernel is missing in 2.10 (``mint.optim.AdamW`` and ``FusedAdamW`` both
-    fail with "The kernel AdamW unregistered", measured), ``mindspore.experimental.optim.AdamW``,
-    the same torch AdamW arithmetic in composed ops (one compiled graph per step)."""
-    if ms.get_context("device_target") == "Ascend":
-        from mindspore.mint.optim import AdamW as LibraryAdamW
-    else:
-        from mindspore.experimental.optim import AdamW as LibraryAdamW
-    return LibraryAdamW
-
-
-class AdamW:
-    """MindSpore's library AdamW (:func:`library_adamw_class`) with torch's settings: weight decay
-    on parameters with 2 or more dims only (as ``hyperpar_gdn.train.loop`` configures torch's),
-    betas (0.9, 0.95), eps 1e-8, the learning rate set every step. :meth:`step` takes the
-    gradients in the order of ``params``.
-
-    Args:
-        params: the parameters to update (``mindspore.Parameter``).
-        weight_decay: decoupled weight decay of the matrices.
-        betas, eps: Adam's moment decays and denominator epsilon.
-        names: a name per parameter, for :meth:`state_dict` (default: the parameters' own).
-    """
-
-    def __init__(
-        self,
-        params: Sequence[ms.Parameter],
-        *,
-        weight_decay: float,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        names: Sequence[str] | None = None,
-    ) -> None:
-        self.params = list(params)
-        self.names = [p.name for p in self.params] if names is None else list(names)
-        if len(self.names) != len(self.params):
-            raise ValueError(f"AdamW got {len(self.names)} names for {len(self.params)} parameters")
-        decay = [i for i, p in enumerate(self.params) if len(p.shape) >= 2]
-        rest = [i for i, p in enumerate(self.params) if len(p.shape) < 2]
-        self._order = decay + rest  # the library's parameter order, group by group
-        self._slot = {position: slot for slot, position in enumerate(self._order)}
-        groups = [
-            {"params": [self.params[i] for i in ids], "weight_decay": wd}
-            for ids, wd in ((decay, weight_decay), (rest, 0.0))
-            if ids
-        ]
-        self.optimizer = library_adamw_class()(groups, lr=1e-3, betas=betas, eps=eps)
-        # the step counter starts at 0 (experimental.optim) or -1 (mint.optim)
-        self._step_offset = -int(self.optimizer.state_step.asnumpy().reshape(-1)[0])
-
-    @property
-    def steps(self) -> int:
-        return int(self.optimizer.state_step.asnumpy().reshape(-1)[0]) + self._step_offset
-
-    @property
-    def exp_avg(self) -> list[ms.Tensor]:
-        """First moments, in the order of ``params``."""
-        return [self.optimizer.exp_avg[self._slot[i]] for i in range(len(self.params))]
-
-    @property
-    def exp_avg_sq(self) -> list[ms.Tensor]:
-        """Second moments, in the order of ``params``."""
-        return [self.optimizer.exp_avg_sq[self._slot[i]] for i in range(len(self.params))]
-
-    def step(self, grads: Sequence[ms.Tensor], lr: float) -> None:
-        if len(grads) != len(self.params):
-            raise ValueError(f"AdamW.step got {len(grads)} gradients for {len(self.params)} parameters")
-        for i, (param, grad) in enumerate(zip(self.params, grads, strict=True)):
-            if tuple(grad.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"AdamW: gradient {i} has shape {tuple(grad.shape)}, its parameter {param.name} "
-                    f"{tuple(param.shape)}"
-                )
-        # A float, not the group's lr Parameter set in place: in 2.10 (measured) a group of two or
-        # more parameters then kept updating with a stale rate (0.003 off torch after one change).
-        for group in self.optimizer.param_groups:
-            group["lr"] = float(lr)
-        self.optimizer(tuple(grads[i] for i in self._order))
-
-    def state_dict(self) -> dict[str, Any]:
-        """The moments (torch tensors, so ``torch.load(weights_only=True)`` reads them), the step
-        count and the parameter names."""
-        return {
-            "format": ADAMW_FORMAT,
-            "steps": self.steps,
-            "names": list(self.names),
-            "exp_avg": [torch.from_numpy(m.asnumpy().copy()) for m in self.exp_avg],
-            "exp_avg_sq": [torch.from_numpy(v.asnumpy().copy()) for v in self.exp_avg_sq],
-        }
-
-    def shard_state(self) -> dict[str, Any]:
-        """:meth:`state_dict` with :class:`~.replicated_shards.Leaf` moments: nothing is copied
-        until a rank reads the moments it saves."""
-        return {
-            "format": ADAMW_FORMAT,
-            "steps": self.steps,
-            "names": list(self.names),
-            "exp_avg": [_leaf(m) for m in self.exp_avg],
-            "exp_avg_sq": [_leaf(v) for v in self.exp_avg_sq],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; the parameter names and shapes must match."""
-        if state.get("format") != ADAMW_FORMAT:
-            raise ValueError(
-                f"optimizer state has format {state.get('format')!r}, not {ADAMW_FORMAT!r} (torch's "
-                "AdamW state, from a torch run?): resume it on the platform that saved it"
-            )
-        if list(state["names"]) != self.names:
-            raise ValueError(
-                f"optimizer state is for parameters {state['names'][:3]}... ({len(state['names'])}), "
-                f"not {self.names[:3]}... ({len(self.names)})"
-            )
-        for i, (m, v, p) in enumerate(zip(state["exp_avg"], state["exp_avg_sq"], self.params, strict=True)):
-            if tuple(m.shape) != tuple(p.shape) or tuple(v.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"optimizer state of {self.names[i]} has shape {tuple(m.shape)}, not {tuple(p.shape)}"
-                )
-        for i, p in enumerate(self.params):
-            slot = self._slot[i]
-            self.optimizer.exp_avg[slot].set_data(ms.Tensor(state["exp_avg"][i].numpy()).astype(p.dtype))
-            self.optimizer.exp_avg_sq[slot].set_data(
-                ms.Tensor(state["exp_avg_sq"][i].numpy()).astype(p.dtype)
-            )
-        step = self.optimizer.state_step
-        value = np.full(step.shape, int(state["steps"]) - self._step_offset)
-        step.set_data(ms.Tensor(value, step.dtype))
 
 
 # numpy's name of each MindSpore dtype a checkpoint holds (numpy has no bfloat16; nor does training)
@@ -358,7 +211,7 @@ class MindSporeBackend(TrainBackend):
         ``model`` part keeps the torch names, the ``optimizer`` part is :meth:`AdamW.shard_state`."""
         state = {
             "model": {name: _leaf(p) for name, p in self.model.parameters_and_names()},
-            "optimizer": self.replica.optimizer.shard_state(),
+            "optimizer": self.replica.optimizer.shard_state(_leaf),
         }
         return write_replicated_shards(
             state,

@@ -3,7 +3,7 @@
 Both backends use the same settings: AdamW with betas (0.9, 0.95), eps 1e-8, weight decay on
 matrices (parameters of 2 or more dims) only, the global gradient norm clipped to ``--grad-clip``
 (0: off), and a learning rate that rises linearly over ``--warmup-steps`` to ``--lr``, then stays.
-MindSpore's AdamW with these settings is :class:`hyperpar_gdn.train.mindspore_loop.AdamW`.
+MindSpore's AdamW with these settings is :class:`hyperpar_gdn.train.mindspore_adamw.AdamW`.
 """
 
 from __future__ import annotations

@@ -32,12 +32,13 @@ class MindSporeBackend(TorchBackend):
         super().__init__(cfg)
         import mindspore
 
+        from hyperpar_gdn.platform.mindspore_cpu_share import CpuShare, apply_cpu_share
         from hyperpar_gdn.platform.mindspore_ops import enable_launch_blocking
 
         self.ms = mindspore
         mindspore.set_context(mode=mindspore.PYNATIVE_MODE)
-        if cfg.threads is not None:
-            mindspore.set_context(runtime_num_threads=cfg.threads)
+        if cfg.threads is not None:  # MindSpore's CPU kernel threads, before its first kernel
+            apply_cpu_share(CpuShare(threads=cfg.threads, cpus=None, threads_asked=True))
         enable_launch_blocking()
         self._grad_fns: dict[int, Callable] = {}
         self._torch_ours: Callable | None = None

@@ -1,9 +1,13 @@
 """The MindSpore HybridLM against the torch one with copied weights, on one process: parameter
 names, logits, the training loss and every parameter gradient (fp32 and fp64); and the MindSpore
-AdamW with clipping against torch's over a few steps."""
+AdamW with clipping against torch's over a few steps, and its first steps log no recompile warning."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +22,7 @@ from tiny_models import TINY_LM, move_off_init  # noqa: E402
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM  # noqa: E402
 from hyperpar_gdn.models.mindspore import HybridLM, load_torch_state_dict  # noqa: E402
 from hyperpar_gdn.platform import ops_for  # noqa: E402
-from hyperpar_gdn.train.mindspore_loop import AdamW, clip_grad_norm  # noqa: E402
+from hyperpar_gdn.train.mindspore_adamw import AdamW, clip_grad_norm  # noqa: E402
 
 # Relative to the tensor's largest entry (gradients: to the largest gradient). fp32: docs/maths.md's
 # 1e-4; measured 3.3e-5 (each module agrees to 3e-6, the 4 blocks of perturbed weights amplify it).
@@ -136,3 +140,36 @@ def test_adamw_with_clipping_follows_torch() -> None:
         moved = float((torch_p.detach() - torch.from_numpy(ms_p.asnumpy())).abs().max())
         assert moved <= 1e-6, f"parameter {i}: max difference {moved}"
         assert ms_opt.exp_avg[i].shape == tuple(torch_p.shape)
+
+
+# A fresh interpreter: MindSpore remembers compiled functions per process, and its logger writes to
+# stderr. Two groups (decay and no decay), so the library AdamW compiles its step twice.
+TWO_GROUP_STEPS = r"""
+import mindspore as ms
+import numpy as np
+from hyperpar_gdn.train.mindspore_adamw import AdamW
+
+ms.set_context(mode=ms.PYNATIVE_MODE)
+shapes = [(6, 5), (5,), (3,)]
+params = [ms.Parameter(ms.Tensor(np.ones(s, np.float32)), name=f"p{i}") for i, s in enumerate(shapes)]
+optimizer = AdamW(params, weight_decay=0.1)
+for step in range(2):
+    optimizer.step([ms.Tensor(np.full(s, 0.5, np.float32)) for s in shapes], 1e-2)
+print("steps", optimizer.steps)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_adamw_steps_log_no_recompile_warning() -> None:
+    """The first step compiles the library AdamW's update once per group; MindSpore would then log a
+    "might cause recompiling" warning printing every gradient of the group (13 KB per rank with the
+    tiny preset, more with wider models) unless the gradients are marked variables, as
+    :meth:`AdamW.step` does."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "GLOG_v": "2"}
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_GROUP_STEPS], capture_output=True, text=True, env=env, timeout=200
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "steps 2", done.stdout
+    assert "recompil" not in done.stderr, done.stderr[:3000]

@@ -16,6 +16,7 @@ ms = pytest.importorskip("mindspore")
 transformers = pytest.importorskip("transformers")
 
 from safetensors.numpy import load_file, save_file  # noqa: E402
+from tiny_models import move_off_init  # noqa: E402
 
 from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM, Qwen35Config  # noqa: E402
 from hyperpar_gdn.models.safetensors_files import read_weights  # noqa: E402
@@ -31,7 +32,9 @@ pytestmark = pytest.mark.usefixtures("mindspore_pynative")
 
 def tiny_transformers_model(kind: str, *, seed: int = 0) -> torch.nn.Module:
     """A tiny transformers Qwen3.5 causal LM of ``kind`` with every parameter moved off its init
-    (zero-centred norms start at 0, which would hide a norm written as ``w * x``)."""
+    (zero-centred norms start at 0, which would hide a norm written as ``w * x``). Not
+    ``tiny_models.tiny_config``: rope theta 500, a shared expert of 20 (the experts' 24), a tied
+    bf16 variant and transformers' default experts implementation make another configuration."""
     common = dict(
         vocab_size=97,
         hidden_size=32,
@@ -65,9 +68,7 @@ def tiny_transformers_model(kind: str, *, seed: int = 0) -> torch.nn.Module:
         model = transformers.Qwen3_5ForCausalLM(
             transformers.Qwen3_5TextConfig(**common, intermediate_size=48)
         )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    move_off_init(model, 0.1)
     return model.eval()
 
 

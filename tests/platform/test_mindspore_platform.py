@@ -16,6 +16,7 @@ import torch
 ms = pytest.importorskip("mindspore")
 
 from msrun_harness import cp_worker_job, section_data  # noqa: E402
+from tiny_models import gdn_layer_config, move_off_init  # noqa: E402
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh  # noqa: E402
 from hyperpar_gdn.distributed.verify import relative_error  # noqa: E402
@@ -51,9 +52,7 @@ def local() -> MindSporePlatform:
 def _torch_layer(dtype: torch.dtype = torch.float32, hk: int = 2, h: int = 4) -> TorchGatedDeltaNet:
     torch.manual_seed(0)
     layer = TorchGatedDeltaNet(32, hk, h, 16, 8)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    move_off_init(layer, 0.1)
     return layer.to(dtype)
 
 
@@ -210,23 +209,11 @@ def test_from_torch_matches_torch_outputs_and_gradients(
 
 
 def test_from_torch_copies_transformers_layer(local: MindSporePlatform) -> None:
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    config = Qwen3_5TextConfig(
-        hidden_size=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        num_hidden_layers=4,
-    )
     torch.manual_seed(1)
-    hf = Qwen3_5GatedDeltaNet(config, 0)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    hf = Qwen3_5GatedDeltaNet(gdn_layer_config(key_head_dim=16), 0)
+    move_off_init(hf, 0.1)
     ms_layer = GatedDeltaNet.from_torch(hf)
     assert ms_layer.norm.variance_epsilon == hf.norm.variance_epsilon
     x = np.random.default_rng(2).standard_normal((2, 70, 32))

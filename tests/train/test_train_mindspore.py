@@ -25,11 +25,12 @@ pytest.importorskip("mindspore")
 
 from msrun_harness import MsrunOutcome, run_msrun  # noqa: E402
 from tiny_models import TINY_LM  # noqa: E402
+from torch_training import torch_losses, torch_resume_error  # noqa: E402
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS  # noqa: E402
 from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35  # noqa: E402
 from hyperpar_gdn.models.lm import HybridLM  # noqa: E402
-from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, load_checkpoint  # noqa: E402
+from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, load_checkpoint  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "msrun_train_worker.py"
 MSRUN_SCRIPT = Path(__file__).resolve().parent / "msrun_train_script.py"
@@ -99,14 +100,6 @@ def _section(name: str) -> list[dict[str, Any]]:
     return data
 
 
-def _torch_losses(rank: int, world: int, options: dict[str, Any]) -> list[float]:
-    trainer = Trainer(TrainConfig(**options))
-    try:
-        return trainer.train().losses
-    finally:
-        trainer.close()
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_lm_cp_equals_single_device_on_mindspore(mode: str) -> None:
     num_params = len(list(HybridLM(TINY_LM).parameters()))
@@ -144,9 +137,9 @@ def test_train_script_trains_a_transformers_directory_along_torchs_curve() -> No
     losses = rank0["losses"]
     assert max(losses[-3:]) < losses[0] - 0.2, losses
     options = {**OPTIONS, "cp_size": 1, "model_dir": str(_model_dirs()["dense"])}
-    torch_losses = run_ranks(_torch_losses, 1, options, timeout_s=120)[0]
-    diffs = [abs(a - b) for a, b in zip(losses, torch_losses, strict=True)]
-    assert max(diffs) <= LOSS_TOL, f"MindSpore {losses}\ntorch {torch_losses}\n|diff| {diffs}"
+    torch_curve = run_ranks(torch_losses, 1, options, timeout_s=120)[0]
+    diffs = [abs(a - b) for a, b in zip(losses, torch_curve, strict=True)]
+    assert max(diffs) <= LOSS_TOL, f"MindSpore {losses}\ntorch {torch_curve}\n|diff| {diffs}"
     parity = rank0["parity"]
     assert parity["ok"] and parity["max_abs_diff"] <= LOSS_TOL, parity
     export = Path(_ROOT.name) / "export"
@@ -171,14 +164,14 @@ def test_train_script_follows_the_torch_loss_curve() -> None:
     losses = rank0["losses"]
     assert losses[0] > 5.0  # ~ln 256 at init
     assert max(losses[-3:]) < losses[0] - 0.5
-    torch_losses = run_ranks(_torch_losses, 1, {**OPTIONS, "cp_size": 1}, timeout_s=120)[0]
-    diffs = [abs(a - b) for a, b in zip(losses, torch_losses, strict=True)]
-    assert max(diffs) <= LOSS_TOL, f"MindSpore {losses}\ntorch {torch_losses}\n|diff| {diffs}"
+    torch_curve = run_ranks(torch_losses, 1, {**OPTIONS, "cp_size": 1}, timeout_s=120)[0]
+    diffs = [abs(a - b) for a, b in zip(losses, torch_curve, strict=True)]
+    assert max(diffs) <= LOSS_TOL, f"MindSpore {losses}\ntorch {torch_curve}\n|diff| {diffs}"
     # --check-parity: rank 0 also trained a MindSpore copy without CP (measured within 2.4e-7)
     parity = rank0["parity"]
     assert parity["ok"] and parity["max_abs_diff"] <= LOSS_TOL, parity
     reference = parity["reference_losses"]
-    assert max(abs(a - b) for a, b in zip(reference, torch_losses, strict=True)) <= LOSS_TOL, reference
+    assert max(abs(a - b) for a, b in zip(reference, torch_curve, strict=True)) <= LOSS_TOL, reference
 
 
 def test_activation_checkpointing_keeps_the_losses() -> None:
@@ -197,9 +190,9 @@ def test_packed_documents_follow_the_torch_run() -> None:
     rank0 = _section("train_packed")[0]
     assert rank0["exit_code"] == 0
     options = {**OPTIONS, "cp_size": 1, "data": _packed_data()}
-    torch_losses = run_ranks(_torch_losses, 1, options, timeout_s=120)[0]
-    diffs = [abs(a - b) for a, b in zip(rank0["losses"], torch_losses, strict=True)]
-    assert max(diffs) <= LOSS_TOL, f"MindSpore {rank0['losses']}\ntorch {torch_losses}"
+    torch_curve = run_ranks(torch_losses, 1, options, timeout_s=120)[0]
+    diffs = [abs(a - b) for a, b in zip(rank0["losses"], torch_curve, strict=True)]
+    assert max(diffs) <= LOSS_TOL, f"MindSpore {rank0['losses']}\ntorch {torch_curve}"
     assert rank0["parity"]["ok"], rank0["parity"]
     plain = _section("train")[0]["losses"]  # the built-in corpus: a different run altogether
     assert plain != rank0["losses"]
@@ -213,14 +206,6 @@ def _ms_train(config: TrainConfig) -> Any:
         return trainer.train()
     finally:
         trainer.close()
-
-
-def _torch_resume_error(rank: int, world: int, options: dict[str, Any]) -> str:
-    try:
-        Trainer(TrainConfig(**options)).close()
-    except ValueError as err:
-        return str(err)
-    return "no error"
 
 
 @pytest.mark.parametrize("model", ["builtin", "qwen35"])
@@ -253,7 +238,7 @@ def test_save_and_resume_continue_the_same_curve(
         missing, unexpected = reference.load_state_dict(parts["model"], strict=False)
         assert (missing, unexpected) == (["lm_head.weight"], []), (missing, unexpected)  # tied head
     monkeypatch.setenv("HP_PLATFORM", "cpu")
-    message = run_ranks(_torch_resume_error, 1, {**options, "steps": 6, "resume": str(tmp_path)})[0]
+    message = run_ranks(torch_resume_error, 1, {**options, "steps": 6, "resume": str(tmp_path)})[0]
     refusal = "holds no torch AdamW state" if model == "qwen35" else "per-rank parts of a replicated state"
     assert refusal in message and "HP_PLATFORM=mindspore" in message, message
 

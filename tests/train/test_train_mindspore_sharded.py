@@ -26,8 +26,9 @@ from distributed_harness import run_ranks
 pytest.importorskip("mindspore")
 
 from msrun_harness import run_msrun  # noqa: E402
+from torch_training import torch_losses, torch_resume_error  # noqa: E402
 
-from hyperpar_gdn.train import CheckpointError, TrainConfig, Trainer, load_checkpoint  # noqa: E402
+from hyperpar_gdn.train import CheckpointError, TrainConfig, load_checkpoint  # noqa: E402
 from hyperpar_gdn.train.checkpoint import read_manifest  # noqa: E402
 from hyperpar_gdn.train.convert import convert  # noqa: E402
 from hyperpar_gdn.train.tensor_file import read_arrays  # noqa: E402
@@ -184,14 +185,6 @@ def test_async_save_writes_the_tensors_of_the_synchronous_save() -> None:
         assert all(torch.equal(a, b) for a, b in pairs)
 
 
-def _torch_resume_error(rank: int, world: int, options: dict[str, Any]) -> str:
-    try:
-        Trainer(TrainConfig(**options)).close()
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
 def test_the_converter_reads_it_and_torch_refuses_it_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -206,17 +199,9 @@ def test_the_converter_reads_it_and_torch_refuses_it_in_one_line(
     assert converted["optimizer"]["names"] == sharded["optimizer"]["names"]
     monkeypatch.setenv("HP_PLATFORM", "cpu")
     options = {**NO_SAVES, "steps": 6, "resume": str(root / "two")}
-    message = run_ranks(_torch_resume_error, 1, options, timeout_s=120)[0]
+    message = run_ranks(torch_resume_error, 1, options, timeout_s=120)[0]
     assert "\n" not in message and "per-rank parts of a replicated state" in message, message
     assert "HP_PLATFORM=mindspore" in message, message
-
-
-def _torch_save(rank: int, world: int, options: dict[str, Any]) -> list[float]:
-    trainer = Trainer(TrainConfig(**options))
-    try:
-        return trainer.train().losses
-    finally:
-        trainer.close()
 
 
 def test_a_torch_sharded_checkpoint_is_refused_on_mindspore_in_one_line(
@@ -225,7 +210,7 @@ def test_a_torch_sharded_checkpoint_is_refused_on_mindspore_in_one_line(
     from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
 
     monkeypatch.setenv("HP_PLATFORM", "cpu")
-    run_ranks(_torch_save, 1, {**OPTIONS, "steps": 2, "save": str(tmp_path)}, timeout_s=120)
+    run_ranks(torch_losses, 1, {**OPTIONS, "steps": 2, "save": str(tmp_path)}, timeout_s=120)
     assert read_manifest(tmp_path / "step-2")["layout"] == "dcp"
     monkeypatch.setenv("HP_PLATFORM", "mindspore")
     with pytest.raises(ValueError) as caught:

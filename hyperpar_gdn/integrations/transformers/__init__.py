@@ -15,13 +15,10 @@ class or keyword lives in this package.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hyperpar_gdn._lazy import lazy_exports
 
-_LAZY = {"ContextParallelMixin", "ContextParallelTrainer"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.trainer"), name)
+_EXPORTS = {
+    "ContextParallelMixin": "hyperpar_gdn.integrations.transformers.trainer",
+    "ContextParallelTrainer": "hyperpar_gdn.integrations.transformers.trainer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -4,12 +4,14 @@ Many ``mindspore.mint`` functions have no CPU kernel in 2.10 and fail late, at t
 (docs/backends.md), so on CPU this module uses the Tensor methods and ``mindspore.ops``
 functions measured to work there with gradients; on Ascend it prefers the ``mint`` kernels.
 
-Two MindSpore habits the maths must not notice:
+Three MindSpore habits the maths must not notice:
 
 - A Python float in an expression is rounded to float32 even when the tensor is float64, so
   :meth:`MindSporeOps.scalar` builds a tensor of the input dtype.
 - A ``Cell`` with ``bprop`` replaces autograd for its ``construct``; :meth:`MindSporeOps.custom_vjp`
   builds one per call and keeps the forward's saved tensors on it for the backward.
+- A ``Parameter`` passed straight into such a cell gets its gradient through float32, so
+  :meth:`MindSporeOps.custom_vjp` passes it a copy.
 
 Speed on CPU (2.10, PyNative with kernels launched synchronously; measured on [32, 1, 4, 64, 128]
 fp32 tensors, one thread): a same-shape elementwise op takes ~0.1 ms, but the CPU kernels that
@@ -383,7 +385,7 @@ class MindSporeOps(TensorOps):
         backward: Callable[..., tuple[ms.Tensor | None, ...]],
         *inputs: ms.Tensor,
     ) -> tuple[ms.Tensor, ...]:
-        # A Parameter given to a cell with bprop gets its gradient through float32 (MindSpore 2.10:
-        # float64 weights came back 1e-8 off); a copy made by an op keeps autograd's own dtype.
+        # A Parameter's gradient through a bprop cell is rounded to float32 (float64 weights came
+        # back 1e-8 off); through a copy made by an op it keeps the weight's dtype.
         inputs = tuple(x + 0 if isinstance(x, ms.Parameter) else x for x in inputs)
         return CustomVJPCell(forward, backward)(*inputs)

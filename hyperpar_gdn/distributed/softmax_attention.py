@@ -74,7 +74,7 @@ def attention_forward(
     key_mask = None if seq.host_key_mask is None else seq.host_key_mask[:, :visible]
     o_BHTD = attention(xp, q_BHTD, k_BHTD, v_BHTD, queries=queries, keys=keys, key_mask=key_mask)
     b, h, t, d = o_BHTD.shape
-    o_BTX = xp.swapaxes(o_BHTD, 1, 2).reshape(b, t, h * d)
+    o_BTX = xp.permute(o_BHTD, (0, 2, 1, 3)).reshape(b, t, h * d)
     return adapter.finish(o_BTX, gate)
 
 
@@ -113,7 +113,7 @@ def _fragments_attention(
         xp, q_BHTD, kv_BHTD[:, :hkv], kv_BHTD[:, hkv:], queries=queries, keys=keys, key_mask=seq.host_key_mask
     )
     b, h, t, d = o_BHTD.shape
-    return adapter.finish(xp.swapaxes(o_BHTD, 1, 2).reshape(b, t, h * d), gate)
+    return adapter.finish(xp.permute(o_BHTD, (0, 2, 1, 3)).reshape(b, t, h * d), gate)
 
 
 def shard_error(x_BTC: Tensor, hidden_size: int) -> str | None:

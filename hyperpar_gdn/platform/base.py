@@ -32,9 +32,10 @@ class TensorOps(ABC):
     # PyNative on CPU): hand-written loops then take the work that does not depend on the carried
     # state out of the loop, batched over chunks (see hyperpar_gdn/ops/gdn/recurrence_batched.py).
     prefers_batched_loops: bool = False
-    # True where autograd of broadcasting products and of reductions is far slower than same-shape
-    # kernels (MindSpore on CPU): RMSNorm then runs with its hand-written backward
-    # (hyperpar_gdn/ops/rms_norm_vjp.py), whose broadcasts and sums go through mul and sum.
+    # True where broadcasting products, reductions and strided copies are far slower than
+    # same-shape kernels, in autograd's backward too (MindSpore on CPU): RMSNorm then runs with its
+    # hand-written backward (hyperpar_gdn/ops/rms_norm_vjp.py), whose broadcasts and sums go
+    # through mul and sum, and ulysses builds its send buffer by gathers (distributed/cp/ulysses.py).
     prefers_written_backward: bool = False
 
     @abstractmethod

@@ -130,8 +130,11 @@ def _send_buffer(
     bsz, t = mixed.shape[0], mixed.shape[1]
     n = len(shares)
     counts = {s.k_count for s in shares}
+    index = _send_index(dims, shares)
+    if xp.prefers_written_backward and len(counts) == 1 and len(np.unique(index)) == len(index):
+        return _gathered_send_buffer(xp, (mixed, b, a), index, n)
     if len(counts) > 1:
-        picked = xp.take(xp.cat([mixed, b, a], 2), _send_index(dims, shares), 2)  # [B, T_r, sum w_j]
+        picked = xp.take(xp.cat([mixed, b, a], 2), index, 2)  # [B, T_r, sum w_j]
         return xp.cat([y.reshape(-1) for y in xp.split(picked, [s.width(dims) for s in shares], 2)], 0)
     kc = counts.pop()
     q, k, v = split_heads(xp, mixed, **head_dims(dims))
@@ -148,6 +151,27 @@ def _send_buffer(
     ]
     rank_major = [xp.swapaxes(xp.swapaxes(y, 1, 2), 0, 1) for y in pieces]  # [n, B, T_r, *] views
     return xp.cat(rank_major, 3).reshape(-1)
+
+
+def _gathered_send_buffer(xp: TensorOps, parts: tuple[Tensor, ...], index: np.ndarray, n: int) -> Tensor:
+    """:func:`_send_buffer` when every rank gets as many channels and none is sent twice, as one
+    gather of channels and one row order, with a written backward (the inverse gathers, one per
+    part, so that no gradient is a strided slice). parts ``[B, T_r, C_i]`` (mixed, b, a)."""
+    bsz, t = parts[0].shape[0], parts[0].shape[1]
+    width = len(index) // n
+    inverse = np.argsort(index)
+    bounds = np.cumsum([0, *(p.shape[2] for p in parts)])
+
+    def forward(*parts: Tensor) -> tuple[tuple[Tensor], tuple[()]]:
+        picked = xp.take(xp.cat(list(parts), 2), index, 2).reshape(bsz, t, n, width)
+        return (xp.permute(picked, (2, 0, 1, 3)).reshape(-1),), ()
+
+    def backward(saved: tuple[()], grad: Tensor) -> tuple[Tensor, ...]:
+        per_token = xp.permute(grad.reshape(n, bsz, t, width), (1, 2, 0, 3)).reshape(bsz, t, n * width)
+        return tuple(xp.take(per_token, inverse[lo:hi], 2) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
+
+    (buffer,) = xp.custom_vjp(forward, backward, *parts)
+    return buffer
 
 
 def _from_rank_major(xp: TensorOps, flat: Tensor, bsz: int, t: int, n: int) -> Tensor:

@@ -260,7 +260,7 @@ def causal_attention(
     queries = Tokens.span(q_offset, q_offset + tq, None if docs is None else docs[q_offset : q_offset + tq])
     keys = Tokens.span(0, tk, docs)
     o_BHTD = attention(xp, q_BHTD, k_BHTD, v_BHTD, queries=queries, keys=keys, key_mask=key_mask)
-    return xp.swapaxes(o_BHTD, 1, 2).reshape(b, tq, h * d)
+    return xp.permute(o_BHTD, (0, 2, 1, 3)).reshape(b, tq, h * d)
 
 
 def doc_ids_tensor(xp: TensorOps, cu_seqlens: Any, *, seq_len: int, like: Tensor) -> Tensor:

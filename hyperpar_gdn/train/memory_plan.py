@@ -7,7 +7,8 @@ Framework-free arithmetic over the model's sizes (:class:`ModelShape`) and the s
     runtime + parameters + gradients + optimizer + max(step phase, gradient-sync phase)
 
 - runtime: the framework itself (:data:`RUNTIME_BYTES`, measured: the resident memory of a process
-  that imported torch and built a tiny model; 0 on an accelerator, whose allocator counts tensors);
+  that imported torch and built a tiny model, its libraries' code mapped as a fresh install maps it
+  (:data:`FRESH_INSTALL_CODE_BYTES`); 0 on an accelerator, whose allocator counts tensors);
 - parameters, gradients: fp32 (master weights under bf16 too); optimizer: AdamW's two fp32
   moments; under FSDP all three divided over every rank, plus the gathered weights of the root
   and two decoder layers (the one computing and the one prefetched);
@@ -48,6 +49,7 @@ from hyperpar_gdn.ops.lm_loss import default_chunk_tokens
 from hyperpar_gdn.platform.host_memory import MMAP_THRESHOLD
 
 __all__ = [
+    "FRESH_INSTALL_CODE_BYTES",
     "GIB",
     "RUNTIME_BYTES",
     "Estimate",
@@ -62,10 +64,21 @@ __all__ = [
 
 GIB = 2**30
 GDN_CHUNK = 64  # the chunk rule's C (hyperpar_gdn.ops.gdn.layer's default)
+# The framework's code pages as a fresh install leaves them in the page cache: the kernel maps a
+# whole page-cache folio on a fault, and a library file written in large writes (as pip 26 installs
+# it) is cached in large folios, where one read in a page maps up to megabytes around it. Measured
+# on the CPU machine of docs/training.md (the tiny preset's step): the process mapped 201 MiB of
+# files with torch's libraries written so, 110 MiB once they were cached by reading them back
+# (small folios; libtorch_cpu.so alone 98 against 48 MiB), with the same 300 MiB anonymous.
+FRESH_INSTALL_CODE_BYTES = 91 * 2**20
 # The resident memory of a process that imported the framework and built a tiny model (measured
 # on the CPU machine of docs/training.md: 306 MiB after importing hyperpar_gdn.train and one step of
-# the tiny preset; 324 MiB with transformers imported too, as for --model directories).
-RUNTIME_BYTES = {"torch": 306 * 2**20, "torch+transformers": 324 * 2**20}
+# the tiny preset with the libraries in small folios; 324 MiB with transformers imported too, as for
+# --model directories), plus the fresh install's larger mapped code: the plan holds for both states.
+RUNTIME_BYTES = {
+    "torch": 306 * 2**20 + FRESH_INSTALL_CODE_BYTES,
+    "torch+transformers": 324 * 2**20 + FRESH_INSTALL_CODE_BYTES,
+}
 LINEAR, FULL = "linear_attention", "full_attention"
 TERMS = (
     "runtime",

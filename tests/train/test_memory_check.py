@@ -77,9 +77,11 @@ def test_a_refused_run_never_imports_torch(tmp_path: Path) -> None:
 
 
 def test_the_estimate_tracks_the_measured_peak(tmp_path: Path) -> None:
-    """A real 2-step run (small preset, T=2048, cp 2): its peak RSS over the ranks within 20% of
-    the largest rank's estimate (0.92 to 0.93 of the peak in three runs on a loaded machine, but
-    0.847 in a clean-clone CI run: the 15% of docs/training.md's bench_plan table is not held here)."""
+    """A real 2-step run (small preset, T=2048, cp 2): its peak RSS over the ranks within 15% of
+    the largest rank's estimate. The peak counts torch's mapped code, which depends on how the page
+    cache holds the library files (docs/training.md): the estimate read 0.939 of the peak (1,006
+    MiB) in a fresh clone's CI environment (large folios) and 1.014 (931 MiB) with the libraries in
+    small folios."""
     args = ["--model-size", "small", "--seq-len", "2048", "--batch-size", "1", "--steps", "2"]
     args += ["--cp-mode", "p2p", "--metrics-json", "m.json", "--log-every", "100"]
     data = tmp_path / "data.txt"
@@ -89,4 +91,4 @@ def test_the_estimate_tracks_the_measured_peak(tmp_path: Path) -> None:
     measured = json.loads((tmp_path / "m.json").read_text())["peak_memory_bytes"]
     config = TrainConfig(model_size="small", seq_len=2048, batch_size=1, cp_mode="p2p", data=str(data))
     planned = largest_rank(model_shape(config), step_options(config, 2, platform="cpu")).total
-    assert abs(planned / measured - 1) < 0.20, (planned, measured)
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)

@@ -46,6 +46,7 @@ DEFAULT_CASES = (
     "trainer:2:bf16:noac:2048",
     "trainer:2:fp32:fsdp:4096",
     "moe:2:fp32:noac:2048",
+    "trainer:4:fp32:noac:16384",
     "trainer:4:fp32:ac:16384",
 )
 KINDS, FLAGS = ("trainer", "qwen35", "moe"), ("noac", "ac", "fsdp", "ac+fsdp")

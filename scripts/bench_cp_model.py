@@ -32,7 +32,7 @@ from benchkit.ranks import on_ranks
 from benchkit.timing import alternating_rounds, machine_bound, slowest_per_round
 from hyperpar_gdn.cli import HelpFormatter
 
-MODES = ("ulysses", "p2p", "all_gather", "scan")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan")
 LAYOUTS = ("contiguous", "head_tail")
 SINGLE = ("transformers", "ours")
 LOCAL = "local"

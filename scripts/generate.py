@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--mode",
         default="p2p",
-        choices=("ulysses", "p2p", "all_gather", "scan"),
+        choices=("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan"),
         help="CP mode of the GDN layers during the prefill (scan: the log-depth state exchange)",
     )
     add(
@@ -161,9 +161,9 @@ def check_heads(args: argparse.Namespace, cp: int) -> None:
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
 
     num_k_heads, num_v_heads, _ = gdn_dims(args.model)
-    if args.mode == "ulysses" and cp > 1 and num_v_heads % cp:
+    if args.mode in ("ulysses", "ulysses_hidden") and cp > 1 and num_v_heads % cp:
         raise ValueError(
-            f"--mode ulysses splits the GDN heads over cp={cp} ranks, but {args.model} has {num_k_heads} key "
+            f"--mode {args.mode} splits the GDN heads over cp={cp} ranks, but {args.model} has {num_k_heads} key "
             f"and {num_v_heads} value heads; use --mode p2p, all_gather or scan, or a number of ranks that "
             "divides the value heads"
         )
@@ -194,7 +194,7 @@ def token_layout(args: argparse.Namespace, t: int, cp: int) -> str:
 
     divides = cp > 1 and t % (2 * cp) == 0
     if args.layout is None:
-        need = 1 if args.mode == "ulysses" else gdn_dims(args.model)[2] - 1
+        need = 1 if args.mode in ("ulysses", "ulysses_hidden") else gdn_dims(args.model)[2] - 1
         fits = divides and t // (2 * cp) >= need
         return "head_tail" if fits and has_softmax_attention(args.model) else "contiguous"
     if args.layout == "head_tail" and cp > 1 and not divides:

@@ -67,7 +67,10 @@ def relative_error(got: Any, want: Any) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
-        "--cp-mode", choices=("ulysses", "p2p", "all_gather"), default="p2p", help="CP mode of the GDN layers"
+        "--cp-mode",
+        choices=("ulysses", "ulysses_hidden", "p2p", "all_gather"),
+        default="p2p",
+        help="CP mode of the GDN layers",
     )
     parser.add_argument("--seq-len", type=int, default=32, help="tokens T of the batch, split over the ranks")
     parser.add_argument("--seed", type=int, default=0, help="weights and input")

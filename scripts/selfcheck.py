@@ -25,7 +25,7 @@ from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
 from hyperpar_gdn.distributed.verify import compare_with_reference
 from hyperpar_gdn.platform import Platform, get_platform
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather")
 
 
 def build_layer(platform: Platform, args: argparse.Namespace) -> Any:
@@ -77,7 +77,7 @@ def _main() -> int:
     rows, ok, total = [], 0, 0
     try:
         for mode in MODES:
-            if mode == "ulysses" and args.v_heads % world:
+            if mode.startswith("ulysses") and args.v_heads % world:
                 rows.append((mode, f"skipped: {args.v_heads} value heads not divisible by {world}", "", ""))
                 continue
             total += 1
@@ -94,9 +94,9 @@ def _main() -> int:
             print(
                 f"platform={platform.name} ranks={world} T={args.seq_len} B={args.batch_size} hidden={args.hidden}"
             )
-            print(f"{'mode':<12}{'max rel error':<44}{'time':<10}result")
+            print(f"{'mode':<16}{'max rel error':<44}{'time':<10}result")
             for mode, err, elapsed, result in rows:
-                print(f"{mode:<12}{err:<44}{elapsed:<10}{result}")
+                print(f"{mode:<16}{err:<44}{elapsed:<10}{result}")
             print(f"selfcheck: {ok}/{total} ok", flush=True)
         platform.destroy()
     return 0 if ok == total else 1

@@ -11,6 +11,7 @@ mode                    bytes sent (worst rank)             on the critical path
 ulysses                 2 B T/cp (conv_dim+2H+value_dim)    4 all-to-alls; the bytes to other
                         (cp-1)/cp e  (e: input dtype; more  nodes go over ``inter`` meanwhile
                         when cp does not divide Hk)
+ulysses_hidden          4 B T/cp hidden (cp-1) e            4 all-to-alls, as ulysses
 p2p                     2 B H K V 4                         2 (n-1) hops (one state and one
                                                             K x K x V step each; those from
                                                             node to node over ``inter``)
@@ -107,7 +108,8 @@ class ModeCost:
 @dataclass(frozen=True)
 class Geometry:
     """The layer and the split: ``t`` tokens over ``cp`` ranks, ``b`` rows, ``hk``/``h`` key and
-    value heads of dims ``k``/``v``, conv width ``w``, ``e`` bytes per input element, ``head_tail``."""
+    value heads of dims ``k``/``v``, conv width ``w``, ``e`` bytes per input element, ``head_tail``,
+    ``hidden`` the layer's input width."""
 
     t: float
     cp: int
@@ -119,6 +121,7 @@ class Geometry:
     b: int
     e: int
     head_tail: bool = False
+    hidden: int | None = None  # the model's hidden size (ulysses_hidden's exchanges); None: unknown
 
     @property
     def n(self) -> int:  # fragments in the chain
@@ -179,9 +182,10 @@ def _ulysses_sent(g: Geometry) -> float:
     return g.b * elements * g.e
 
 
-def _ulysses(g: Geometry, span: Span, m: Machine) -> tuple[float, float, float]:
-    """(bytes sent, messages, seconds) of the two all-to-alls each way."""
-    sent = _ulysses_sent(g)
+def _ulysses(g: Geometry, span: Span, m: Machine, *, hidden: bool = False) -> tuple[float, float, float]:
+    """(bytes sent, messages, seconds) of the two all-to-alls each way; ``hidden``: those of
+    ulysses_hidden (the layer's input to every other rank, the output's partial sums back)."""
+    sent = 4 * g.b * g.t / g.cp * g.hidden * (g.cp - 1) * g.e if hidden else _ulysses_sent(g)
     per_peer = sent / max(g.cp - 1, 1)
     near = span.peers_in_node() - 1
     far = g.cp - 1 - near
@@ -222,14 +226,16 @@ def _state_mode(mode: str, g: Geometry, span: Span, m: Machine) -> tuple[float, 
 
 
 def mode_cost(mode: str, g: Geometry, m: Machine, *, inner_size: int | None = None) -> ModeCost:
-    """The cost of ``mode`` (one of ulysses, p2p, all_gather, scan, or ``ulysses+<state mode>``
+    """The cost of ``mode`` (one of ulysses, ulysses_hidden, p2p, all_gather, scan, or ``ulysses+<state mode>``
     with ``inner_size``) for ``g`` on ``m``; infeasible (with the reason) where heads forbid it."""
     shared = g.shared_flops() / m.flops
     span = Span(g.cp, 1, m.devices_per_node)
-    if mode == "ulysses":
+    if mode in ("ulysses", "ulysses_hidden"):
         if g.h % g.cp:
             return _refused(mode, shared, f"num_v_heads={g.h:g} is not divisible by cp={g.cp}")
-        sent, messages, seconds = _ulysses(g, span, m)
+        if mode == "ulysses_hidden" and g.hidden is None:
+            return _refused(mode, shared, "the hidden size is not known (hidden_size=)")
+        sent, messages, seconds = _ulysses(g, span, m, hidden=mode == "ulysses_hidden")
         return ModeCost(mode, True, sent, messages, 0.0, 0.0, seconds, shared)
     if "+" not in mode:
         sent, messages, seconds, flops, memory = _state_mode(mode, g, span, m)

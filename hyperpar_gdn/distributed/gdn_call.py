@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
 from hyperpar_gdn.distributed.sequence import GlobalSequence
@@ -129,14 +130,15 @@ def check_lengths(mode: str, dims: LayerDims, tokens: TokenLayout) -> None:
     """Rules on every rank's token count (every fragment's, for a layout of several per rank);
     the same ValueError on every rank (all know the counts)."""
     halo = dims.conv_kernel_size - 1
-    need = 1 if mode == "ulysses" else max(halo, 1)
+    heads = mode in HEAD_MODES  # no halo
+    need = 1 if heads else max(halo, 1)
     for rank in range(tokens.size):
         t = min(f.length for f in tokens.mine(rank))
         if t >= need:
             continue
-        if mode == "ulysses":
+        if heads:
             raise ValueError(
-                f"mode='ulysses': the shard of CP rank {rank} is empty; every shard needs a token"
+                f"mode={mode!r}: the shard of CP rank {rank} is empty; every shard needs a token"
             )
         raise ValueError(
             f"mode={mode!r}: the shard of CP rank {rank} has "

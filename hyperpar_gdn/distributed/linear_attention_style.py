@@ -15,7 +15,8 @@ from hyperpar_gdn.distributed.cp.two_level import (
     two_level_forward,
     two_level_length_error,
 )
-from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward, ulysses_head_error
+from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES, ulysses_forward, ulysses_head_error
+from hyperpar_gdn.distributed.cp.ulysses_hidden import ulysses_hidden_forward
 from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.gdn_call import (
     CallArgs,
@@ -35,7 +36,7 @@ from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens, packed_doc_s
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
 
-MODES = ("ulysses", "p2p", "all_gather", "scan")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan")
 
 
 class LinearAttentionContextParallel(ParallelStyle):
@@ -60,6 +61,9 @@ class LinearAttentionContextParallel(ParallelStyle):
 
     Args:
         mode: ``"ulysses"`` (head parallel, two all-to-alls; num_v_heads divisible by cp),
+            ``"ulysses_hidden"`` (ulysses' head split, exchanging the layer's input and
+            output ``[B, T, hidden]`` instead of the projected heads; fewer bytes when
+            2 cp hidden < conv channels + 2H + H Dv, :mod:`.cp.ulysses_hidden`),
             ``"p2p"`` (state passing along a chain), ``"all_gather"`` (one all-gather of
             fp32 state summaries) or ``"scan"`` (a prefix scan of the summaries in
             ceil(log2 cp) rounds of point-to-point exchange); two levels, ``"ulysses+p2p"``,
@@ -125,7 +129,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         cp_mesh = as_cp_mesh(mesh)
         dims = LayerDims.of(module)
         cp = cp_mesh.size()
-        head_error = ulysses_head_error(dims, cp) if self.mode == "ulysses" else None
+        head_error = ulysses_head_error(dims, cp, self.mode) if self.mode in HEAD_MODES else None
         if head_error is not None:
             raise ValueError(head_error)
         group = CPGroup.of(cp_mesh)
@@ -224,15 +228,16 @@ class LinearAttentionContextParallel(ParallelStyle):
                 width = dims.conv_kernel_size
                 docs = (
                     ShardDocs.of(cu_seqlens, lengths, cp.rank, width)
-                    if layout is None or self.mode == "ulysses"
+                    if layout is None or self.mode in HEAD_MODES
                     else fragment_docs(cu_seqlens, tokens, cp.rank, width)
                 )
             final = {"final_state": True} if states is not None else {}
             pieces = None
             if states is not None and cu_seqlens is not None:  # packed prompts: a state per prompt
                 pieces = ShardPieces(docs.whole, lengths, cp.rank)
-            if self.mode == "ulysses":
-                y = ulysses_forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
+            if self.mode in HEAD_MODES:
+                forward = ulysses_forward if self.mode == "ulysses" else ulysses_hidden_forward
+                y = forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
             else:
                 packed = {} if pieces is None else {"pieces": pieces}
                 y = state_passing_forward(

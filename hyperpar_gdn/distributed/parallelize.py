@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
-from hyperpar_gdn.distributed.cp.ulysses import ulysses_head_error
+from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES, ulysses_head_error
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, text_model_of
 from hyperpar_gdn.distributed.layout import check_layout, layout_mismatch
 from hyperpar_gdn.distributed.linear_attention_style import MODES, LinearAttentionContextParallel
@@ -65,7 +65,8 @@ def apply_context_parallel(
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
         mesh: the CP axis (e.g. ``mesh["cp"]``).
-        mode: ``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"scan"`` for the GDN layers, or
+        mode: ``"ulysses"``, ``"ulysses_hidden"``, ``"p2p"``, ``"all_gather"`` or ``"scan"`` for
+            the GDN layers, or
             ``"auto"``: the one :func:`~hyperpar_gdn.plan_context_parallel` predicts fastest for
             this model, mesh and ``seq_len`` (logged, with why; docs/modes.md), two-level modes
             included when ``inner_size`` is given or the mesh spans nodes.
@@ -102,12 +103,12 @@ def apply_context_parallel(
     linear_style = LinearAttentionContextParallel(
         mode, chunk_size=chunk_size, layout=layout, inner_size=inner_size
     )
-    heads_over = cp if mode == "ulysses" else inner_size  # ranks ulysses splits the heads over
+    heads_over = cp if mode in HEAD_MODES else inner_size  # ranks ulysses splits the heads over
     if inner_size is not None and cp % inner_size:
         raise ValueError(f"mode={mode!r}: inner_size={inner_size} does not divide cp={cp}")
     for i, (kind, module) in enumerate(mixers):
         error = (
-            ulysses_head_error(LayerDims.of(module), heads_over)
+            ulysses_head_error(LayerDims.of(module), heads_over, mode if mode in HEAD_MODES else "ulysses")
             if heads_over is not None and kind == "linear_attn"
             else None
         )

@@ -17,7 +17,7 @@ from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry, Link, Machin
 
 __all__ = ["MACHINES", "Link", "Machine", "ModeCost", "Plan", "plan_context_parallel"]
 
-PLANNED_MODES = ("ulysses", "p2p", "all_gather", "scan")
+PLANNED_MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan")
 TWO_LEVEL = ("ulysses+p2p", "ulysses+all_gather", "ulysses+scan")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -62,6 +62,7 @@ def plan_context_parallel(
     head_k_dim: int,
     head_v_dim: int,
     conv_kernel_size: int = 4,
+    hidden_size: int | None = None,
     batch: int = 1,
     dtype: str = "bfloat16",
     layout: str = "contiguous",
@@ -77,7 +78,8 @@ def plan_context_parallel(
 ) -> Plan:
     """Rank the CP modes of a GDN layer by the cost model of :mod:`.cost_model`.
 
-    ``device`` picks a :data:`MACHINES` entry; ``bandwidth`` (bytes/s) and ``latency`` (s) override
+    ``hidden_size`` (the layer's input width) prices ``ulysses_hidden``, which is ranked last as not
+    possible without it. ``device`` picks a :data:`MACHINES` entry; ``bandwidth`` (bytes/s) and ``latency`` (s) override
     its links inside a node, ``inter_bandwidth`` and ``inter_latency`` those between nodes,
     ``devices_per_node`` and ``flops`` the rest. ``inner_size`` (ranks per inner group) adds the
     two-level modes ``ulysses+p2p``, ``ulysses+all_gather``, ``ulysses+scan`` to the ranking
@@ -102,7 +104,11 @@ def plan_context_parallel(
         ("head_v_dim", head_v_dim),
     ):
         _check(name, value)
-    for name, value in (("devices_per_node", devices_per_node), ("inner_size", inner_size)):
+    for name, value in (
+        ("devices_per_node", devices_per_node),
+        ("inner_size", inner_size),
+        ("hidden_size", hidden_size),
+    ):
         if value is not None:
             _check(name, value)
     if dtype not in DTYPE_BYTES:
@@ -128,7 +134,7 @@ def plan_context_parallel(
     )
     geometry = Geometry(
         seq_len, cp, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, batch,
-        DTYPE_BYTES[dtype], head_tail=layout == "head_tail",
+        DTYPE_BYTES[dtype], head_tail=layout == "head_tail", hidden=hidden_size,
     )  # fmt: skip
     costs = [mode_cost(m, geometry, machine, inner_size=inner_size) for m in modes]
     ranking = tuple(sorted(costs, key=lambda c: (not c.feasible, c.seconds)))
@@ -220,6 +226,7 @@ def plan_for_model(
         head_k_dim=dims.head_k_dim,
         head_v_dim=dims.head_v_dim,
         conv_kernel_size=dims.conv_kernel_size,
+        hidden_size=dims.hidden_size,
         dtype=dtype,
         layout=layout,
         device=device,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
+from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
 from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.linear_attention_style import MODES
 from hyperpar_gdn.models.config import HybridLMConfig
@@ -256,15 +257,15 @@ class TrainConfig:
             )
         local = self.seq_len // pieces
         halo = conv_width - 1
-        if cp > 1 and self.cp_mode != "ulysses" and inner is None and local < halo:
+        if cp > 1 and self.cp_mode not in HEAD_MODES and inner is None and local < halo:
             raise ValueError(
                 f"--cp-mode {self.cp_mode}: --seq-len {self.seq_len} / {pieces} = {local} tokens per piece "
                 f"(cp {cp}, --cp-layout {self.token_layout()}), fewer than the conv halo {halo}; use a longer "
                 "--seq-len or a smaller --cp-size"
             )
-        if cp > 1 and self.cp_mode == "ulysses" and num_v_heads % cp:
+        if cp > 1 and self.cp_mode in HEAD_MODES and num_v_heads % cp:
             raise ValueError(
-                f"--cp-mode ulysses splits the GDN value heads over cp={cp}, but {self.model_name} has "
+                f"--cp-mode {self.cp_mode} splits the GDN value heads over cp={cp}, but {self.model_name} has "
                 f"{num_k_heads} key and {num_v_heads} value heads; "
                 "use --cp-mode p2p, all_gather, scan or auto, or a smaller --cp-size"
             )

@@ -323,8 +323,10 @@ def _comm_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
     h, dk, dv = shape.linear_num_value_heads, shape.linear_key_head_dim, shape.linear_value_head_dim
     state = opts.rows * h * dk * (dk + dv) * 4
     moved = 0
+    width = 2 if opts.dtype == "bf16" else 4
+    if opts.cp_mode == "ulysses_hidden":  # the gathered input, its send buffer, the partial sums
+        return 4 * opts.cp * tokens * shape.hidden_size * width
     if opts.cp_mode.startswith("ulysses"):  # the all-to-all's send and receive buffers
-        width = 2 if opts.dtype == "bf16" else 4
         moved = 2 * tokens * (shape.conv_dim + 2 * h + shape.value_dim) * width
         if opts.cp_mode == "ulysses":
             return moved

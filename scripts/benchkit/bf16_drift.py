@@ -26,7 +26,7 @@ import numpy as np
 
 __all__ = ["DriftShape", "drift", "drift_layer", "run_modes", "truth"]
 
-MODES = ("ulysses", "p2p", "all_gather", "scan")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan")
 
 
 @dataclass(frozen=True)

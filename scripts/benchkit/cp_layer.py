@@ -62,6 +62,8 @@ def expected_bytes(mode: str, shape: LayerShape, *, seq_len: int, cp: int, rank:
     """Bytes this rank sends in one forward+backward, from the formulas of docs/modes.md.
 
     Every mode: the shard lengths, one int64 to each other rank per forward.
+    ulysses_hidden: forward, this rank's input shard to the cp-1 others and the partial sums of
+    their tokens to them; backward the same bytes.
     ulysses: two all-to-alls each way; rank j receives the conv channels of its value heads and
     of the q/k heads they use (docs/modes.md).
     p2p: one fp32 state [B, H, K, V] forward (not from the last rank) and one backward (not from
@@ -74,6 +76,9 @@ def expected_bytes(mode: str, shape: LayerShape, *, seq_len: int, cp: int, rank:
     s = shape
     t_local = seq_len // cp
     lengths = 8 * (cp - 1)
+    if mode == "ulysses_hidden":  # the shard to every other rank, the others' partial sums back
+        per_direction = ((cp - 1) * t_local + seq_len - t_local) * s.hidden
+        return 2 * s.batch * per_direction * itemsize + lengths
     if mode == "ulysses":
         hv, groups = s.num_v_heads // cp, s.num_v_heads // s.num_k_heads
         widths = [  # per rank j: its q/k heads' channels, its value heads' channels, beta and decay

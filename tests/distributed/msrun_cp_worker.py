@@ -65,7 +65,8 @@ from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh  # noq
 from hyperpar_gdn.distributed.verify import compare_with_reference, relative_error  # noqa: E402
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather")
+HEAD_MODES = ("ulysses", "ulysses_hidden")  # they split the value heads over the ranks
 SECTIONS = (
     "collectives",
     "cp",
@@ -234,7 +235,7 @@ def section_cp(platform: Platform, world: int) -> dict[str, Any]:
         local = shard_bounds(case, world, rank)
         for mode in MODES:
             key = f"{case}/{mode}"
-            if mode == "ulysses" and not ulysses_splits(case, world):
+            if mode in HEAD_MODES and not ulysses_splits(case, world):
                 results[key] = {"skipped": f"num_v_heads={case.num_v_heads} not divisible by {world}"}
                 continue
             layer = LinearAttentionContextParallel(mode=mode).apply(GatedDeltaNet.from_torch(layer_t), mesh)
@@ -459,7 +460,7 @@ def bad_input_checks(
                 tensor(2, 8, hidden), attention_mask=platform.from_numpy(np.ones((2, 9)))
             ),
         )
-        if mode != "ulysses":
+        if mode not in HEAD_MODES:
             expect(f"{mode}/shorter_than_halo", lambda layer=layer: layer(tensor(2, 2, hidden)))
         expect(
             f"{mode}/applied_twice",

@@ -1,6 +1,6 @@
 """Every CP mode equals the single-device layer: output shard, input-gradient shard and every
 parameter gradient (summed over ranks), on real gloo process groups; also with shards of
-different lengths, and ulysses with q/k heads that cp does not divide."""
+different lengths, and the head-parallel modes with q/k heads that cp does not divide."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hyperpar_gdn.distributed.verify import compare_with_reference
 from hyperpar_gdn.models import GatedDeltaNet
 from hyperpar_gdn.platform import get_platform
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather")
 TOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 2e-2}
 
 
@@ -150,10 +150,11 @@ UNEVEN = {
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"cp{w}")
-def test_ulysses_splits_value_heads_when_cp_does_not_divide_key_heads(world: int) -> None:
+@pytest.mark.parametrize("mode", ["ulysses", "ulysses_hidden"])
+def test_ulysses_splits_value_heads_when_cp_does_not_divide_key_heads(mode: str, world: int) -> None:
     cases = GROUPED[world]
     assert all(c.num_k_heads % world and not c.num_v_heads % world for c in cases)
-    for rank, per_case in enumerate(run_ranks(_check_mode, world, "ulysses", cases, timeout_s=240)):
+    for rank, per_case in enumerate(run_ranks(_check_mode, world, mode, cases, timeout_s=240)):
         for case in cases:
             same = per_case[str(case)]["same"]
             assert len(same) == 2 + 9, same

@@ -20,7 +20,7 @@ from hyperpar_gdn.distributed.verify import compare_with_reference
 from hyperpar_gdn.models import GatedDeltaNet
 from hyperpar_gdn.platform import get_platform
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather")
 TOL = 1e-10
 HF_TOL = 1e-5  # transformers computes the gates in fp32 (docs/maths.md)
 T = 112  # pieces of 28 (cp 2) and 14 (cp 4): not multiples of any chunk used

@@ -15,7 +15,7 @@ from tiny_models import transformers_gdn_layer
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
 from hyperpar_gdn.models import GatedDeltaNet
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather")
 T = 96
 TOL = 1e-10  # fp64 against our layer per document
 HF_TOL = 1e-5  # against transformers' layer per document (its gates are fp32)

@@ -19,7 +19,7 @@ from tiny_models import tiny_model
 from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
 from hyperpar_gdn.distributed.layout import TokenLayout
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather")
 T = 96  # pieces of 24 (cp 2) and 12 (cp 4)
 CU = (
     0,

@@ -16,7 +16,7 @@ from tiny_models import tiny_model
 from hyperpar_gdn import apply_context_parallel, init_device_mesh
 from hyperpar_gdn.models.lm import HybridLM, HybridLMConfig
 
-MODES = ("ulysses", "p2p", "all_gather")
+MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather")
 T = 96
 CU = (0, 2, 30, 70, 96)  # a 2-token document, documents across the shard boundaries 24, 48, 72
 # HybridLM: fp64, but RoPE angles are computed in fp32 (as transformers does), and a document run

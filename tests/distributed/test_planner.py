@@ -26,7 +26,7 @@ from hyperpar_gdn.models.lm import HybridLMConfig
 QWEN27B = {"num_k_heads": 16, "num_v_heads": 48, "head_k_dim": 128, "head_v_dim": 128}
 SMALL = {"num_k_heads": 4, "num_v_heads": 4, "head_k_dim": 16, "head_v_dim": 8}
 T, CP = 64, 4
-DRIFT_T, DRIFT_MODES = 2048, ("ulysses", "p2p", "all_gather", "scan")
+DRIFT_T, DRIFT_MODES = 2048, ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan")
 
 
 def _per_mode(rank: int, world: int) -> dict[str, dict]:
@@ -34,7 +34,7 @@ def _per_mode(rank: int, world: int) -> dict[str, dict]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     comm = mesh.platform.collectives
     sent = {}
-    for mode in ("ulysses", "p2p", "all_gather", "scan"):
+    for mode in ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan"):
         torch.manual_seed(0)
         layer = LinearAttentionContextParallel(mode).apply(GatedDeltaNet(32, 4, 4, 16, 8), mesh)
         x = torch.randn(1, T // world, 32, requires_grad=True)
@@ -57,10 +57,15 @@ def per_rank() -> list[dict[str, dict]]:
 
 @pytest.mark.timeout(300)
 def test_traffic_term_equals_the_bytes_sent(per_rank: list[dict[str, dict]]) -> None:
-    plan = plan_context_parallel(seq_len=T, cp=CP, dtype="float32", device="cpu", **SMALL)
+    plan = plan_context_parallel(seq_len=T, cp=CP, dtype="float32", device="cpu", hidden_size=32, **SMALL)
     predicted = {c.mode: c.bytes_sent for c in plan.ranking}
     sent = [r["bytes"] for r in per_rank]
-    for mode in ("ulysses", "p2p", "all_gather"):  # the worst rank sends exactly the prediction
+    for mode in (
+        "ulysses",
+        "ulysses_hidden",
+        "p2p",
+        "all_gather",
+    ):  # the worst rank sends exactly the prediction
         assert max(r[mode] for r in sent) == predicted[mode], (mode, [r[mode] for r in sent])
     grouped = plan_context_parallel(
         seq_len=T, cp=CP, dtype="float32", device="cpu", **(SMALL | {"num_k_heads": 2})
@@ -98,7 +103,7 @@ def test_ranking_follows_the_inputs() -> None:
         not costs["ulysses"].feasible
         and "num_v_heads=48 is not divisible by cp=256" in costs["ulysses"].reason
     )
-    assert big.ranking[-1].mode == "ulysses"  # refused modes rank last
+    assert {c.mode for c in big.ranking[-2:]} == {"ulysses", "ulysses_hidden"}  # refused modes rank last
     assert costs["scan"].messages == 2 * math.ceil(math.log2(256)) + 2
     assert costs["p2p"].messages == 2 * 255 + 2
     small = {c.mode: c for c in plan_context_parallel(seq_len=1 << 20, cp=8, **QWEN27B).ranking}
@@ -110,6 +115,27 @@ def test_ranking_follows_the_inputs() -> None:
     slow = plan_context_parallel(seq_len=1 << 17, cp=2, latency=0.0, bandwidth=1e6, flops=1e18, **QWEN27B)
     assert slow.choice == "p2p", slow.why()
     assert "predicted fastest" in slow.why() and "MiB" in slow.why()
+
+
+def test_ulysses_hidden_against_ulysses() -> None:
+    """ulysses_hidden sends the layer's input and output (4 (cp-1) T/cp hidden elements per rank,
+    forward and backward) where ulysses sends the heads' projections: fewer bytes for the
+    benchmark model at cp 2 (hidden 256 beside 27B's heads / 4), more for Qwen3.5-27B at cp 8."""
+    bench = {"num_k_heads": 4, "num_v_heads": 12, "head_k_dim": 128, "head_v_dim": 128}
+    plan = plan_context_parallel(seq_len=8192, cp=2, hidden_size=256, dtype="float32", device="cpu", **bench)
+    costs = {c.mode: c for c in plan.ranking}
+    assert costs["ulysses_hidden"].bytes_sent == 4 * 4096 * 256 * 4
+    assert costs["ulysses_hidden"].bytes_sent < costs["ulysses"].bytes_sent / 3.9
+    assert costs["ulysses_hidden"].messages == costs["ulysses"].messages
+    modes = [c.mode for c in plan.ranking]
+    assert modes.index("ulysses_hidden") < modes.index("ulysses"), plan.why()
+    unknown = plan_context_parallel(seq_len=8192, cp=2, **bench)  # no hidden_size: not priced
+    assert unknown.ranking[-1].mode == "ulysses_hidden"
+    assert "hidden size is not known" in unknown.ranking[-1].reason
+    big = {
+        c.mode: c for c in plan_context_parallel(seq_len=1 << 17, cp=8, hidden_size=5120, **QWEN27B).ranking
+    }
+    assert big["ulysses_hidden"].bytes_sent > 2 * big["ulysses"].bytes_sent
 
 
 def test_links_inside_and_between_nodes() -> None:

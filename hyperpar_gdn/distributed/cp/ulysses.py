@@ -45,13 +45,16 @@ from hyperpar_gdn.ops.gdn.layer import (
 )
 from hyperpar_gdn.platform import Tensor, TensorOps
 
+HEAD_MODES = ("ulysses", "ulysses_hidden")  # the modes that split the heads over the ranks
 
-def ulysses_head_error(dims: LayerDims, cp: int) -> str | None:
-    """Why mode='ulysses' cannot split the heads of a layer with ``dims`` over ``cp`` ranks, or
-    None when it can: num_v_heads must be divisible by cp (num_k_heads need not be)."""
+
+def ulysses_head_error(dims: LayerDims, cp: int, mode: str = "ulysses") -> str | None:
+    """Why ``mode`` (one of :data:`HEAD_MODES`) cannot split the heads of a layer with ``dims``
+    over ``cp`` ranks, or None when it can: num_v_heads must be divisible by cp (num_k_heads need
+    not be)."""
     if dims.num_v_heads % cp:
         return (
-            f"mode='ulysses' splits the value heads over the ranks: num_v_heads={dims.num_v_heads} is not "
+            f"mode={mode!r} splits the value heads over the ranks: num_v_heads={dims.num_v_heads} is not "
             f"divisible by cp={cp} (num_k_heads={dims.num_k_heads}); use mode='p2p' or 'all_gather', "
             "or a cp that divides num_v_heads"
         )
@@ -130,8 +133,8 @@ def _send_buffer(
     bsz, t = mixed.shape[0], mixed.shape[1]
     n = len(shares)
     counts = {s.k_count for s in shares}
-    index = _send_index(dims, shares)
-    if xp.prefers_written_backward and len(counts) == 1 and len(np.unique(index)) == len(index):
+    index = _send_index(dims, shares) if xp.prefers_written_backward or len(counts) > 1 else None
+    if index is not None and len(counts) == 1 and len(np.unique(index)) == len(index):
         return _gathered_send_buffer(xp, (mixed, b, a), index, n)
     if len(counts) > 1:
         picked = xp.take(xp.cat([mixed, b, a], 2), index, 2)  # [B, T_r, sum w_j]
@@ -168,7 +171,9 @@ def _gathered_send_buffer(xp: TensorOps, parts: tuple[Tensor, ...], index: np.nd
 
     def backward(saved: tuple[()], grad: Tensor) -> tuple[Tensor, ...]:
         per_token = xp.permute(grad.reshape(n, bsz, t, width), (1, 2, 0, 3)).reshape(bsz, t, n * width)
-        return tuple(xp.take(per_token, inverse[lo:hi], 2) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
+        return tuple(
+            xp.take(per_token, inverse[lo:hi], 2) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+        )
 
     (buffer,) = xp.custom_vjp(forward, backward, *parts)
     return buffer
@@ -179,7 +184,7 @@ def _from_rank_major(xp: TensorOps, flat: Tensor, bsz: int, t: int, n: int) -> T
     return xp.permute(flat.reshape(n, bsz, t, -1), (1, 2, 0, 3)).reshape(bsz, t, -1)
 
 
-def _to_token_blocks(xp: TensorOps, x: Tensor, lengths: Sequence[int]) -> Tensor:
+def to_token_blocks(xp: TensorOps, x: Tensor, lengths: Sequence[int]) -> Tensor:
     """x ``[B, T, W]`` -> the flat buffer of its consecutive ``[B, lengths[i], W]`` blocks (no copy
     for B = 1)."""
     bsz, _, width = x.shape
@@ -190,7 +195,7 @@ def _to_token_blocks(xp: TensorOps, x: Tensor, lengths: Sequence[int]) -> Tensor
     return xp.cat([y.reshape(-1) for y in xp.split(x, lengths, 1)], 0)
 
 
-def _from_token_blocks(xp: TensorOps, flat: Tensor, bsz: int, lengths: Sequence[int], width: int) -> Tensor:
+def from_token_blocks(xp: TensorOps, flat: Tensor, bsz: int, lengths: Sequence[int], width: int) -> Tensor:
     """The flat buffer of consecutive ``[B, lengths[i], width]`` blocks -> ``[B, T, width]``."""
     if bsz == 1:
         return flat.reshape(1, sum(lengths), width)
@@ -231,7 +236,7 @@ def heads_in(
         [bsz * t * widths[r] for t in lengths],
         cp.group,
     )
-    return HeadsIn(_from_token_blocks(xp, received, bsz, lengths, widths[r]), z, shares, t_local)
+    return HeadsIn(from_token_blocks(xp, received, bsz, lengths, widths[r]), z, shares, t_local)
 
 
 def local_heads(xp: TensorOps, call: LayerCall, mine: HeadShare, full: Tensor, conv: Callable) -> tuple:
@@ -260,7 +265,7 @@ def heads_out(cp: CPGroup, call: LayerCall, hin: HeadsIn, o: Tensor, lengths: Se
     xp, dims, n = cp.xp, call.dims, cp.size
     bsz, width = o.shape[0], o.shape[-1]
     back = cp.comm.all_to_all(
-        _to_token_blocks(xp, o, lengths),
+        to_token_blocks(xp, o, lengths),
         [bsz * t * width for t in lengths],
         [bsz * hin.t_local * width] * n,
         cp.group,
@@ -271,8 +276,44 @@ def heads_out(cp: CPGroup, call: LayerCall, hin: HeadsIn, o: Tensor, lengths: Se
     )
 
 
-# Long on purpose: the mode reads top to bottom as the layer's stages with the two all-to-alls
-# between them (and the head_tail and packed-document variants at the points where they differ).
+def heads_whole_sequence(
+    xp: TensorOps,
+    call: LayerCall,
+    mine: HeadShare,
+    full: Tensor,
+    docs: ShardDocs | None,
+    *,
+    final_state: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The conv and the rule of this rank's heads over the whole sequence: ``full`` ``[B, T,
+    width]`` (global order; its conv channels, beta and decay logits) -> (o ``[B, T, hv, Dv]``,
+    the final state ``[B or N, hv, Dk, Dv]`` when ``final_state``, else None). Packed documents
+    (``docs``) restart the conv and the state at the global document starts."""
+    whole = None if docs is None else docs.whole
+    q, k, v, g, beta = local_heads(
+        xp, call, mine, full, lambda conv_in, weight: conv_silu(xp, conv_in, weight, doc_starts=whole)
+    )
+    rule = {"chunk_size": call.chunk_size, "use_qk_l2norm_in_kernel": True}
+    if whole is None:
+        return chunk_gated_delta_rule(q, k, v, g, beta, **rule, output_final_state=final_state)
+    if final_state:  # a packed prefill: fla's cu_seqlens form gives every document's last state
+        cu_seqlens = np.unique(np.concatenate([[0], np.flatnonzero(whole), [len(whole)]]))
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, **rule, output_final_state=True, cu_seqlens=cu_seqlens
+        )
+    o, _ = outputs_from(prepare_chunks(q, k, v, g, beta, **rule, doc_starts=whole), None)
+    return o, None
+
+
+def gather_head_states(cp: CPGroup, dims: LayerDims, s_mine: Tensor) -> Tensor:
+    """Every rank's final states of its heads ``[B or N, hv, Dk, Dv]`` -> all heads ``[B or N, H,
+    Dk, Dv]`` on every rank (one all-gather; an inference prefill, no gradient)."""
+    gathered = cp.comm.all_gather(s_mine, cp.group)  # [cp, B or N, hv, Dk, Dv], rank j's heads
+    return cp.xp.permute(gathered, (1, 0, 2, 3, 4)).reshape(
+        s_mine.shape[0], dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
+    )
+
+
 def ulysses_forward(
     cp: CPGroup,
     call: LayerCall,
@@ -298,38 +339,7 @@ def ulysses_forward(
     hin = heads_in(cp, call, x, attention_mask, lengths)
     mine = hin.shares[cp.rank]
     full = hin.full if layout is None else layout.to_global(xp, hin.full, 1)
-    whole = None if docs is None else docs.whole
-    q, k, v, g, beta = local_heads(
-        xp, call, mine, full, lambda conv_in, weight: conv_silu(xp, conv_in, weight, doc_starts=whole)
-    )
-    if whole is None:
-        o, s_mine = chunk_gated_delta_rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            chunk_size=call.chunk_size,
-            use_qk_l2norm_in_kernel=True,
-            output_final_state=final_state,
-        )
-    elif final_state:  # a packed prefill: fla's cu_seqlens form gives every document's last state
-        o, s_mine = chunk_gated_delta_rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            chunk_size=call.chunk_size,
-            use_qk_l2norm_in_kernel=True,
-            output_final_state=True,
-            cu_seqlens=np.unique(np.concatenate([[0], np.flatnonzero(whole), [len(whole)]])),
-        )
-    else:
-        prep = prepare_chunks(
-            q, k, v, g, beta, chunk_size=call.chunk_size, use_qk_l2norm_in_kernel=True, doc_starts=whole
-        )
-        o, _ = outputs_from(prep, None)
+    o, s_mine = heads_whole_sequence(xp, call, mine, full, docs, final_state=final_state)
     # [B, T, hv*Dv]: the tokens of rank i go back to rank i; rank j's heads arrive from rank j
     bsz = o.shape[0]
     o = o.reshape(bsz, sum(lengths), mine.v_count * dims.head_v_dim)
@@ -338,8 +348,4 @@ def ulysses_forward(
     y = heads_out(cp, call, hin, o, lengths)
     if not final_state:
         return y
-    gathered = cp.comm.all_gather(s_mine, cp.group)  # [cp, B or N, hv, Dk, Dv], rank j's heads
-    s_all = xp.permute(gathered, (1, 0, 2, 3, 4)).reshape(
-        s_mine.shape[0], dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
-    )
-    return y, s_all
+    return y, gather_head_states(cp, dims, s_mine)

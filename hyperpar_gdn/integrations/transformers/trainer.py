@@ -54,7 +54,8 @@ class ContextParallelMixin:
     Keyword-only options (the rest go to the Trainer unchanged):
 
     - ``cp_size``: ranks per CP group; divides the launched world, the rest is data parallel.
-    - ``cp_mode``: the GDN layers' mode, ``"p2p"`` (default), ``"all_gather"`` or ``"ulysses"``.
+    - ``cp_mode``: the GDN layers' mode, ``"p2p"`` (default), ``"all_gather"``, ``"scan"``,
+      ``"ulysses"`` or ``"ulysses_hidden"``.
     - ``cp_layout``: ``"head_tail"`` or ``"contiguous"``; None: head_tail when the model has
       softmax-attention layers (equal attention work per rank), else contiguous.
     - ``cp_chunk_size``: chunk of the gated delta rule (64).

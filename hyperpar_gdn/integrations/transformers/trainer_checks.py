@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.distributed.cp.ulysses import ulysses_head_error
+from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES, ulysses_head_error
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixers_of
 from hyperpar_gdn.distributed.layout import check_layout
 from hyperpar_gdn.distributed.linear_attention_style import MODES
@@ -73,7 +73,8 @@ def check_trainer_setup(
         args: its ``TrainingArguments`` (or TRL's config), or None for the defaults.
         world: processes launched (torchrun's ``WORLD_SIZE``).
         cp_size: ranks per CP group; must divide ``world``.
-        cp_mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"``.
+        cp_mode: one of ``MODES`` (``"ulysses"``, ``"ulysses_hidden"``, ``"p2p"``, ``"all_gather"``,
+            ``"scan"``).
         cp_layout: ``"contiguous"``, ``"head_tail"`` or None (head_tail when the model has
             softmax-attention layers, else contiguous).
         cp_chunk_size: chunk of the gated delta rule.
@@ -130,9 +131,9 @@ def _check_model(model: Any, cp: int, mode: str) -> set[str]:
             f"{name}.config.output_router_logits=True: the router's auxiliary loss is not part of the CP loss; "
             "set it to False"
         )
-    if mode == "ulysses":
+    if mode in HEAD_MODES:
         for i, (kind, module) in enumerate(mixers):
-            error = ulysses_head_error(LayerDims.of(module), cp) if kind == "linear_attn" else None
+            error = ulysses_head_error(LayerDims.of(module), cp, mode) if kind == "linear_attn" else None
             if error is not None:
                 raise ValueError(f"layer {i}: {error}")
     return kinds

@@ -101,13 +101,13 @@ def run_efficiency(cp: int, job: dict[str, Any], *, timeout_s: float) -> dict[st
 
 def print_efficiency(rows: dict[str, Any]) -> None:
     print(
-        f"{'mode':<11}{'cp':>3}{'T':>7}{'1 thread s':>12}{'cp ranks s':>12}{'speed-up':>10}"
+        f"{'mode':<15}{'cp':>3}{'T':>7}{'1 thread s':>12}{'cp ranks s':>12}{'speed-up':>10}"
         f"{'efficiency':>12}{'target':>8}{'best rounds':>13}{'CPU time':>10}{'local s':>9}{'bound':>7}"
         f"{'cp/local':>10}"
     )
     for mode, r in rows.items():
         print(
-            f"{mode:<11}{r['cp']:>3}{r['seq_len']:>7}{r['single_s']:>12.3f}{r['cp_slowest_rank_s']:>12.3f}"
+            f"{mode:<15}{r['cp']:>3}{r['seq_len']:>7}{r['single_s']:>12.3f}{r['cp_slowest_rank_s']:>12.3f}"
             f"{r['speedup']:>10.2f}{r['parallel_efficiency']:>12.3f}{r['target_efficiency']:>8.2f}"
             f"{r['parallel_efficiency_best_rounds']:>13.3f}{r['parallel_efficiency_cpu_time']:>10.3f}"
             f"{r['local_side_by_side_s']:>9.3f}{r['machine_bound_efficiency']:>7.3f}{r['cp_over_local']:>10.3f}"
@@ -134,7 +134,7 @@ def run_config(
 def summarize(rows: list[dict[str, Any]]) -> None:
     base = {(r["backend"], r["sweep"], r["mode"]): r for r in rows if r["cp"] == 1}
     print(
-        f"{'backend':<11}{'sweep':<12}{'mode':<11}{'cp':>3}{'T/cp':>7}{'time/rank s':>13}{'speed-up':>10}"
+        f"{'backend':<11}{'sweep':<12}{'mode':<15}{'cp':>3}{'T/cp':>7}{'time/rank s':>13}{'speed-up':>10}"
         f"{'act MiB':>10}{'act ratio':>11}{'sent KiB':>11}{'expected':>11}"
     )
     for r in rows:
@@ -144,7 +144,7 @@ def summarize(rows: list[dict[str, Any]]) -> None:
         r["activation_ratio_vs_cp1"] = r["activation_bytes"] / b["activation_bytes"] if measured else None
         activation = "-" if r["activation_bytes"] is None else f"{r['activation_bytes'] / 2**20:.1f}"
         print(
-            f"{r['backend']:<11}{r['sweep']:<12}{r['mode']:<11}{r['cp']:>3}{r['local_seq_len']:>7}"
+            f"{r['backend']:<11}{r['sweep']:<12}{r['mode']:<15}{r['cp']:>3}{r['local_seq_len']:>7}"
             f"{r['time_s']:>13.3f}{(r['speedup_vs_cp1'] or 0):>10.2f}{activation:>10}"
             f"{(r['activation_ratio_vs_cp1'] or 0):>11.3f}{r['bytes_sent'] / 1024:>11.1f}"
             f"{r['expected_bytes'] / 1024:>11.1f}"

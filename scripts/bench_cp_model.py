@@ -172,11 +172,11 @@ def report(result: dict[str, Any]) -> None:
         f"{result['local_side_by_side_s']:.2f}s, machine bound {result['machine_bound_efficiency']:.3f}; "
         f"load {result['load_average_before'][0]:.1f} -> {result['load_average_after'][0]:.1f}"
     )
-    print(f"{'layout':<12}{'mode':<12}{'cp step s':>10}{'efficiency':>12}{'per-rank medians s':>24}")
+    print(f"{'layout':<12}{'mode':<16}{'cp step s':>10}{'efficiency':>12}{'per-rank medians s':>24}")
     for row in result["rows"].values():
         ranks = " ".join(f"{t:.2f}" for t in row["rank_medians_s"])
         print(
-            f"{row['layout']:<12}{row['mode']:<12}{row['cp_slowest_rank_s']:>10.2f}"
+            f"{row['layout']:<12}{row['mode']:<16}{row['cp_slowest_rank_s']:>10.2f}"
             f"{row['parallel_efficiency']:>12.3f}{ranks:>24}"
         )
 

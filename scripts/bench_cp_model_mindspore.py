@@ -166,10 +166,10 @@ def report(result: dict[str, Any]) -> None:
         f"loss MindSpore {result['mindspore_single_loss']:.6f}, transformers {result['torch_loss']['transformers']:.6f}; "
         f"CPU {result['mindspore_single_cpu_percent']:.0f}%, cores per rank {result['cpu_share_per_rank']}"
     )
-    print(f"{'layout/mode':<24}{'cp step s':>10}{'efficiency':>12}{'loss rel diff':>15}  CPU % per rank")
+    print(f"{'layout/mode':<27}{'cp step s':>10}{'efficiency':>12}{'loss rel diff':>15}  CPU % per rank")
     for name, row in result["rows"].items():
         print(
-            f"{name:<24}{row['cp_slowest_rank_s']:>10.2f}{row['parallel_efficiency']:>12.3f}"
+            f"{name:<27}{row['cp_slowest_rank_s']:>10.2f}{row['parallel_efficiency']:>12.3f}"
             f"{row['loss_rel_diff']:>15.2e}  {' '.join(f'{c:.0f}' for c in row['cpu_percent_per_rank'])}"
         )
 

@@ -158,10 +158,11 @@ def check_paths(args: argparse.Namespace) -> None:
 def check_heads(args: argparse.Namespace, cp: int) -> None:
     """Ulysses splits the GDN value heads over the ranks (key heads may be shared): refuse a model
     whose value heads do not divide."""
+    from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
 
     num_k_heads, num_v_heads, _ = gdn_dims(args.model)
-    if args.mode in ("ulysses", "ulysses_hidden") and cp > 1 and num_v_heads % cp:
+    if args.mode in HEAD_MODES and cp > 1 and num_v_heads % cp:
         raise ValueError(
             f"--mode {args.mode} splits the GDN heads over cp={cp} ranks, but {args.model} has {num_k_heads} key "
             f"and {num_v_heads} value heads; use --mode p2p, all_gather or scan, or a number of ranks that "
@@ -190,11 +191,12 @@ def token_layout(args: argparse.Namespace, t: int, cp: int) -> str:
     T prompt tokens divide into 2cp equal pieces that hold the conv halo (W-1 tokens; one for
     ulysses), else contiguous. An explicit head_tail that does not divide is refused (the same
     error on every rank)."""
+    from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims, has_softmax_attention
 
     divides = cp > 1 and t % (2 * cp) == 0
     if args.layout is None:
-        need = 1 if args.mode in ("ulysses", "ulysses_hidden") else gdn_dims(args.model)[2] - 1
+        need = 1 if args.mode in HEAD_MODES else gdn_dims(args.model)[2] - 1
         fits = divides and t // (2 * cp) >= need
         return "head_tail" if fits and has_softmax_attention(args.model) else "contiguous"
     if args.layout == "head_tail" and cp > 1 and not divides:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
+from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
 from hyperpar_gdn.distributed.verify import compare_with_reference
 from hyperpar_gdn.platform import Platform, get_platform
 
@@ -77,7 +78,7 @@ def _main() -> int:
     rows, ok, total = [], 0, 0
     try:
         for mode in MODES:
-            if mode.startswith("ulysses") and args.v_heads % world:
+            if mode in HEAD_MODES and args.v_heads % world:
                 rows.append((mode, f"skipped: {args.v_heads} value heads not divisible by {world}", "", ""))
                 continue
             total += 1

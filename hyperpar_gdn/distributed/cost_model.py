@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyperpar_gdn.distributed.cp.scan import scan_rounds
+from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
 
 __all__ = ["MACHINES", "Geometry", "Link", "Machine", "ModeCost", "mode_cost"]
 
@@ -230,7 +231,7 @@ def mode_cost(mode: str, g: Geometry, m: Machine, *, inner_size: int | None = No
     with ``inner_size``) for ``g`` on ``m``; infeasible (with the reason) where heads forbid it."""
     shared = g.shared_flops() / m.flops
     span = Span(g.cp, 1, m.devices_per_node)
-    if mode in ("ulysses", "ulysses_hidden"):
+    if mode in HEAD_MODES:
         if g.h % g.cp:
             return _refused(mode, shared, f"num_v_heads={g.h:g} is not divisible by cp={g.cp}")
         if mode == "ulysses_hidden" and g.hidden is None:

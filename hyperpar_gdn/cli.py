@@ -10,6 +10,8 @@
 - :class:`Parser`: an ``ArgumentParser`` whose errors raise :class:`UsageError` (reported once,
   by rank 0, through :func:`run_script`) instead of printing the usage on every rank, and whose
   ``--help`` shows each option's default.
+- :func:`option` and :func:`add_options`: a dataclass whose fields are a script's options (name,
+  type, default and help in one place) and the parser derived from it.
 
 Under ``torchrun`` the shell sees torchrun's own code, 1, whenever a worker exits non-zero; the
 one line comes first, and torchrun's failure summary that follows repeats it as its root cause.
@@ -18,13 +20,16 @@ one line comes first, and torchrun's failure summary that follows repeats it as 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
-from typing import NoReturn
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 
 class UsageError(ValueError):
@@ -94,6 +99,59 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see --help)")
+
+
+def option(default: Any, *, help: str, choices: Sequence[str] | None = None, flag: str | None = None) -> Any:
+    """A dataclass field that is also a command-line option of :func:`add_options`.
+
+    Args:
+        default: the field's default, shown by ``--help`` unless ``help`` says it.
+        help: the option's ``--help`` text.
+        choices: the values the option accepts (the dataclass still checks them itself).
+        flag: the option's name when it is not the field's (``--model`` for ``model_dir``).
+    """
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "flag": flag}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _value_type(annotation: Any) -> type:
+    """``int`` for ``int`` and ``int | None``: the type a command-line value converts to."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(kinds) != 1:
+            raise TypeError(f"an option's type is one type or it and None; got {annotation}")
+        annotation = kinds[0]
+    if annotation not in (bool, int, float, str):
+        raise TypeError(f"an option's type is bool, int, float or str; got {annotation}")
+    return annotation
+
+
+def add_options(parser: argparse.ArgumentParser, options: type) -> None:
+    """One command-line option per field of the dataclass ``options`` made by :func:`option`, in
+    the fields' order: ``--<field name with dashes>`` (or the field's ``flag``), whose value has the
+    field's type (``X | None``: X) and default; a bool field is a switch: ``--<name>`` when it
+    defaults to False, ``--no-<name>`` when it defaults to True. ``options(**vars(namespace))``
+    then builds the dataclass from the parsed command line."""
+    hints = typing.get_type_hints(options)
+    for field in dataclasses.fields(options):
+        if "help" not in field.metadata:
+            continue
+        meta = field.metadata
+        kind = _value_type(hints[field.name])
+        name = field.name.replace("_", "-")
+        if kind is bool:
+            flag = meta["flag"] or (f"--no-{name}" if field.default else f"--{name}")
+            action = "store_false" if field.default else "store_true"
+            parser.add_argument(flag, dest=field.name, action=action, help=meta["help"])
+            continue
+        parser.add_argument(
+            meta["flag"] or f"--{name}",
+            dest=field.name,
+            type=kind,
+            choices=meta["choices"],
+            default=field.default,
+            help=meta["help"],
+        )
 
 
 def route_framework_logs() -> str | None:

@@ -1,6 +1,6 @@
 """Training the hybrid LM with context (and data) parallelism; ``scripts/train.py`` is the entry point.
 
-- :mod:`.config`: :class:`TrainConfig` (every option) and its command line.
+- :mod:`.config`: :class:`TrainConfig` (every option: its flag, type, default and help).
 - :mod:`.data`: tokens (bytes or a tokenizer's) and deterministic global batches.
 - :mod:`.batches`: a rank's part of a batch, cut by ``shard_for_context_parallel``.
 - :mod:`.loop`: :class:`Trainer` (build, train, close), written once for every framework.
@@ -18,7 +18,7 @@
 - :mod:`.sharding`: FSDP2 and activation checkpointing for torch.
 - :mod:`.memory_plan` (the per-rank memory estimate, framework-free) and :mod:`.memory_check`
   (``--plan``'s table, the refusal of a run over its memory budget).
-- :mod:`.command_line`: ``scripts/train.py``'s options.
+- :mod:`.command_line`: ``scripts/train.py``'s parser, derived from :class:`TrainConfig`'s fields.
 - :mod:`.errors`: the errors reported in one line (:data:`USER_ERRORS`, :data:`FAULTS`).
 
 The names below load their module on first use, so that ``scripts/train.py`` parses its options

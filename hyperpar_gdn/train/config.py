@@ -1,7 +1,7 @@
 """Training options: one keyword-only dataclass (its command line: :mod:`.command_line`).
 
 Checks that need only the options live in ``TrainConfig.__post_init__``; those that need the
-world size (known once the process group is up) in :meth:`TrainConfig.layout`. Every error names
+world size (known once the process group is up) in :meth:`TrainConfig.mesh_shape`. Every error names
 the command-line option to change.
 """
 
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from hyperpar_gdn.cli import option
 from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
 from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
 from hyperpar_gdn.distributed.layout import LAYOUTS
@@ -27,104 +29,127 @@ SAVE_ERROR_POLICIES = ("stop", "continue")
 
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
-    """Every option of ``scripts/train.py`` (its flag is the field name with dashes).
+    """Every option of ``scripts/train.py``: a field's flag is its name with dashes (a bool field
+    that defaults to True: ``--no-<name>``), its ``help`` what ``--help`` prints and what
+    docs/training.md's option table says at more length (a test keeps the two alike).
+    :mod:`.command_line` derives the parser from these fields."""
 
-    Attributes:
-        cp_mode: context-parallel mode of the GDN layers (softmax layers all-gather K and V);
-            "auto": the mode the cost model predicts fastest (the run header says which and why).
-        cp_layout: which tokens a CP rank holds: "contiguous" or "head_tail" (pieces r and
-            2cp-1-r of 2*cp: equal softmax-attention work on every rank). None: head_tail when
-            the model has softmax-attention layers, else contiguous (:meth:`token_layout`).
-        cp_size: ranks per CP group; the world is split into world/cp_size data-parallel
-            replicas. None: every rank in one CP group.
-        cp_inner_size: for the two-level modes ("ulysses+p2p", "ulysses+all_gather",
-            "ulysses+scan") only: ranks per inner group (ulysses inside it, the state mode
-            across); the CP group must be the whole world and the layout contiguous.
-        steps: optimizer steps to reach (a resumed run continues up to this step).
-        seq_len: tokens per sequence (the whole sequence, before the CP split).
-        batch_size: sequences per step over all DP replicas (the global batch).
-        model_size: a key of :data:`MODEL_SIZES` for the built-in model (None: "tiny").
-        model_dir: a transformers Qwen3.5 model directory to train instead (``--model``).
-        export: where rank 0 writes the trained ``--model`` as a transformers directory.
-        lr, warmup_steps, weight_decay, grad_clip: AdamW with linear warmup to ``lr`` then
-            constant; decay on matrices only; clip the global gradient norm (0: off).
-        seed: model init and data order.
-        data: a text file, a JSONL file ("text" field per line) or a directory of them; byte
-            tokens for the built-in model, the directory's tokenizer for ``--model``; None: the
-            built-in corpus.
-        doc_boundaries: where a document starts inside a sequence, pack the DP replica's rows
-            into one row whose documents restart the model's state, conv and attention, and
-            learn no label across a boundary; False: plain windows of the concatenated stream.
-        metrics_json: where rank 0 writes the per-step losses, tokens/s and peak memory.
-        save: checkpoint root; ``step-N/`` directories go under it. A run started with a root
-            that holds a complete checkpoint resumes from its newest (see ``auto_resume``).
-        save_every: also save every this many steps (0: only at the last step).
-        keep_last: after each save keep only the newest this many checkpoints (0: keep all).
-        auto_resume: with ``save``, resume from the newest complete checkpoint under it when one
-            exists (a restarted run continues); False (``--no-auto-resume``): always start at step 1.
-        resume: a ``step-N`` directory, or a root whose latest ``step-N`` is taken.
-        checkpoint_format: "sharded" (every rank writes its shard: torch's DCP, MindSpore's parts
-            of its replicated state) or "whole" (the state gathered and written by rank 0). None:
-            the backend's default (sharded). Either format resumes, whatever this option says.
-        async_save: write the sharded checkpoints in the background (``dcp.async_save`` on
-            torch, a thread per rank on MindSpore): training goes on while the shards are written;
-            each is committed at the next save or at the end.
-        fsdp: shard parameters, gradients and optimizer state over all ranks (FSDP2).
-        ac: activation checkpointing: recompute each decoder layer in the backward.
-        dtype: compute dtype, "fp32" or "bf16" (bf16 matmuls with fp32 master weights, optimizer
-            state, GDN state maths and loss; checkpoints stay fp32). bf16 is the choice on GPUs and
-            NPUs; fp32 on CPUs.
-        check_parity: rank 0 also trains a no-CP copy on the whole global batch and compares.
-        parity_tol: the largest allowed per-step loss difference under ``check_parity``.
-        log_every: print a step line every this many steps (and at the last step).
-        timeout_s: process-group timeout: a collective that waits longer (a rank that stopped
-            answering) ends the run on the ranks that wait, naming the step.
-        max_bad_steps: stop after this many steps in a row whose loss or gradient norm is not
-            finite (each is skipped: no update, never saved).
-        on_save_error: a checkpoint or export that cannot be written (a full or read-only disk):
-            "stop" the run (every rank, one line) or "continue" without it.
-        plan: print the memory plan (:mod:`.memory_check`: the estimate per rank, the budget, the
-            longest sequence that fits) and exit without building anything.
-        max_memory_gb: the memory one rank may use (GiB); None: the device's memory, or on the CPU
-            the host's available memory over the local ranks. A run estimated above it is refused.
-    """
-
-    cp_mode: str = "ulysses"
-    cp_layout: str | None = None
-    cp_size: int | None = None
-    cp_inner_size: int | None = None
-    steps: int = 60
-    seq_len: int = 128
-    batch_size: int = 8
-    model_size: str | None = None
-    model_dir: str | None = None
-    export: str | None = None
-    lr: float = 1e-3
-    warmup_steps: int = 5
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    data: str | None = None
-    doc_boundaries: bool = True
-    metrics_json: str | None = None
-    save: str | None = None
-    save_every: int = 0
-    keep_last: int = 0
-    auto_resume: bool = True
-    resume: str | None = None
-    checkpoint_format: str | None = None
-    async_save: bool = False
-    fsdp: bool = False
-    ac: bool = False
-    dtype: str = "fp32"
-    check_parity: bool = False
-    parity_tol: float = 1e-4
-    log_every: int = 1
-    timeout_s: float = 600.0
-    max_bad_steps: int = 3
-    on_save_error: str = "stop"
-    plan: bool = False
-    max_memory_gb: float | None = None
+    cp_mode: str = option(
+        "ulysses",
+        choices=CP_MODES,
+        help="CP mode of the GDN layers (softmax layers all-gather K and V); auto: the mode the cost "
+        "model predicts fastest, named with its reason in the run header (see docs/modes.md)",
+    )
+    cp_layout: str | None = option(
+        None,
+        choices=LAYOUTS,
+        help="tokens per CP rank: contiguous, or head_tail (pieces r and 2cp-1-r of 2cp: equal "
+        "softmax-attention work on every rank; default: head_tail when the model has softmax-attention "
+        "layers, else contiguous)",
+    )
+    cp_size: int | None = option(
+        None, help="ranks per CP group (default: all ranks); the other ranks do data parallelism"
+    )
+    cp_inner_size: int | None = option(
+        None,
+        help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node; "
+        "the CP group is then the whole world and --cp-layout contiguous (default: none, one level)",
+    )
+    steps: int = option(60, help="optimizer steps to reach (a resumed run continues up to this step)")
+    seq_len: int = option(128, help="tokens per sequence (the whole sequence), before the CP split")
+    batch_size: int = option(8, help="sequences per step, all DP replicas (the global batch)")
+    model_size: str | None = option(
+        None, choices=MODEL_SIZES, help="built-in model preset (default: tiny; not with --model)"
+    )
+    model_dir: str | None = option(
+        None,
+        flag="--model",
+        help="a transformers Qwen3.5 model directory to train (default: the built-in model)",
+    )
+    export: str | None = option(
+        None,
+        help="with --model: rank 0 writes the trained model as a transformers directory there "
+        "(default: none)",
+    )
+    lr: float = option(1e-3, help="peak AdamW learning rate (linear warmup to it, then constant)")
+    warmup_steps: int = option(5, help="linear warmup steps")
+    weight_decay: float = option(0.1, help="AdamW weight decay (on matrices only)")
+    grad_clip: float = option(1.0, help="max global grad norm (0: off)")
+    seed: int = option(0, help="model init and data order")
+    data: str | None = option(
+        None,
+        help='text file, JSONL file ("text" per line) or a directory of them; byte tokens for the '
+        "built-in model, the directory's tokenizer for --model (default: the built-in corpus)",
+    )
+    doc_boundaries: bool = option(
+        True,
+        help="train on plain windows of the concatenated documents (no restart at document starts; "
+        "default: off, documents restart: the DP replica's rows are packed into one row whose documents "
+        "restart the model's state, conv and attention, with no label across a boundary)",
+    )
+    metrics_json: str | None = option(
+        None, help="JSON file for per-step losses, tokens/s, peak memory (rank 0; default: none)"
+    )
+    save: str | None = option(
+        None,
+        help="checkpoint root directory (step-N/ under it; default: no checkpoints); a root that holds "
+        "a complete checkpoint resumes from its newest (see --no-auto-resume)",
+    )
+    save_every: int = option(0, help="save every N steps (0: at the end)")
+    keep_last: int = option(0, help="keep the newest N checkpoints (0: all)")
+    auto_resume: bool = option(
+        True,
+        help="start at step 1 even when --save DIR holds checkpoints (by default: resume from the newest)",
+    )
+    resume: str | None = option(
+        None, help="a step-N checkpoint directory, or a root (its latest step-N; default: none)"
+    )
+    checkpoint_format: str | None = option(
+        None,
+        choices=CHECKPOINT_FORMATS,
+        help="sharded: every rank writes its shard (torch's DCP; on MindSpore a part of its replicated "
+        "state); whole: rank 0 writes the gathered state (default: sharded; both formats resume)",
+    )
+    async_save: bool = option(
+        False,
+        help="write sharded checkpoints in the background while training goes on (dcp.async_save on "
+        "torch, a thread per rank on MindSpore); each is committed at the next save or at the end",
+    )
+    fsdp: bool = option(False, help="shard parameters, gradients, optimizer state over all ranks (FSDP2)")
+    ac: bool = option(False, help="activation checkpointing: recompute each decoder layer in the backward")
+    dtype: str = option(
+        "fp32",
+        choices=DTYPES,
+        help="compute dtype: bf16 (GPU/NPU) multiplies in bf16 with fp32 master weights, optimizer "
+        "state, GDN state maths and loss (checkpoints stay fp32); fp32 on CPUs",
+    )
+    check_parity: bool = option(
+        False, help="rank 0 also trains a no-CP copy on the whole global batch and compares every step's loss"
+    )
+    parity_tol: float = option(1e-4, help="max per-step loss difference for --check-parity")
+    log_every: int = option(1, help="print a step line every N steps (and at the last step)")
+    timeout_s: float = option(
+        600.0,
+        help="process-group timeout (seconds): a collective that waits longer (a rank that stopped "
+        "answering) ends the run on the ranks that wait, naming the step",
+    )
+    max_bad_steps: int = option(
+        3, help="stop after N steps in a row whose loss or gradient norm is not finite (each is skipped)"
+    )
+    on_save_error: str = option(
+        "stop",
+        choices=SAVE_ERROR_POLICIES,
+        help="a checkpoint or export that cannot be written: stop the run, or continue without it",
+    )
+    plan: bool = option(
+        False,
+        help="print the memory plan (estimate per rank, budget, longest --seq-len that fits) and exit",
+    )
+    max_memory_gb: float | None = option(
+        None,
+        help="memory per rank in GiB; a run estimated above it is refused (default: the device's memory, "
+        "on the CPU the host's available memory over the local ranks)",
+    )
 
     def __post_init__(self) -> None:
         if self.cp_mode not in CP_MODES:
@@ -227,7 +252,17 @@ class TrainConfig:
         return "full_attention" in self.model.layer_types
 
     def layout(self, world_size: int) -> tuple[int, int]:
-        """(dp, cp) for ``world_size`` ranks; checks the options that depend on it."""
+        """Deprecated: :meth:`mesh_shape` (``layout`` also names the token layout)."""
+        warnings.warn(
+            "TrainConfig.layout(world_size) is now TrainConfig.mesh_shape(world_size)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.mesh_shape(world_size)
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(dp, cp): the shape of the data-parallel x context-parallel mesh of ``world_size`` ranks;
+        checks the options that depend on the world size."""
         cp = world_size if self.cp_size is None else self.cp_size
         if world_size % cp:
             raise ValueError(

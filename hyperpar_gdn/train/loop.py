@@ -98,7 +98,7 @@ class Trainer:
         config = self.config
         self.rank, self.world_size = self.platform.rank(), self.platform.world_size()
         setup_logging(self.rank)
-        self.dp, self.cp = config.layout(self.world_size)
+        self.dp, self.cp = config.mesh_shape(self.world_size)
         self.mesh = init_device_mesh(self.platform.name, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.solo = DeviceMesh.from_group(self.platform, None, [self.rank], mesh_dim_name="cp")

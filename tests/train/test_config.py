@@ -114,13 +114,13 @@ def test_option_errors_name_the_option(options: dict[str, object], message: str)
 )
 def test_layout_errors_name_the_option(options: dict[str, object], world: int, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        TrainConfig(**options).layout(world)
+        TrainConfig(**options).mesh_shape(world)
 
 
 def test_layout_splits_the_world_into_dp_and_cp() -> None:
-    assert TrainConfig().layout(2) == (1, 2)
-    assert TrainConfig(cp_size=2).layout(8) == (4, 2)
-    assert TrainConfig(cp_size=1).layout(4) == (4, 1)
+    assert TrainConfig().mesh_shape(2) == (1, 2)
+    assert TrainConfig(cp_size=2).mesh_shape(8) == (4, 2)
+    assert TrainConfig(cp_size=1).mesh_shape(4) == (4, 1)
 
 
 def test_command_line_maps_onto_the_config() -> None:
@@ -252,6 +252,6 @@ def test_documents_pack_the_rows_of_a_replica() -> None:
 def test_two_level_beside_data_parallelism() -> None:
     """--cp-size below the world with a two-level mode: dp replicas of (inner x outer) CP."""
     config = TrainConfig(cp_mode="ulysses+scan", cp_inner_size=2, cp_layout="contiguous", cp_size=4)
-    assert config.layout(8) == (2, 4)  # 2 replicas of cp 4 = 2 x 2
+    assert config.mesh_shape(8) == (2, 4)  # 2 replicas of cp 4 = 2 x 2
     with pytest.raises(ValueError, match=re.escape("--cp-inner-size 2 must divide cp=3")):
-        TrainConfig(cp_mode="ulysses+scan", cp_inner_size=2, cp_layout="contiguous", cp_size=3).layout(6)
+        TrainConfig(cp_mode="ulysses+scan", cp_inner_size=2, cp_layout="contiguous", cp_size=3).mesh_shape(6)

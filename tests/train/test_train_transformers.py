@@ -137,10 +137,10 @@ def test_option_errors(options: dict[str, Any], message: str) -> None:
 
 def test_not_a_model_directory(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no config.json"):
-        TrainConfig(model_dir=str(tmp_path)).layout(2)
+        TrainConfig(model_dir=str(tmp_path)).mesh_shape(2)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match=r"model_type 'llama' is not a Qwen3.5 model"):
-        TrainConfig(model_dir=str(tmp_path)).layout(2)
+        TrainConfig(model_dir=str(tmp_path)).mesh_shape(2)
 
 
 def _straight_then_resumed(rank: int, world: int, options: dict[str, Any], root: str) -> list[list[float]]:

@@ -14,10 +14,12 @@ single-device result::
 Public API (loaded on first use, so ``import hyperpar_gdn.ops`` stays light):
 
 - ``init_device_mesh``, ``DeviceMesh``: the mesh of ranks (torch's API, any platform).
-- ``LinearAttentionContextParallel``: CP for one GDN layer (modes ``ulysses``, ``p2p``,
-  ``all_gather``, ``scan``); ``plan_context_parallel``: the modes ranked by a cost model
-  (``apply_context_parallel(..., mode="auto", seq_len=T)`` takes its choice); ``SoftmaxAttentionContextParallel``: CP for a softmax-attention layer;
-  ``ParallelStyle``: their base (``apply`` / ``undo``).
+- ``LinearAttentionContextParallel``: CP for one GDN layer (modes ``ulysses`` and
+  ``ulysses_hidden`` (head parallel), ``p2p``, ``all_gather`` and ``scan`` (state passing), and
+  the two-level ``ulysses+p2p``, ``ulysses+all_gather``, ``ulysses+scan``);
+  ``plan_context_parallel``: the modes ranked by a cost model (``apply_context_parallel(...,
+  mode="auto", seq_len=T)`` takes its choice); ``SoftmaxAttentionContextParallel``: CP for a
+  softmax-attention layer; ``ParallelStyle``: their base (``apply`` / ``undo``).
 - ``apply_context_parallel``, ``undo_context_parallel``: every layer of ``HybridLM`` or of
   transformers' Qwen3.5 models.
 - ``shard_for_context_parallel``, ``ContextParallelBatch``: a whole batch cut into this rank's
@@ -27,7 +29,8 @@ Public API (loaded on first use, so ``import hyperpar_gdn.ops`` stays light):
   hidden states and the LM head's weight, in token chunks, without ever holding the logits.
 - ``prefill_context_parallel``: read a prompt under CP; the last token's logits and the decoding
   state (transformers' ``DynamicCache``) for one device to continue from (docs/inference.md).
-- ``DTensor``, ``Shard``, ``Replicate``: a small DTensor; ``get_platform``: the framework layer
+- ``DTensor``, ``Shard``, ``Replicate``, ``distribute_tensor``: a small DTensor (a whole tensor
+  cut into this rank's shard: ``distribute_tensor(x, mesh, [Shard(1)])``); ``get_platform``: the framework layer
   (``HP_PLATFORM`` = cpu, cuda, npu or mindspore).
 
 Models: ``hyperpar_gdn.models`` (``GatedDeltaNet``, ``HybridLM``; MindSpore twins in
@@ -43,6 +46,7 @@ _EXPORTS = {
     "DTensor": "hyperpar_gdn.distributed.dtensor",
     "Replicate": "hyperpar_gdn.distributed.dtensor",
     "Shard": "hyperpar_gdn.distributed.dtensor",
+    "distribute_tensor": "hyperpar_gdn.distributed.dtensor",
     "DeviceMesh": "hyperpar_gdn.distributed.mesh",
     "init_device_mesh": "hyperpar_gdn.distributed.mesh",
     "LinearAttentionContextParallel": "hyperpar_gdn.distributed.linear_attention_style",

@@ -43,8 +43,9 @@ class LinearAttentionContextParallel(ParallelStyle):
     """Context parallelism for a Qwen3.5 Gated DeltaNet layer.
 
     After ``apply(module, mesh)`` the module's forward takes and returns this rank's shard of the
-    sequence, ``[B, T_r, hidden]`` (rank r of the mesh holds the r-th contiguous piece of the
-    sequence, usually T/cp tokens; the pieces may differ in length), and gives exactly the
+    sequence, ``[B, T_r, hidden]`` (in the ``contiguous`` layout rank r of the mesh holds the r-th
+    contiguous piece, usually T/cp tokens, and the pieces may differ in length; under
+    ``head_tail`` pieces r and 2cp-1-r of 2*cp), and gives exactly the
     single-device result. Parameters are untouched (state dict and optimizer
     as before); their gradients are this rank's share: sum them over the CP ranks with
     :func:`~hyperpar_gdn.sync_context_parallel_grads` (FSDP2 does it in its reduce-scatter).

@@ -52,7 +52,7 @@ def _check(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
-# Long for its docstring (16 of its 81 lines): the public entry point documents every argument.
+# Long for its docstring: the public entry point documents every argument.
 def plan_context_parallel(
     *,
     seq_len: int,

@@ -1,1 +1,5 @@
-"""The three context-parallel modes, written once against the platform contract."""
+"""The GDN layer's context-parallel modes, one file each, written once against the platform
+contract: ``ulysses`` and ``ulysses_hidden`` (head parallel), the state modes ``p2p`` and
+``all_gather`` (:mod:`.state_passing`) and ``scan``, and the two-level ``ulysses+<state mode>``
+(:mod:`.two_level`); ``auto`` is the planner's choice among them
+(:mod:`hyperpar_gdn.distributed.planner`)."""

@@ -17,8 +17,10 @@ from hyperpar_gdn.platform import Collectives, Group, Tensor, TensorOps
 
 @dataclass(frozen=True)
 class CPGroup:
-    """This rank's place on the CP axis: rank r holds the r-th contiguous piece of the sequence
-    (usually tokens [r*T/cp, (r+1)*T/cp); pieces may differ in length)."""
+    """This rank's place on the CP axis: ``rank`` of ``size``. Which tokens rank r holds is the
+    token layout's (:mod:`hyperpar_gdn.distributed.layout`): the r-th contiguous piece (usually
+    tokens [r*T/cp, (r+1)*T/cp); pieces may differ in length), or under ``head_tail`` pieces r
+    and 2cp-1-r of 2*cp."""
 
     xp: TensorOps
     comm: Collectives

@@ -84,6 +84,40 @@ def test_help_lists_the_public_api() -> None:
         assert name in text and getattr(hyperpar_gdn, name) is not None
 
 
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def anchors(path: Path) -> set[str]:
+    """The heading anchors of a markdown file, as GitHub makes them (code blocks skipped)."""
+    text = FENCE.sub("", path.read_text())
+    slugs: set[str] = set()
+    for title in re.findall(r"^#{1,6} +(.+?) *$", text, re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        n = 0
+        while (slug if n == 0 else f"{slug}-{n}") in slugs:
+            n += 1
+        slugs.add(slug if n == 0 else f"{slug}-{n}")
+    return slugs
+
+
+def test_every_link_of_the_docs_reaches_its_file_and_heading() -> None:
+    """README.md's and docs/*.md's relative links: the file exists, and so does the heading an
+    ``#anchor`` names (moving a section keeps the links that point at it working)."""
+    broken = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for match in LINK.finditer(FENCE.sub("", path.read_text())):
+            target = match["target"]
+            if re.match(r"^[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            goal = (path.parent / file).resolve() if file else path
+            if not goal.exists():
+                broken.append(f"{path.name}: {target}: no file {file}")
+            elif anchor and goal.suffix == ".md" and anchor not in anchors(goal):
+                broken.append(f"{path.name}: {target}: no heading with the anchor #{anchor} in {goal.name}")
+    assert not broken, "\n".join(broken)
+
+
 # docs/layout.md against the code: every module named in its room, every arrow true.
 
 PACKAGE = ROOT / "hyperpar_gdn"

@@ -19,6 +19,7 @@ import tempfile
 
 import datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 from trl import SFTConfig, SFTTrainer
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS
@@ -40,6 +41,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--output-dir", default=None)
     options = parser.parse_args()
+    # the tiny model loads and its data maps in an instant: no progress bars
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
 
     with tempfile.TemporaryDirectory() as scratch:
         path = options.model or str(write_tiny_qwen35(f"{scratch}/tiny-qwen35"))
@@ -62,6 +66,8 @@ def main() -> None:
             use_cpu=options.model is None,
             bf16=options.model is not None,  # TRL's default autocast: bf16 on devices, fp32 on the CPU
             disable_tqdm=True,
+            activation_checkpointing=True,  # TRL's default, by its current name
+            log_level_replica="error",  # transformers' warnings once, from rank 0
         )
         trainer = CPSFTTrainer(
             model=model,

@@ -1,13 +1,17 @@
 """Read a prompt under context parallelism, then continue it on one device or on the CP group.
 
     python scripts/make_tiny_qwen35.py tiny-qwen35
-    torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt
-    torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt \\
-        --mode ulysses --sample --temperature 0.8 --top-k 20 --max-new-tokens 64
-    HP_PLATFORM=mindspore msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --join=True \\
-        --log_dir=msrun_log scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt
-    torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 --prompt-file prompt.txt \\
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 \\
+        --prompt-file prompt.txt --mode ulysses --sample --temperature 0.8 --top-k 20 --max-new-tokens 64
+    HP_PLATFORM=mindspore OMP_NUM_THREADS=1 msrun --worker_num=2 --local_worker_num=2 --master_port=8118 \\
+        --join=True --log_dir=msrun_log scripts/generate.py --model tiny-qwen35
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 \\
         --mode scan --layout head_tail --min-prompt-tokens 8192 --decode-on cp-group
+
+Without ``--prompt-file`` the prompt is the first paragraph of the built-in English text. A
+continuation that decodes to whitespace only (the tiny model's random weights often repeat one
+token) prints as its ``repr`` with the token ids.
 
 Every rank loads the model (transformers' on torch, the MindSpore Qwen3.5 under
 ``HP_PLATFORM=mindspore``) and the tokenized prompt; ``hyperpar_gdn.prefill_context_parallel``
@@ -55,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--prompt-file",
         type=Path,
-        required=True,
-        help="a UTF-8 text file: the prompt to read under CP (required)",
+        default=None,
+        help="a UTF-8 text file: the prompt to read under CP (default: the first paragraph of the "
+        "built-in English text, hyperpar_gdn.corpus)",
     )
     add(
         "--mode",
@@ -149,10 +154,21 @@ def check_paths(args: argparse.Namespace) -> None:
             f"--model {model} is a training checkpoint (train.py --save); generate.py reads a transformers "
             "model directory: train with --model DIR --export OUT and pass OUT"
         )
+    if args.prompt_file is None:
+        return
     if not args.prompt_file.is_file():
         raise FileNotFoundError(f"--prompt-file {args.prompt_file}: no such file")
     if not args.prompt_file.read_text().strip():
         raise ValueError(f"--prompt-file {args.prompt_file} is empty")
+
+
+def prompt_text(args: argparse.Namespace) -> str:
+    """The prompt: ``--prompt-file``'s text, or the built-in text's first paragraph."""
+    if args.prompt_file is not None:
+        return args.prompt_file.read_text()
+    from hyperpar_gdn.corpus import BUILTIN_CORPUS
+
+    return BUILTIN_CORPUS.split("\n\n")[0]
 
 
 def check_heads(args: argparse.Namespace, cp: int) -> None:
@@ -178,7 +194,9 @@ def check_prompt_length(args: argparse.Namespace, t: int) -> None:
     limit = position_range(args.model)
     if limit is not None and t > limit:
         source = (
-            f"--min-prompt-tokens {t}" if args.min_prompt_tokens == t else f"--prompt-file {args.prompt_file}"
+            f"--min-prompt-tokens {t}"
+            if args.min_prompt_tokens == t
+            else f"--prompt-file {args.prompt_file or '(the built-in prompt)'}"
         )
         raise ValueError(
             f"the prompt has T={t} tokens ({source}), more than the "
@@ -210,7 +228,7 @@ def token_layout(args: argparse.Namespace, t: int, cp: int) -> str:
 def prompt_ids(args: argparse.Namespace) -> np.ndarray:
     from hyperpar_gdn.integrations.transformers.model_dir import load_tokenizer
 
-    ids = load_tokenizer(args.model)(args.prompt_file.read_text())["input_ids"]
+    ids = load_tokenizer(args.model)(prompt_text(args))["input_ids"]
     if not ids:
         raise ValueError(f"--prompt-file {args.prompt_file} holds no tokens")
     repeats = -(-args.min_prompt_tokens // len(ids)) if args.min_prompt_tokens > len(ids) else 1
@@ -220,7 +238,7 @@ def prompt_ids(args: argparse.Namespace) -> np.ndarray:
 class Engine:
     """The model of one framework: load, prefill on one device, and one decoding step."""
 
-    def __init__(self, platform: Any, path: Path) -> None:
+    def __init__(self, platform: Any, path: Path, *, device: str) -> None:
         self.platform = platform
         self.mindspore = platform.name == "mindspore"
         if self.mindspore:
@@ -229,7 +247,9 @@ class Engine:
             self.model = Qwen3_5ForCausalLM.from_pretrained(path)
         else:
             from hyperpar_gdn.integrations.transformers.model_dir import load_model_dir
+            from hyperpar_gdn.integrations.transformers.notices import hide_expected_notices
 
+            hide_expected_notices(device)  # transformers' reference-kernel notices, on a CPU
             self.model = load_model_dir(path)[0].eval()
         self.cache: Any = None
 
@@ -298,6 +318,12 @@ def kv_cache_bytes(cache: Any) -> int:
     return sum(int(t.nbytes) for pair in pairs for t in pair)
 
 
+def shown_text(text: str, tokens: list[int]) -> str:
+    """The continuation as printed: ``text``, or, when it decodes to whitespace only (a tiny random
+    model repeats one token), its ``repr`` and the token ids."""
+    return text if text.strip() else f"{text!r} (whitespace only; token ids {tokens})"
+
+
 def pick(logits: np.ndarray, args: argparse.Namespace, rng: np.random.Generator) -> np.ndarray:
     """The next token per row ``[B, 1]``: argmax, or a sample of softmax(logits / temperature)
     over the top-k."""
@@ -336,7 +362,7 @@ def _generate(argv: list[str] | None) -> int:
         ids_np = prompt_ids(args)
         check_prompt_length(args, ids_np.shape[1])
         args.layout = token_layout(args, ids_np.shape[1], platform.world_size())
-        engine = Engine(platform, args.model)
+        engine = Engine(platform, args.model, device=args.device)
         if args.decode_on == "cp-group":  # a model without a sharded cache: refused on every rank
             from hyperpar_gdn.inference.cp_decoding import check_sharded_decoding
 
@@ -410,6 +436,7 @@ def _report(
     """Rank 0: print the continuation (``decoded``: tokens, seconds) and the numbers (``kv``: the
     attention K/V bytes of one device and, decoding on the CP group, of every rank)."""
     from hyperpar_gdn.distributed.payoff import cp_advice
+    from hyperpar_gdn.integrations.transformers.model_config import text_config
 
     cp_times, one_times, solo_times = times
     tokens, decode_s = decoded
@@ -439,17 +466,19 @@ def _report(
         "new_tokens": tokens,
         "loadavg": Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else None,
     }
-    print(f"--- continuation ({'sampled' if args.sample else 'greedy'}, {len(tokens)} tokens) ---\n{text}")
+    print(f"--- continuation ({'sampled' if args.sample else 'greedy'}, {len(tokens)} tokens) ---")
+    print(shown_text(text, tokens))
     print(
         f"prefill of {t} tokens at cp={cp} ({args.mode}, {args.layout}): {prefill_s:.3f} s median, "
         f"{t / prefill_s:.1f} tokens/s"
     )
     advice = cp_advice(
-        platform=platform.name,
+        model_config=text_config(args.model),
+        seq_len=t,
         cp=cp,
-        tokens_per_rank=t // cp,
         mode=args.mode,
         layout=args.layout,
+        device=args.device,
         fewer="fewer ranks (torchrun --nproc-per-node), or one process (python scripts/generate.py)",
     )
     if advice is not None:

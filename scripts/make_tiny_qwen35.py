@@ -5,7 +5,8 @@
 
 The directory holds config.json, model.safetensors and a byte-level BPE tokenizer (512 tokens)
 trained on the built-in corpus; ``scripts/train.py --model DIR`` trains it under context
-parallelism and ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads it.
+parallelism and ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads it. It prints
+one line (``--verbose``: the tokenizer trainer's and transformers' progress too).
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out", help="directory to write (created; existing files are overwritten)")
     parser.add_argument("--moe", action="store_true", help="Qwen3.5-MoE (4 experts, 2 per token)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    parser.add_argument(
+        "--verbose", action="store_true", help="show the tokenizer trainer's and transformers' progress"
+    )
     args = parser.parse_args(argv)
 
     from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35
 
-    out = write_tiny_qwen35(args.out, moe=args.moe, seed=args.seed)
+    out = write_tiny_qwen35(args.out, moe=args.moe, seed=args.seed, progress=args.verbose)
     print(f"wrote {'Qwen3.5-MoE' if args.moe else 'Qwen3.5'} model directory {out}")
     return 0
 

@@ -13,43 +13,40 @@ Every rank also runs the same step on the whole sequence without parallelism and
 loss and every parameter's gradient (error relative to each tensor's largest value). Rank 0
 prints ``mindspore_cp_step: ok ...``; the exit code is 0 only if every rank matched within
 ``--tolerance``, the step moved every parameter by ``-lr * gradient`` and no rank imported torch.
+MindSpore's own log lines go to ``<log_dir>/rank_N/`` (``GLOG_v`` brings them back); a bad option
+is one line on rank 0.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
-import mindspore as ms
 import numpy as np
 
-from hyperpar_gdn import (
-    apply_context_parallel,
-    context_parallel_lm_loss,
-    init_device_mesh,
-    shard_for_context_parallel,
-    sync_context_parallel_grads,
-)
-from hyperpar_gdn.cli import HelpFormatter
 from hyperpar_gdn.models.config import HybridLMConfig
-from hyperpar_gdn.models.mindspore import HybridLM
-from hyperpar_gdn.ops.lm_loss import lm_loss_sum_reference
-from hyperpar_gdn.platform import get_platform
 
+# MindSpore is imported inside the functions: its log lines must be routed to files first
+# (hyperpar_gdn.cli.run_script does it before the body runs)
 CONFIG = HybridLMConfig(num_layers=4, hidden_size=32, intermediate_size=64, vocab_size=64)
 
 
-def build_model(seed: int) -> HybridLM:
-    """The model with weights drawn from ``seed`` (numpy's and MindSpore's generators)."""
+def build_model(seed: int) -> Any:
+    """The MindSpore ``HybridLM`` with weights drawn from ``seed`` (numpy's and MindSpore's generators)."""
+    import mindspore as ms
+
+    from hyperpar_gdn.models.mindspore import HybridLM
+
     np.random.seed(seed)
     ms.set_seed(seed)
     return HybridLM(CONFIG)
 
 
-def loss_and_grads(model: HybridLM, input_ids: ms.Tensor, loss_of_hidden: Any) -> tuple[float, list]:
+def loss_and_grads(model: Any, input_ids: Any, loss_of_hidden: Any) -> tuple[float, list]:
     """(loss, gradients of every trainable parameter): ``loss_of_hidden(hidden [B, T, C], head
-    [V, C])`` after one forward of ``model``, and its backward."""
+    [V, C])`` after one forward of ``model`` on ``input_ids`` [B, T], and its backward."""
+    import mindspore as ms
+
     params = model.trainable_params()
 
     def loss_fn(ids: ms.Tensor) -> ms.Tensor:
@@ -65,7 +62,31 @@ def relative_error(got: Any, want: Any) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    """Exit code: 0, 1 when the step does not match one device, 2 after a user error (one line
+    on rank 0)."""
+    from hyperpar_gdn.cli import run_script
+    from hyperpar_gdn.platform import PlatformUnavailableError
+
+    return run_script(
+        "mindspore_cp_step.py", lambda: _main(argv), user_errors=(ValueError, PlatformUnavailableError)
+    )
+
+
+def _main(argv: list[str] | None) -> int:
+    import mindspore as ms
+
+    from hyperpar_gdn import (
+        apply_context_parallel,
+        context_parallel_lm_loss,
+        init_device_mesh,
+        shard_for_context_parallel,
+        sync_context_parallel_grads,
+    )
+    from hyperpar_gdn.cli import Parser, UsageError
+    from hyperpar_gdn.ops.lm_loss import lm_loss_sum_reference
+    from hyperpar_gdn.platform import get_platform
+
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--cp-mode",
         choices=("ulysses", "ulysses_hidden", "p2p", "all_gather"),
@@ -83,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     platform = get_platform()
     if platform.name != "mindspore":
-        raise SystemExit(f"run under HP_PLATFORM=mindspore (got platform {platform.name!r})")
+        raise UsageError(f"run under HP_PLATFORM=mindspore (got platform {platform.name!r})")
     platform.init_distributed(timeout_s=args.timeout_s)
     rank, world = platform.rank(), platform.world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))

@@ -208,3 +208,23 @@ def test_bad_options(option: list[str], message: str) -> None:
 
     with pytest.raises(UsageError, match=re.escape(message)):
         load_script().parse_args(["--model", "m", "--prompt-file", "p", *option])
+
+
+def test_the_builtin_prompt_and_whitespace_continuations() -> None:
+    """Without --prompt-file the prompt is the built-in text's first paragraph; a continuation that
+    decodes to whitespace (the tiny random model repeating a newline) shows its repr and token ids."""
+    import argparse
+
+    from hyperpar_gdn.corpus import BUILTIN_CORPUS
+
+    script = load_script()
+    args = script.parse_args(["--model", "m"])
+    assert args.prompt_file is None
+    script.check_paths(argparse.Namespace(model=ROOT, prompt_file=None))  # no prompt file to check
+    text = script.prompt_text(args)
+    assert text.strip() and BUILTIN_CORPUS.startswith(text) and "\n\n" not in text
+    assert script.shown_text("the mill", [5, 6]) == "the mill"
+    assert (
+        script.shown_text("\n\n ", [198, 198, 220])
+        == "'\\n\\n ' (whitespace only; token ids [198, 198, 220])"
+    )

@@ -1,44 +1,170 @@
-"""When context parallelism cannot pay off: a line for a run's header that says so and names the
-faster choice.
+"""Whether context parallelism pays at a run's sequence length: a note for a run's header,
+computed from the cost model (:mod:`.cost_model`) with the machine's figures.
 
-CP splits each sequence over ``cp`` ranks; every layer then pays fixed costs (collectives, the
-conv halo, the summaries' fold) that only a long enough shard hides. Measured on the project's
-2-core CPU machine with the README-sized model (``--model-size tiny``, hidden 64):
+Per GDN layer, one device runs the gated delta rule on the whole sequence of T tokens; at cp ranks
+each rank runs it on its T/cp tokens and adds its mode's exchanges and extra work
+(:attr:`~.cost_model.ModeCost.seconds`). CP pays when the rule work it takes off a rank,
+``(1 - 1/cp)`` of one device's, exceeds what the mode adds. The figures are the device kind's
+:data:`~.cost_model.MACHINES` entry (cpu: gloo on one host as ``scripts/bench_scale.py`` measures
+it; gpu, npu: published orders of magnitude), or the caller's (``bandwidth=``, ``latency=``,
+``flops=``, ... as :func:`~.planner.plan_context_parallel` takes them).
 
-- the prefill of a 2,048-token prompt at cp=2 (1,024 tokens per rank) took 1/0.84 of the time of
-  one device;
-- the README training run (128-token sequences, 64 tokens per rank at cp=2) with
-  ``--cp-mode all_gather`` trained in 13.2 s with the head_tail layout against 9.4 s contiguous.
-
-So on the CPU platform, at :data:`MIN_TOKENS_PER_RANK` tokens per rank or fewer, a run is faster
-on fewer ranks (data parallelism, or one process), and the head_tail layout (two fragments per
-rank, twice the state hand-offs) is slower than contiguous outside ulysses. On accelerators the
-fixed costs differ and were not measured here: no advice is given there.
+Left out, as in the cost model: the projections, norms and MLPs (cut by cp in every mode, so CP
+gains there too), the softmax-attention layers, and an eager framework's fixed cost per operation,
+which CP does not cut: a small model gains later than predicted.
 """
 
 from __future__ import annotations
 
-MIN_TOKENS_PER_RANK = 1024  # measured slower than one device at this shard length (see above)
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hyperpar_gdn.distributed.planner import DEVICE_KINDS, MACHINES, plan_context_parallel
+
+__all__ = ["CPPayoff", "cp_advice", "cp_payoff"]
+
+LONGEST = 1 << 24  # the break-even search stops here (16M tokens per sequence)
+_DIMS = {  # plan_context_parallel's keyword: the model config's key (HybridLMConfig and Qwen3.5 alike)
+    "num_k_heads": "linear_num_key_heads",
+    "num_v_heads": "linear_num_value_heads",
+    "head_k_dim": "linear_key_head_dim",
+    "head_v_dim": "linear_value_head_dim",
+    "conv_kernel_size": "linear_conv_kernel_dim",
+    "hidden_size": "hidden_size",
+}
+
+
+@dataclass(frozen=True)
+class CPPayoff:
+    """The cost model's verdict for one sequence length, per GDN layer and rank (forward + backward).
+
+    Attributes:
+        speedup: one device's rule seconds over a CP rank's (its shard's rule plus the mode's cost).
+        added_s: seconds the mode adds (exchanges, extra work); saved_s: rule seconds CP takes off.
+        break_even: the shortest sequence (T doubled from the run's) at which ``speedup`` exceeds 1,
+            or None when none up to :data:`LONGEST` does.
+        figures: the machine's figures, in words.
+    """
+
+    speedup: float
+    added_s: float
+    saved_s: float
+    break_even: int | None
+    figures: str
+
+
+def _gdn_dims(model_config: Mapping[str, Any]) -> dict[str, int]:
+    """plan_context_parallel's layer keywords from a model's config dict (``to_dict()`` of
+    ``HybridLMConfig`` or a transformers Qwen3.5 config; a multimodal one's ``text_config``)."""
+    config = model_config.get("text_config") or model_config
+    missing = [key for key in _DIMS.values() if config.get(key) is None]
+    if missing:
+        raise ValueError(f"cp_payoff: the model config has no {', '.join(missing)}: not a GDN model's config")
+    return {name: int(config[key]) for name, key in _DIMS.items()}
+
+
+def cp_payoff(
+    *,
+    model_config: Mapping[str, Any],
+    seq_len: int,
+    cp: int,
+    mode: str,
+    layout: str,
+    device: str,
+    dtype: str = "float32",
+    batch: int = 1,
+    inner_size: int | None = None,
+    **machine: float,
+) -> CPPayoff:
+    """The cost model's :class:`CPPayoff` of ``mode`` for sequences of ``seq_len`` tokens over ``cp`` ranks.
+
+    Args:
+        model_config: the model's config dict (the GDN heads, head dims, conv width, hidden size).
+        seq_len: tokens T of one sequence (the whole sequence, before the CP split).
+        cp: ranks of the CP group; mode: a CP mode (two-level ones with ``inner_size``).
+        layout: the token layout; device: the mesh's device type (``"cpu"``, ``"cuda"``, ``"npu"``;
+            other names take the cpu figures).
+        dtype: the activations' dtype name (``"float32"``, ``"bfloat16"``); batch: rows B.
+        machine: figures that replace the device kind's (``bandwidth``, ``latency``, ``flops``, ...).
+    """
+    kind = DEVICE_KINDS.get(device, device if device in MACHINES else "cpu")
+    dims = _gdn_dims(model_config)
+
+    def at(t: int) -> tuple[float, float]:
+        """(the shard's rule seconds, the seconds the mode adds) at T = t."""
+        plan = plan_context_parallel(
+            seq_len=t, cp=cp, dtype=dtype, layout=layout, device=kind, batch=batch, inner_size=inner_size,
+            modes=[mode], **dims, **machine,
+        )  # fmt: skip
+        cost = plan.ranking[0]
+        if not cost.feasible:
+            raise ValueError(f"cp_payoff: {cost.describe()}")
+        return cost.shared_seconds, cost.seconds
+
+    shard, added = at(seq_len)
+    break_even, t = None, seq_len
+    while cp > 1 and t <= LONGEST:
+        t_shard, t_added = at(t)
+        if (cp - 1) * t_shard > t_added:  # the work split off exceeds what the mode adds
+            break_even = t
+            break
+        t *= 2
+    speedup = cp * shard / (shard + added)
+    saved = (cp - 1) * shard
+    figures = _figures(kind, machine)
+    return CPPayoff(speedup=speedup, added_s=added, saved_s=saved, break_even=break_even, figures=figures)
+
+
+def _figures(kind: str, machine: Mapping[str, float]) -> str:
+    base = MACHINES[kind]
+    link = base.intra
+    bandwidth = machine.get("bandwidth", link.bandwidth)
+    latency = machine.get("latency", link.latency)
+    flops = machine.get("flops", base.flops)
+    return f"{kind}: {bandwidth / 1e9:g} GB/s, {latency * 1e6:g} us per message, {flops / 1e9:g} GFLOP/s"
 
 
 def cp_advice(
-    *, platform: str, cp: int, tokens_per_rank: int, mode: str, layout: str, fewer: str
+    *,
+    model_config: Mapping[str, Any],
+    seq_len: int,
+    cp: int,
+    mode: str,
+    layout: str,
+    device: str,
+    fewer: str,
+    dtype: str = "float32",
+    inner_size: int | None = None,
+    **machine: float,
 ) -> str | None:
-    """One line for a run header when CP is not expected to pay off, else None.
-
-    Args:
-        platform: the platform's name (``"cpu"``: the one these figures were measured on).
-        cp: ranks in the CP group.
-        tokens_per_rank: tokens of one sequence on one rank (the shard length ``T / cp``).
-        mode: the GDN CP mode; layout: the token layout (``"contiguous"`` or ``"head_tail"``).
-        fewer: how the script runs on fewer ranks (an option or a launcher setting), named in the line.
-    """
-    if platform != "cpu" or cp < 2 or tokens_per_rank > MIN_TOKENS_PER_RANK:
+    """One line for a run header when the cost model predicts that CP does not pay at ``seq_len``
+    tokens per sequence, else None (and None at cp=1). ``fewer``: how the script runs on fewer
+    ranks (an option or a launcher setting), named in the line. The other arguments are
+    :func:`cp_payoff`'s; a layout-dependent mode also names the contiguous layout when the model
+    predicts it cheaper."""
+    if cp < 2 or ("+" in mode and inner_size is None):
+        return None  # no CP, or a two-level mode whose inner size the caller did not say
+    common = dict(model_config=model_config, seq_len=seq_len, cp=cp, mode=mode, device=device, dtype=dtype)
+    payoff = cp_payoff(**common, layout=layout, inner_size=inner_size, **machine)
+    if payoff.speedup >= 1:
         return None
-    line = (
-        f"note: {tokens_per_rank} tokens per rank is too few for CP to pay off (on this CPU platform "
-        f"{MIN_TOKENS_PER_RANK} tokens per rank still ran slower than one device); faster: {fewer}"
+    where = (
+        f"a gain from about {payoff.break_even:,} tokens per sequence"
+        if payoff.break_even is not None
+        else f"no gain up to {LONGEST:,} tokens per sequence"
     )
-    if layout == "head_tail" and mode != "ulysses":
-        line += f", or --cp-layout contiguous (head_tail ran 1.4x slower with --cp-mode {mode} at this size)"
+    line = (
+        f"note: CP does not pay at {seq_len:,} tokens per sequence over cp={cp}: the cost model "
+        f"({payoff.figures}) puts {_seconds(payoff.added_s)} of {mode} exchanges per GDN layer against "
+        f"{_seconds(payoff.saved_s)} of work split off; {where}; faster here: {fewer}"
+    )
+    if layout != "contiguous":
+        contiguous = cp_payoff(**common, layout="contiguous", inner_size=inner_size, **machine)
+        if contiguous.added_s < payoff.added_s:
+            line += f", or the contiguous layout ({_seconds(contiguous.added_s)} of exchanges)"
     return line
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e6:.3g} us" if value < 1e-3 else f"{value * 1e3:.3g} ms"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hyperpar_gdn.distributed.payoff import cp_advice
 from hyperpar_gdn.train.config import TrainConfig
 
@@ -16,10 +18,12 @@ def run_header(
     parameters: int,
     first_step: int,
     cp_mode: str | None = None,
+    model_config: dict[str, Any],
 ) -> list[str]:
     """The header lines: platform, ranks as dp x cp with the CP options (or "no context
     parallelism" at cp=1), model, dtype, tokens per step, steps; then :func:`cp_advice`'s note.
-    ``cp_mode``: the mode ``--cp-mode auto`` chose (shown as ``auto: <mode>``), else None."""
+    ``cp_mode``: the mode ``--cp-mode auto`` chose (shown as ``auto: <mode>``), else None;
+    ``model_config``: the model's config dict (its GDN sizes price the note)."""
     flags = "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name))
     mode = config.cp_mode if cp_mode is None else cp_mode
     if cp > 1:
@@ -37,11 +41,14 @@ def run_header(
     else:
         fewer = "fewer ranks per CP group (--cp-size) or fewer processes"
     advice = cp_advice(
-        platform=platform,
+        model_config=model_config,
+        seq_len=config.seq_len,
         cp=cp,
-        tokens_per_rank=config.seq_len // cp,
         mode=mode,
         layout=config.token_layout(),
+        device=platform,
         fewer=fewer,
+        dtype="bfloat16" if config.dtype == "bf16" else "float32",
+        inner_size=config.cp_inner_size,
     )
     return lines if advice is None else [*lines, advice]

@@ -276,6 +276,7 @@ class Trainer:
             parameters=self.backend.num_parameters(),
             first_step=self.step + 1,
             cp_mode=None if plan is None else self.backend.cp_mode,
+            model_config=self.backend.model_config(),
         ):
             logger.info(line)
         if plan is not None:

@@ -1,16 +1,23 @@
 """The run header of scripts/train.py: true at one rank (no CP claimed), and a note naming the
-faster choice when the shard is too short for CP to pay off (the measured CPU threshold)."""
+faster choice when the cost model predicts that CP does not pay at the run's sequence length."""
 
 from __future__ import annotations
 
-from hyperpar_gdn.distributed.payoff import MIN_TOKENS_PER_RANK
+from hyperpar_gdn.distributed.payoff import cp_payoff
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.header import run_header
 
 
 def _header(config: TrainConfig, *, platform: str = "cpu", world: int = 2, cp: int = 2) -> list[str]:
     return run_header(
-        config, platform=platform, world_size=world, dp=world // cp, cp=cp, parameters=1234, first_step=1
+        config,
+        platform=platform,
+        world_size=world,
+        dp=world // cp,
+        cp=cp,
+        parameters=1234,
+        first_step=1,
+        model_config=config.model.to_dict(),
     )
 
 
@@ -22,17 +29,25 @@ def test_one_rank_claims_no_context_parallelism() -> None:
     assert "--cp-mode" not in line and "--cp-layout" not in line and "1,234 parameters, --dtype fp32" in line
 
 
-def test_short_shards_name_the_faster_choice() -> None:
+def test_short_sequences_name_the_faster_choice() -> None:
     first, note = _header(TrainConfig(cp_mode="all_gather"))  # the README run: 128 tokens, cp=2
     assert "(--cp-mode all_gather, --cp-layout head_tail)" in first
-    assert note.startswith("note: 64 tokens per rank is too few for CP to pay off")
-    assert "--cp-size 1 (2 data-parallel replicas" in note and "--cp-layout contiguous" in note
-    (_, ulysses) = _header(TrainConfig(batch_size=3))  # ulysses: the layout is not blamed
-    assert "fewer ranks per CP group" in ulysses and "--cp-layout contiguous" not in ulysses
+    assert note.startswith("note: CP does not pay at 128 tokens per sequence over cp=2: the cost model (cpu:")
+    assert "tokens per rank" not in note and "all_gather exchanges per GDN layer" in note
+    assert "--cp-size 1 (2 data-parallel replicas" in note
+    (_, ulysses) = _header(TrainConfig(batch_size=3))  # ulysses: the layout changes nothing
+    assert "fewer ranks per CP group" in ulysses and "contiguous layout" not in ulysses
 
 
-def test_no_note_for_long_shards_or_unmeasured_platforms() -> None:
-    long_enough = TrainConfig(seq_len=2 * (MIN_TOKENS_PER_RANK + 1))
-    assert len(_header(long_enough)) == 1
-    assert len(_header(TrainConfig(), platform="cuda")) == 1
-    assert len(_header(TrainConfig(seq_len=2 * MIN_TOKENS_PER_RANK))) == 2
+def test_the_note_goes_at_the_cost_models_break_even() -> None:
+    config = TrainConfig()
+    payoff = cp_payoff(
+        model_config=config.model.to_dict(), seq_len=config.seq_len, cp=2, mode=config.cp_mode,
+        layout=config.token_layout(), device="cpu",
+    )  # fmt: skip
+    assert payoff.break_even is not None and payoff.break_even > config.seq_len
+    assert f"a gain from about {payoff.break_even:,} tokens per sequence" in _header(config)[1]
+    assert len(_header(TrainConfig(seq_len=payoff.break_even))) == 1
+    assert len(_header(TrainConfig(seq_len=payoff.break_even // 2))) == 2
+    # every platform is priced (its device kind's figures): a cuda run of 128 tokens gets the note too
+    assert "the cost model (gpu:" in _header(config, platform="cuda")[1]

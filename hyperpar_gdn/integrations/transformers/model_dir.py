@@ -12,6 +12,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +108,22 @@ def export_model_dir(
     return out
 
 
-def train_tokenizer(vocab_size: int = 512) -> Any:
-    """A byte-level BPE tokenizer trained on the built-in corpus (offline), with an EOS token."""
+@contextmanager
+def progress_bars(shown: bool) -> Iterator[None]:
+    """transformers' progress bars shown or hidden inside the block, as they were after it."""
+    from transformers.utils import logging as transformers_logging
+
+    before = transformers_logging.is_progress_bar_enabled()
+    (transformers_logging.enable_progress_bar if shown else transformers_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (transformers_logging.enable_progress_bar if before else transformers_logging.disable_progress_bar)()
+
+
+def train_tokenizer(vocab_size: int = 512, *, progress: bool = False) -> Any:
+    """A byte-level BPE tokenizer trained on the built-in corpus (offline), with an EOS token;
+    ``progress``: show the trainer's progress lines."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -115,24 +131,33 @@ def train_tokenizer(vocab_size: int = 512) -> Any:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
     )
     bpe.train_from_iterator(BUILTIN_CORPUS.splitlines(), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS)
 
 
 def write_tiny_qwen35(
-    out: str | Path, *, moe: bool = False, seed: int = 0, sizes: dict[str, Any] | None = None
+    out: str | Path,
+    *,
+    moe: bool = False,
+    seed: int = 0,
+    sizes: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> Path:
     """A small random Qwen3.5 model directory (3 GDN layers and 1 attention layer per 4) with a
     tokenizer trained on the built-in corpus; no downloads.
 
     ``sizes``: config fields that replace the tiny ones (``vocab_size``, ``hidden_size``, ...; a
     ``vocab_size`` larger than the tokenizer's leaves ids it never produces, as real checkpoints
-    do); a field the config class does not have is refused."""
+    do); a field the config class does not have is refused. ``progress``: show the tokenizer
+    trainer's and transformers' progress output (silent by default)."""
     import transformers
 
-    tokenizer = train_tokenizer()
+    tokenizer = train_tokenizer(progress=progress)
     common: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -166,4 +191,5 @@ def write_tiny_qwen35(
         )
     torch.manual_seed(seed)
     model = model_class(config_class(**common))
-    return export_model_dir(model, tokenizer, out)
+    with progress_bars(progress):
+        return export_model_dir(model, tokenizer, out)

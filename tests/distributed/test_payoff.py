@@ -1,0 +1,54 @@
+"""The CP pay-off note: priced by the cost model with the machine's figures (the device kind's, or
+the caller's), per sequence; read from HybridLM's and transformers' config dicts alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry, mode_cost
+from hyperpar_gdn.distributed.payoff import cp_advice, cp_payoff
+from hyperpar_gdn.models.config import HybridLMConfig
+
+CONFIG = HybridLMConfig().to_dict()  # 2 key / 4 value heads of 16, conv 4, hidden 64
+
+
+def test_the_verdict_is_the_cost_models() -> None:
+    payoff = cp_payoff(model_config=CONFIG, seq_len=256, cp=2, mode="p2p", layout="head_tail", device="cpu")
+    geometry = Geometry(256, 2, 2, 4, 16, 16, 4, 1, 4, head_tail=True, hidden=64)
+    cost = mode_cost("p2p", geometry, MACHINES["cpu"])
+    assert payoff.added_s == pytest.approx(cost.seconds)
+    assert payoff.saved_s == pytest.approx(cost.shared_seconds)  # cp=2: one shard's work split off
+    assert payoff.speedup == pytest.approx(2 * cost.shared_seconds / (cost.shared_seconds + cost.seconds))
+    # the break-even is the first doubling of T at which the split-off work exceeds the exchanges
+    t = payoff.break_even
+    longer = mode_cost(
+        "p2p", Geometry(t, 2, 2, 4, 16, 16, 4, 1, 4, head_tail=True, hidden=64), MACHINES["cpu"]
+    )
+    shorter = mode_cost(
+        "p2p", Geometry(t // 2, 2, 2, 4, 16, 16, 4, 1, 4, head_tail=True, hidden=64), MACHINES["cpu"]
+    )
+    assert longer.shared_seconds > longer.seconds and shorter.shared_seconds <= shorter.seconds
+
+
+def test_configured_figures_replace_the_device_kinds() -> None:
+    note = cp_advice(
+        model_config={"text_config": CONFIG},  # a multimodal transformers config nests its text part
+        seq_len=128, cp=2, mode="ulysses", layout="contiguous", device="cpu", fewer="one process",
+    )  # fmt: skip
+    assert note is not None and "per sequence" in note and "tokens per rank" not in note
+    assert "(cpu: 2.2 GB/s, 360 us per message, 18 GFLOP/s)" in note and note.endswith(
+        "faster here: one process"
+    )
+    fast_links = dict(bandwidth=1e15, latency=0.0)
+    assert cp_advice(
+        model_config=CONFIG, seq_len=128, cp=2, mode="ulysses", layout="contiguous", device="cpu",
+        fewer="one process", **fast_links,
+    ) is None  # fmt: skip
+    assert cp_advice(model_config=CONFIG, seq_len=128, cp=1, mode="p2p", layout="contiguous", device="cpu",
+                     fewer="-") is None  # fmt: skip
+
+
+def test_a_config_without_gdn_sizes_is_refused() -> None:
+    with pytest.raises(ValueError, match="no linear_num_key_heads"):
+        cp_payoff(model_config={"hidden_size": 64}, seq_len=128, cp=2, mode="p2p", layout="contiguous",
+                  device="cpu")  # fmt: skip

@@ -21,7 +21,8 @@ Public API (loaded on first use, so ``import hyperpar_gdn.ops`` stays light):
   mode="auto", seq_len=T)`` takes its choice); ``SoftmaxAttentionContextParallel``: CP for a
   softmax-attention layer; ``ParallelStyle``: their base (``apply`` / ``undo``).
 - ``apply_context_parallel``, ``undo_context_parallel``: every layer of ``HybridLM`` or of
-  transformers' Qwen3.5 models.
+  transformers' Qwen3.5 models. ``apply_tensor_parallel``: their blocks split by heads and
+  columns over a TP axis (torch DTensor), before context parallelism (docs/tensor_parallel.md).
 - ``shard_for_context_parallel``, ``ContextParallelBatch``: a whole batch cut into this rank's
   shard with labels shifted on the whole sequence; ``context_parallel_loss``: this rank's term of
   the global mean loss; ``sync_context_parallel_grads``: the gradient shares summed over the CP
@@ -53,6 +54,7 @@ _EXPORTS = {
     "ParallelStyle": "hyperpar_gdn.distributed.parallel_style",
     "SoftmaxAttentionContextParallel": "hyperpar_gdn.distributed.softmax_attention_style",
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
+    "apply_tensor_parallel": "hyperpar_gdn.tensor_parallel.apply",
     "plan_context_parallel": "hyperpar_gdn.distributed.planner",
     "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "prefill_context_parallel": "hyperpar_gdn.inference.prefill",

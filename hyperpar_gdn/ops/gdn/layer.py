@@ -109,6 +109,11 @@ class LayerWeights:
 
     @classmethod
     def of(cls, module: object) -> LayerWeights:
+        """The layer's weights; under tensor parallelism this rank's local shards
+        (:class:`~hyperpar_gdn.tensor_parallel.styles.GatedDeltaNetTensorParallel`)."""
+        tensor_parallel = getattr(module, "_hyperpar_tp_weights", None)
+        if tensor_parallel is not None:
+            return tensor_parallel()
         return cls(
             qkv=module.in_proj_qkv.weight,
             z=module.in_proj_z.weight,

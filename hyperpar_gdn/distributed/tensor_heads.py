@@ -1,0 +1,31 @@
+"""The head rules of tensor parallelism beside context parallelism (no framework): what the TP
+plan (:mod:`hyperpar_gdn.tensor_parallel`) and the CP checks ask of a GDN layer's heads."""
+
+from __future__ import annotations
+
+from hyperpar_gdn.ops.gdn.layer import LayerDims
+
+__all__ = ["tensor_parallel_head_error"]
+
+
+def tensor_parallel_head_error(
+    dims: LayerDims, tp: int, *, cp: int = 1, mode: str | None = None
+) -> str | None:
+    """Why a GDN layer of global ``dims`` cannot run at tp (with ``mode`` over cp ranks), or None.
+
+    Each TP rank takes whole q/k heads with their value heads: ``num_k_heads`` divisible by tp. A
+    head-parallel CP mode (ulysses, ulysses_hidden) splits a TP rank's value heads again over cp:
+    ``num_v_heads`` divisible by tp x cp."""
+    if dims.num_k_heads % tp:
+        return (
+            f"num_k_heads={dims.num_k_heads} is not divisible by tp={tp}: tensor parallelism gives every "
+            f"TP rank whole q/k heads with their value heads (num_v_heads={dims.num_v_heads}); use a tp "
+            f"that divides {dims.num_k_heads}"
+        )
+    if mode in ("ulysses", "ulysses_hidden") and dims.num_v_heads % (tp * cp):
+        return (
+            f"mode={mode!r} splits each TP rank's value heads over the CP ranks: num_v_heads="
+            f"{dims.num_v_heads} is not divisible by tp x cp = {tp} x {cp}; use a state mode "
+            "(p2p, all_gather, scan) or a smaller tp or cp"
+        )
+    return None

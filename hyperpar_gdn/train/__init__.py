@@ -10,11 +10,12 @@
   :mod:`.metrics` (records, log lines, ``--metrics-json``), :mod:`.parity` (``--check-parity``).
 - :mod:`.model_sizes`: the built-in model's ``--model-size`` presets.
 - :mod:`.faults`: non-finite steps skipped, save errors, a rank that stopped answering.
-- :mod:`.checkpoint`: ``step-N/`` directories of named parts, written atomically (the whole
-  format), and the reading of both formats; :mod:`.sharded_checkpoint`: the sharded format
-  (every rank its shard: torch's DCP, or :mod:`.replicated_shards` on MindSpore, whose files are
-  :mod:`.tensor_file`'s); :mod:`.saves`: the trainer's saves in either format;
-  :mod:`.convert`: a checkpoint to the whole format or a transformers directory, on one host.
+- :mod:`.checkpoint_dir`: a checkpoint's directory on disk (the manifest, checksums, the commit
+  by rename, listing and pruning; no torch); :mod:`.checkpoint`: the whole format (named parts
+  written by one rank) and the reading of both formats; :mod:`.sharded_checkpoint`: the sharded
+  format (every rank its shard: torch's DCP, or :mod:`.replicated_shards` on MindSpore, safetensors
+  files); :mod:`.saves`: the trainer's saves in either format; :mod:`.convert`: a checkpoint to the
+  whole format or a transformers directory, on one host.
 - :mod:`.sharding`: FSDP2 and activation checkpointing for torch.
 - :mod:`.memory_plan` (the per-rank memory estimate, framework-free) and :mod:`.memory_check`
   (``--plan``'s table, the refusal of a run over its memory budget).

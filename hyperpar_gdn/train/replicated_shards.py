@@ -13,7 +13,7 @@ commit, manifest and checks are :mod:`.sharded_checkpoint`'s)::
     index.json              the state's structure (rank 0): nested dicts and lists whose tensors
                             are {"tensor": key, "file", "shape", "dtype"}, the small values (the
                             optimizer's format, step count, names) as they are; the world size
-    rank-<r>.safetensors    rank r's tensors by key (:mod:`.tensor_file`: numpy alone reads them)
+    rank-<r>.safetensors    rank r's tensors by key (a safetensors file: :func:`write_part`)
 
 The state is given as nested dicts and lists whose tensors are :class:`Leaf` objects: a shape, a
 dtype and a way to copy the tensor to the host, called only for the tensors this rank writes.
@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +33,24 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.train.checkpoint import CheckpointError
-from hyperpar_gdn.train.tensor_file import read_arrays, write_arrays
+from hyperpar_gdn.train.checkpoint_dir import write_flushed
+from hyperpar_gdn.train.errors import CheckpointError
 
-__all__ = ["INDEX", "Leaf", "assign", "load_replicated", "part_file", "write_replicated_shards"]
+__all__ = [
+    "INDEX",
+    "Leaf",
+    "assign",
+    "load_replicated",
+    "part_file",
+    "read_part",
+    "write_part",
+    "write_replicated_shards",
+]
 
 INDEX = "index.json"
 _TENSOR = "tensor"  # the key that marks a tensor's entry in the index
+# the dtypes a part holds (numpy's names): those of the states saved, which every safetensors reads
+PART_DTYPES = ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 @dataclass(frozen=True)
@@ -99,15 +111,61 @@ def write_replicated_shards(
     if rank == 0:
         files = {key: part_file(owner) for key, owner in zip(keys, owners, strict=True)}
         text = json.dumps({"world_size": world_size, "state": _with_files(index, files)}, indent=1)
-        _write_flushed(directory / INDEX, text.encode())
+        write_flushed(directory / INDEX, text.encode())
     target = directory / part_file(rank)
     if not background:
-        write_arrays(target, mine)
+        write_part(target, mine)
         return None
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hp-save")
-    future = executor.submit(write_arrays, target, mine)
+    future = executor.submit(write_part, target, mine)
     executor.shutdown(wait=False)  # the thread ends with its write
     return future
+
+
+def write_part(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write ``arrays`` (name -> array of any shape, a dtype of :data:`PART_DTYPES`) to the
+    safetensors file ``path``, flushed to disk; a write the system refused raises its ``OSError``
+    (errno and file), as a write of this project's own does."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
+    for name, array in arrays.items():
+        if array.dtype.name not in PART_DTYPES:
+            raise ValueError(
+                f"array {name!r} has dtype {array.dtype}; a checkpoint part holds {', '.join(PART_DTYPES)}"
+            )
+    # safetensors writes each array's memory as it lies: a strided view is copied to C order first
+    ordered = {name: a if a.flags.c_contiguous else a.copy(order="C") for name, a in arrays.items()}
+    try:
+        save_file(ordered, path)
+    except SafetensorError as err:  # its I/O errors end in "(os error N)"
+        found = re.search(r"\(os error (\d+)\)", str(err))
+        if found is None:
+            raise
+        errno = int(found.group(1))
+        raise OSError(errno, os.strerror(errno), str(path)) from err
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_part(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a part (any safetensors file, such as those written before this reader), by
+    name, each a writable copy; ``CheckpointError`` naming ``path`` when the file is unreadable."""
+    try:
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            f"reading {path} (a replicated checkpoint's part, written on MindSpore) needs the safetensors "
+            "package: pip install safetensors (the mindspore and transformers extras bring it)"
+        ) from err
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"checkpoint file {path} could not be read: {err}") from err
 
 
 def load_replicated(directory: Path) -> Any:
@@ -123,7 +181,7 @@ def load_replicated(directory: Path) -> Any:
         if isinstance(node, dict) and _TENSOR in node:
             file = directory / node["file"]
             if node["file"] not in parts:
-                parts[node["file"]] = read_arrays(file)
+                parts[node["file"]] = read_part(file)
             array = parts[node["file"]].get(node[_TENSOR])
             if array is None or list(array.shape) != node["shape"] or array.dtype.name != node["dtype"]:
                 found = "nothing" if array is None else f"{array.dtype} {list(array.shape)}"
@@ -178,10 +236,3 @@ def _with_files(node: Any, files: dict[str, str]) -> Any:
     if isinstance(node, list):
         return [_with_files(value, files) for value in node]
     return node
-
-
-def _write_flushed(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())

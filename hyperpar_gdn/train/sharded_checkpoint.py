@@ -33,6 +33,7 @@ hidden directory.
 from __future__ import annotations
 
 import shutil
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -41,28 +42,25 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, TensorStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.tensor import DTensor
 
-from hyperpar_gdn.train.checkpoint import (
+from hyperpar_gdn.train.checkpoint_dir import (
     DCP_LAYOUT,
     MANIFEST,
     REPLICATED_LAYOUT,
     SHARDED_FORMAT,
-    CheckpointError,
     check_digest,
     file_digest,
     install,
-    nonfinite_entries,
     os_error_behind,
     read_manifest,
     shard_layout,
     write_manifest,
     write_parts,
 )
+from hyperpar_gdn.train.errors import CheckpointError
 from hyperpar_gdn.train.replicated_shards import INDEX as REPLICATED_INDEX
 from hyperpar_gdn.train.replicated_shards import load_replicated
 
@@ -73,7 +71,6 @@ __all__ = [
     "load_shards",
     "load_whole",
     "load_whole_state",
-    "local_nonfinite_entries",
     "shard_entries",
     "sharded_state",
     "verify_shards",
@@ -88,11 +85,6 @@ def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     (DTensors under FSDP2, the replicated tensors without): no gathering, no copy."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
-
-
-def local_nonfinite_entries(state: dict[str, Any]) -> list[str]:
-    """The names of the tensors whose piece on this rank holds a NaN or an inf (no collective)."""
-    return nonfinite_entries(_local(state))
 
 
 def write_shards(
@@ -120,14 +112,42 @@ def load_shards(directory: Path, model: torch.nn.Module, optimizer: torch.optim.
 def load_whole(directory: Path) -> dict[str, Any]:
     """The state under ``directory`` whole, in this process alone (no process group needed):
     ``{"model": {name: tensor}, "optimizer": {"state": ..., "param_groups": ...}}``."""
+    reader = dcp.FileSystemReader(str(directory))
+    metadata = reader.read_metadata()
+    # every entry DCP holds, by its flat key: an empty tensor of its size and dtype that DCP fills
+    # in place, or a placeholder that DCP replaces by the value it unpickles
+    flat: dict[str, Any] = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        if isinstance(item, TensorStorageMetadata)
+        else None
+        for key, item in metadata.state_dict_metadata.items()
+    }
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with warnings.catch_warnings():  # no_dist: DCP warns that it assumes a single process, as asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+    paths = metadata.planner_data or {}  # flat key -> its path in the saved nesting
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=dcp.FileSystemReader(str(directory)),
-        planner=_EmptyStateDictLoadPlanner(),
-        no_dist=True,
-    )
+    for key, value in flat.items():
+        _place(state, paths.get(key, (key,)), value)
     return state
+
+
+def _place(state: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` (dict keys and list indices) in ``state``, making the dicts and
+    lists on the way."""
+    node: Any = state
+    for key, after in zip(path[:-1], path[1:], strict=True):
+        if isinstance(node, list):
+            node.extend([None] * (int(key) + 1 - len(node)))
+            if node[key] is None:
+                node[key] = [] if isinstance(after, int) else {}
+        else:
+            node.setdefault(key, [] if isinstance(after, int) else {})
+        node = node[key]
+    if isinstance(node, list):
+        node.extend([None] * (int(path[-1]) + 1 - len(node)))
+    node[path[-1]] = value
 
 
 def load_whole_state(directory: Path, layout: str) -> dict[str, Any]:
@@ -240,13 +260,3 @@ class _Writer(dcp.FileSystemWriter):
             if cause is None or cause is err:
                 raise
             raise OSError(cause.errno, cause.strerror, cause.filename) from err
-
-
-def _local(state: Any) -> Any:
-    if isinstance(state, DTensor):
-        return state.to_local()
-    if isinstance(state, dict):
-        return {key: _local(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return [_local(value) for value in state]
-    return state

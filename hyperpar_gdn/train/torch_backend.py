@@ -162,16 +162,11 @@ class TorchBackend(TrainBackend):
                 load_full_state_dicts(model, optimizer, parts["model"], parts["optimizer"])
 
     def save_shards(self, directory: Path, *, background: bool) -> Future | None:
-        from hyperpar_gdn.train.checkpoint import CheckpointError
-        from hyperpar_gdn.train.sharded_checkpoint import (
-            STATE_DIR,
-            local_nonfinite_entries,
-            sharded_state,
-            write_shards,
-        )
+        from hyperpar_gdn.train.checkpoint import CheckpointError, nonfinite_entries
+        from hyperpar_gdn.train.sharded_checkpoint import STATE_DIR, sharded_state, write_shards
 
         state = sharded_state(self.model, self.optimizer)
-        bad = local_nonfinite_entries(state)
+        bad = nonfinite_entries(state)  # this rank's pieces: no collective
         if self.max_over_ranks(int(bool(bad))):
             names = ", ".join(bad[:3]) if bad else "another rank's tensors"
             raise CheckpointError(f"refusing to save into {directory}: {names} hold NaN or inf values")

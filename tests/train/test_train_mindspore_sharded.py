@@ -31,7 +31,7 @@ from torch_training import torch_losses, torch_resume_error  # noqa: E402
 from hyperpar_gdn.train import CheckpointError, TrainConfig, load_checkpoint  # noqa: E402
 from hyperpar_gdn.train.checkpoint import read_manifest  # noqa: E402
 from hyperpar_gdn.train.convert import convert  # noqa: E402
-from hyperpar_gdn.train.tensor_file import read_arrays  # noqa: E402
+from hyperpar_gdn.train.replicated_shards import read_part  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "msrun_train_worker.py"
 OPTIONS: dict[str, Any] = {"seq_len": 32, "batch_size": 2, "steps": 4, "seed": 5, "save_every": 2}
@@ -136,7 +136,7 @@ def test_each_rank_writes_its_part_and_the_manifest_says_the_world_size() -> Non
     }
     assert sorted(parts) == ["state/rank-0.safetensors", "state/rank-1.safetensors"], manifest["shards"]
     assert max(parts.values()) < 0.55 * sum(parts.values()), parts  # no file holds most of the state
-    keys = [set(read_arrays(step / name)) for name in sorted(parts)]
+    keys = [set(read_part(step / name)) for name in sorted(parts)]
     assert keys[0] and keys[1] and not keys[0] & keys[1]  # disjoint, and each rank wrote tensors
     index = json.loads((step / "state" / "index.json").read_text())
     assert index["world_size"] == 2

@@ -45,6 +45,7 @@ from hyperpar_gdn.train.memory_check import MemoryBudgetError, check_memory, pla
 
 if TYPE_CHECKING:
     from hyperpar_gdn.train import Trainer, TrainResult
+    from hyperpar_gdn.train.callbacks import TrainCallback
 
 # After a refused memory plan: every rank reached the same arithmetic at about the same time, so a
 # short wait lets the others print their line before the launcher stops them.
@@ -73,9 +74,11 @@ class _Run:
         return text + f"; last checkpoint {saved[-1]} (the same command resumes from it)"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[TrainCallback] = ()) -> int:
+    """The script; ``callbacks``: hooks into the training loop (:mod:`hyperpar_gdn.train.callbacks`;
+    the tests' fault injection, ``tests/train/train_with_faults.py``)."""
     run = _Run()
-    body = functools.partial(_every_rank, lambda: _run(argv, run))
+    body = functools.partial(_every_rank, lambda: _run(argv, run, callbacks))
     return run_script("train.py", body, user_errors=USER_ERRORS, where=run.where)
 
 
@@ -110,7 +113,7 @@ def _let_the_others_print(grace_s: float = USER_ERROR_GRACE_S) -> None:
             pass  # the launcher ends this rank once another exited: expected
 
 
-def _run(argv: Sequence[str] | None, run: _Run) -> int:
+def _run(argv: Sequence[str] | None, run: _Run, callbacks: Sequence[TrainCallback]) -> int:
     config = run.config = parse_args(argv)
     if config.plan:  # arithmetic only: nothing is built
         lines = plan_lines(config, platform=platform_name())
@@ -135,7 +138,7 @@ def _run(argv: Sequence[str] | None, run: _Run) -> int:
         trainer_class = MindSporeTrainer
     result: TrainResult | None = None
     try:
-        run.trainer = trainer_class(config)
+        run.trainer = trainer_class(config, callbacks=callbacks)
         result = run.trainer.train()
     finally:
         if run.trainer is not None:

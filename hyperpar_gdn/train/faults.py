@@ -6,13 +6,6 @@ reductions.
   verdict rides on the reduction that sums the step's loss, so it costs no extra collective): no
   update, the gradients dropped, the step counted. :class:`BadStepGuard` stops the run after
   ``--max-bad-steps`` such steps in a row.
-- Test hook: ``HP_TRAIN_INJECT_NAN="STEP[,STEP...][@RANK]"`` makes the loss scale NaN at those
-  steps on rank RANK (default 0), so that its gradients, and after the gradient sync every rank's,
-  are NaN: what an overflow does. Only for tests of the guard; never set it in a real run.
-- Test hook: ``HP_TRAIN_KILL_AT_STEP="STEP[@RANK]"`` makes rank RANK (default 0) send itself
-  SIGKILL when it reaches step STEP, before computing it: a worker lost mid-run (a crash or an
-  out-of-memory kill), for the tests of restarts. Only in a run that started from step 1, so the
-  restarted run, which resumes from a checkpoint, goes on. Never set it in a real run.
 - A collective that times out (``--timeout-s``: a rank stopped or hung, e.g. by SIGSTOP) becomes a
   :class:`RankTimeoutError` naming the step and the ranks that did not answer a roll call held
   through the process group's store (:func:`timeout_message`).
@@ -20,22 +13,26 @@ reductions.
 
 from __future__ import annotations
 
+import importlib
 import math
-import os
+import warnings
+from typing import Any
 
-__all__ = [
-    "INJECT_NAN_ENV",
-    "KILL_AT_STEP_ENV",
-    "BadStepGuard",
-    "RankTimeoutError",
-    "SaveError",
-    "TrainingStopped",
-    "injected_nan_steps",
-    "kill_step",
-]
+__all__ = ["BadStepGuard", "RankTimeoutError", "SaveError", "TrainingStopped"]
 
-INJECT_NAN_ENV = "HP_TRAIN_INJECT_NAN"
-KILL_AT_STEP_ENV = "HP_TRAIN_KILL_AT_STEP"
+# The test hooks that lived here (injected NaNs, a SIGKILL): now callbacks of .fault_injection
+_MOVED = ("INJECT_NAN_ENV", "KILL_AT_STEP_ENV", "injected_nan_steps", "kill_step")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"hyperpar_gdn.train.faults.{name} is now hyperpar_gdn.train.fault_injection.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module("hyperpar_gdn.train.fault_injection"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TrainingStopped(RuntimeError):
@@ -49,41 +46,6 @@ class SaveError(RuntimeError):
 
 class RankTimeoutError(RuntimeError):
     """A collective waited longer than ``--timeout-s``: a rank stopped answering."""
-
-
-def injected_nan_steps(rank: int) -> frozenset[int]:
-    """The steps at which this ``rank`` injects a NaN (the :data:`INJECT_NAN_ENV` test hook)."""
-    text = os.environ.get(INJECT_NAN_ENV, "").strip()
-    if not text:
-        return frozenset()
-    steps_text, _, rank_text = text.partition("@")
-    try:
-        steps = frozenset(int(s) for s in steps_text.split(","))
-        target = int(rank_text) if rank_text else 0
-    except ValueError as err:
-        raise ValueError(
-            f"{INJECT_NAN_ENV}={text!r} is not STEP[,STEP...][@RANK] (a test hook; unset it)"
-        ) from err
-    return steps if rank == target else frozenset()
-
-
-def kill_step(rank: int) -> int | None:
-    """The step at which this ``rank`` kills itself (the :data:`KILL_AT_STEP_ENV` test hook), or
-    None (unset, or another rank's). The trainer ignores it in a run that resumed."""
-    text = os.environ.get(KILL_AT_STEP_ENV, "").strip()
-    if not text:
-        return None
-    step_text, _, rank_text = text.partition("@")
-    try:
-        step, target = int(step_text), int(rank_text) if rank_text else 0
-    except ValueError:
-        step = target = -1
-    if step < 1 or target < 0:
-        raise ValueError(
-            f"{KILL_AT_STEP_ENV}={text!r} is not STEP[@RANK] with STEP >= 1 and RANK >= 0 "
-            "(a test hook; unset it)"
-        )
-    return step if rank == target else None
 
 
 def is_collective_timeout(err: BaseException) -> bool:

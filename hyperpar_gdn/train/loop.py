@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +31,15 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.platform import get_platform, platform_name
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.batches import cut_batch, replica_rows
+from hyperpar_gdn.train.callbacks import TrainCallback
 from hyperpar_gdn.train.checkpoint import write_atomic
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.data import Batch, BatchSampler, check_vocabulary, load_stream
 from hyperpar_gdn.train.faults import (
     BadStepGuard,
     RankTimeoutError,
-    injected_nan_steps,
     is_collective_timeout,
     is_finite,
-    kill_step,
     timeout_message,
 )
 from hyperpar_gdn.train.header import run_header
@@ -62,7 +59,8 @@ ROLL_CALL_S = 2.0  # after a collective timeout: how long the ranks still answer
 
 class Trainer:
     """Builds everything in its constructor; :meth:`train` runs to ``config.steps``; :meth:`close`
-    releases the process group if this trainer created it.
+    releases the process group if this trainer created it. ``callbacks``: hooks into the loop
+    (:class:`~hyperpar_gdn.train.callbacks.TrainCallback`), called on every rank.
 
     Example::
 
@@ -75,7 +73,7 @@ class Trainer:
 
     backend_class: type[TrainBackend] = TorchBackend
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, *, callbacks: Sequence[TrainCallback] = ()) -> None:
         name = platform_name()
         self.backend_class.check(config, name)  # on every rank, before the process group
         if config.plan:
@@ -83,9 +81,9 @@ class Trainer:
                 "--plan prints the memory plan (scripts/train.py) and trains nothing; a Trainer needs plan=False"
             )
         self.config = config
+        self.callbacks = tuple(callbacks)
         self.platform = get_platform(name)  # an unusable platform is refused here, by name
         check_memory(config, platform=name)  # every rank: a run over its memory budget is refused here
-        self._kill_at = kill_step(self.platform.rank())  # a test hook (see .faults)
         self._owns_group = not self.platform.is_initialized()
         self.platform.init_distributed(timeout_s=config.timeout_s)
         try:
@@ -124,7 +122,6 @@ class Trainer:
         self.step = 0
         self._timed_out = 0  # roll calls held (each needs its own store keys)
         self.guard = BadStepGuard(max_bad_steps=config.max_bad_steps)
-        self._inject_nan = injected_nan_steps(self.rank)  # a test hook (see .faults)
         self.checkpoint_format = config.checkpoint_format or self.backend_class.checkpoint_formats[0]
         meta = {"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp}
         self.writer = CheckpointWriter(config, self.backend, fmt=self.checkpoint_format, meta=meta)
@@ -140,7 +137,6 @@ class Trainer:
             torch.set_rng_state(point.parts["train"]["rng_cpu"])
             self.step = point.step
             logger.info("resumed from %s at step %d", point.path, point.step)
-            self._kill_at = None  # the hook kills a run that started from step 1 only
 
     # --- training ---------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -149,9 +145,11 @@ class Trainer:
         tokens_per_step = config.batch_size * config.seq_len
         self._log_header(tokens_per_step)
         start = time.perf_counter()
+        for callback in self.callbacks:
+            callback.on_train_begin(self)
         while self.step < config.steps:
-            if self.step + 1 == self._kill_at:  # the test hook: a worker lost mid-run
-                os.kill(os.getpid(), signal.SIGKILL)
+            for callback in self.callbacks:
+                callback.on_step_begin(self, self.step + 1)
             batch = self.sampler.next_batch()
             t0 = time.perf_counter()
             with self._timeouts_named(self.step + 1):
@@ -252,8 +250,8 @@ class Trainer:
         mine, total = replica.labelled_tokens, whole.labelled_tokens
         # the CP group's mean -> this replica's share of the global mean, times dp (DP averages)
         scale = self.dp * mine / total
-        if self.step + 1 in self._inject_nan:
-            scale = float("nan")
+        for callback in self.callbacks:
+            scale = callback.loss_scale(self, self.step + 1, scale)
         loss, norm = self.backend.backward(shard, scale=scale)
         # one reduction: the loss sum (each token is on one rank only) and the ranks gone non-finite
         loss_sum, bad_ranks = self.backend.sum_over_ranks([loss * mine, float(not is_finite(loss, norm))])

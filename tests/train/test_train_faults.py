@@ -1,5 +1,5 @@
 """Faults in a training run, on 2 real gloo ranks (cp 2) in one shared job: a NaN injected on rank 1
-(the ``HP_TRAIN_INJECT_NAN`` test hook) is skipped on every rank, never saved, and stops the run
+(the test-only :class:`InjectNaN` callback) is skipped on every rank, never saved, and stops the run
 after ``--max-bad-steps`` in a row; a checkpoint that cannot be written (a file-size limit on rank
 0, the writer) is one line on every rank, leaves the checkpoint before it loadable and nothing
 partial, and stops the run or (``--on-save-error continue``) does not. Also: scripts/train.py's
@@ -25,15 +25,17 @@ from hyperpar_gdn.integrations.transformers.model_dir import train_tokenizer, wr
 from hyperpar_gdn.train import SaveError, TrainConfig, Trainer, TrainingStopped, load_checkpoint
 from hyperpar_gdn.train.checkpoint import list_checkpoints, nonfinite_entries
 from hyperpar_gdn.train.data import TokenStream, VocabularyError, check_vocabulary
-from hyperpar_gdn.train.faults import INJECT_NAN_ENV
+from hyperpar_gdn.train.fault_injection import INJECT_NAN_ENV, InjectNaN
 
 TINY = {"seq_len": 32, "batch_size": 2, "warmup_steps": 1}
 
 
 def _train(options: dict[str, Any], *, inject: str = "") -> Any:
-    """Run a trainer; returns (steps, skipped steps) or the fault's class name and message."""
-    os.environ[INJECT_NAN_ENV] = inject
-    trainer = Trainer(TrainConfig(**TINY, **options))
+    """Run a trainer; returns (steps, skipped steps) or the fault's class name and message.
+    ``inject``: "STEP[,STEP...]@RANK", the steps at which rank RANK's loss scale is NaN."""
+    steps, _, target = inject.partition("@")
+    nan = [InjectNaN(int(s) for s in steps.split(","))] if inject and int(target) == _rank() else []
+    trainer = Trainer(TrainConfig(**TINY, **options), callbacks=nan)
     try:
         result = trainer.train()
         return [r.step for r in result.records], result.skipped_steps, [r.loss for r in result.records]
@@ -41,7 +43,10 @@ def _train(options: dict[str, Any], *, inject: str = "") -> Any:
         return type(err).__name__, str(err)
     finally:
         trainer.close()
-        os.environ.pop(INJECT_NAN_ENV, None)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _faults(rank: int, world: int, tmp: Path) -> dict[str, Any]:
@@ -141,7 +146,7 @@ def test_nonfinite_entries_names_the_tensors() -> None:
 def test_script_stops_with_one_line_per_rank_and_exit_code_3(tmp_path: Path) -> None:
     options = ["--steps", "4", "--seq-len", "32", "--batch-size", "2", "--max-bad-steps", "2"]
     env = script_env(**{INJECT_NAN_ENV: "1,2@0"})
-    result = run_script("scripts/train.py", *options, cwd=tmp_path, env=env, timeout=120)
+    result = run_script("tests/train/train_with_faults.py", *options, cwd=tmp_path, env=env, timeout=120)
     assert result.returncode != 0
     lines = sorted(line for line in result.stderr.splitlines() if "train.py: rank" in line)
     assert len(lines) == 2, result.stderr

@@ -2,7 +2,8 @@
 rendezvous on 127.0.0.1 (agent A hosts its store, agent B joins it), one worker per agent, the
 checkpoints in one directory both see.
 
-- A worker killed before a chosen step (the ``HP_TRAIN_KILL_AT_STEP`` hook): both agents restart
+- A worker killed before a chosen step (the ``HP_TRAIN_KILL_AT_STEP`` test hook, through
+  tests/train/train_with_faults.py): both agents restart
   their workers, which resume from the last checkpoint and end with the loss and the weights of an
   uninterrupted 2-rank run.
 - A lost node (agent B and its worker killed with SIGKILL): agent A meets alone (1 of 1..2 nodes)
@@ -31,7 +32,7 @@ import torch
 from distributed_harness import free_port, run_ranks, script_command, script_env
 
 from hyperpar_gdn.train import TrainConfig, Trainer, load_checkpoint
-from hyperpar_gdn.train.faults import KILL_AT_STEP_ENV, kill_step
+from hyperpar_gdn.train.fault_injection import KILL_AT_STEP_ENV, kill_step
 
 STEPS = 16
 SAVE_EVERY = 4
@@ -59,6 +60,10 @@ class _TwoNodes:
         # a fresh store for every attempt: agents that count restarts differently still meet
         environ = script_env(**{"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})})
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        # the fault-injecting wrapper only where a test hook is asked for: else the script itself
+        program = (
+            "tests/train/train_with_faults.py" if KILL_AT_STEP_ENV in (env or {}) else "scripts/train.py"
+        )
         for name, host in (("a", 1), ("b", 0)):
             rdzv = f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id {self.job}"
             rdzv += f" --rdzv-conf {RDZV_CONF},is_host={host}"
@@ -66,7 +71,7 @@ class _TwoNodes:
             launcher = [*AGENT.split(), *rdzv.split()]
             with open(run / f"{name}.log", "wb") as log:
                 self.agents[name] = subprocess.Popen(
-                    script_command("scripts/train.py", *script, ranks=1, launcher=launcher),
+                    script_command(program, *script, ranks=1, launcher=launcher),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=environ,

@@ -1,8 +1,10 @@
 """Training the hybrid LM with context (and data) parallelism; ``scripts/train.py`` is the entry point.
 
 - :mod:`.config`: :class:`TrainConfig` (every option: its flag, type, default and help).
-- :mod:`.data`: tokens (bytes or a tokenizer's) and deterministic global batches.
-- :mod:`.batches`: a rank's part of a batch, cut by ``shard_for_context_parallel``.
+- :mod:`.global_batches`: tokens (bytes or a tokenizer's) and the deterministic global batches of
+  a run.
+- :mod:`.rank_batches`: a global batch cut into this rank's part (``shard_for_context_parallel``);
+  :mod:`.data` and :mod:`.batches`: their deprecated names.
 - :mod:`.loop`: :class:`Trainer` (build, train, close), written once for every framework.
 - :mod:`.backend`: what a framework provides (:class:`TrainBackend`); :mod:`.torch_backend`
   and :mod:`.mindspore_loop` implement it (MindSpore's AdamW in :mod:`.mindspore_adamw`).
@@ -10,6 +12,8 @@
   :mod:`.metrics` (records, log lines, ``--metrics-json``), :mod:`.parity` (``--check-parity``).
 - :mod:`.model_sizes`: the built-in model's ``--model-size`` presets.
 - :mod:`.faults`: non-finite steps skipped, save errors, a rank that stopped answering.
+- :mod:`.callbacks`: hooks into the loop (:class:`~.callbacks.TrainCallback`); the tests' fault
+  injection (a NaN, a SIGKILL) is :mod:`.fault_injection`'s callbacks.
 - :mod:`.checkpoint_dir`: a checkpoint's directory on disk (the manifest, checksums, the commit
   by rename, listing and pruning; no torch); :mod:`.checkpoint`: the whole format (named parts
   written by one rank) and the reading of both formats; :mod:`.sharded_checkpoint`: the sharded
@@ -17,7 +21,8 @@
   files); :mod:`.saves`: the trainer's saves in either format; :mod:`.convert`: a checkpoint to the
   whole format or a transformers directory, on one host.
 - :mod:`.sharding`: FSDP2 and activation checkpointing for torch.
-- :mod:`.memory_plan` (the per-rank memory estimate, framework-free) and :mod:`.memory_check`
+- :mod:`.memory_plan` (the per-rank memory estimate, framework-free, over :mod:`.model_shape`'s
+  sizes) and :mod:`.memory_check`
   (``--plan``'s table, the refusal of a run over its memory budget).
 - :mod:`.command_line`: ``scripts/train.py``'s parser, derived from :class:`TrainConfig`'s fields.
 - :mod:`.errors`: the errors reported in one line (:data:`USER_ERRORS`, :data:`FAULTS`).

@@ -1,7 +1,7 @@
 """The framework as the trainer sees it: one small object per framework (torch, MindSpore).
 
 :class:`~hyperpar_gdn.train.loop.Trainer` is written once, without framework maths: it draws the
-batches, cuts them (:mod:`.batches`), keeps the step count, checkpoints, metrics and the parity
+batches, cuts them (:mod:`.rank_batches`), keeps the step count, checkpoints, metrics and the parity
 check. A :class:`TrainBackend` owns what a framework does differently: the model and its
 optimizer, one training step (forward, loss, backward, gradient sync, optimizer step), the no-CP
 reference step, the state dicts of a checkpoint, reductions over ranks, peak memory and export.

@@ -4,7 +4,7 @@ Parallelism: the world is a 2-D mesh ``(dp, cp)``. Each DP replica takes ``1/dp`
 batch's rows; within its CP group every rank holds its shard of each sequence (or of the replica's
 packed row, with documents) in the token layout ``--cp-layout``: by default head_tail (pieces r
 and 2cp-1-r of 2cp) when the model has softmax-attention layers, else contiguous. The batch is
-cut by the library's ``shard_for_context_parallel`` (:mod:`.batches`) and the loss is its
+cut by the library's ``shard_for_context_parallel`` (:mod:`.rank_batches`) and the loss is its
 ``context_parallel_lm_loss``: a rank's token losses over its CP group's labelled tokens. The
 trainer scales it by ``dp x (the replica's labelled tokens) / (the global batch's)``, so that the
 gradients, summed over the CP group and averaged over the DP groups (by FSDP's reduce-scatter
@@ -30,11 +30,9 @@ import torch
 from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.platform import get_platform, platform_name
 from hyperpar_gdn.train.backend import TrainBackend
-from hyperpar_gdn.train.batches import cut_batch, replica_rows
 from hyperpar_gdn.train.callbacks import TrainCallback
 from hyperpar_gdn.train.checkpoint import write_atomic
 from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.data import Batch, BatchSampler, check_vocabulary, load_stream
 from hyperpar_gdn.train.faults import (
     BadStepGuard,
     RankTimeoutError,
@@ -42,12 +40,14 @@ from hyperpar_gdn.train.faults import (
     is_finite,
     timeout_message,
 )
+from hyperpar_gdn.train.global_batches import Batch, BatchSampler, check_vocabulary, load_stream
 from hyperpar_gdn.train.header import run_header
 from hyperpar_gdn.train.log import logger, setup_logging
 from hyperpar_gdn.train.memory_check import check_memory
 from hyperpar_gdn.train.metrics import StepRecord, TrainResult, metrics_document, step_line, summary_lines
 from hyperpar_gdn.train.optim import learning_rate
 from hyperpar_gdn.train.parity import finish_parity
+from hyperpar_gdn.train.rank_batches import cut_batch, replica_rows
 from hyperpar_gdn.train.resume import find_resume_point
 from hyperpar_gdn.train.saves import CheckpointWriter, on_rank_0
 from hyperpar_gdn.train.torch_backend import TorchBackend

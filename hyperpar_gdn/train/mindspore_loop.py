@@ -1,8 +1,8 @@
 """The MindSpore half of a training run (PyNative, MCCL on CPU / HCCL on Ascend under ``msrun``).
 
 :class:`MindSporeTrainer` is :class:`hyperpar_gdn.train.loop.Trainer` with :class:`MindSporeBackend`:
-the same options (:class:`TrainConfig`), batches (:mod:`.data` and :mod:`.batches`, so both
-platforms draw and cut the very same tokens), loss (``context_parallel_lm_loss``), logging, resume,
+the same options (:class:`TrainConfig`), batches (:mod:`.global_batches` and :mod:`.rank_batches`,
+so both platforms draw and cut the very same tokens), loss (``context_parallel_lm_loss``), logging, resume,
 parity check, summary and metrics. What the backend does its own way:
 
 - the model is :class:`hyperpar_gdn.models.mindspore.HybridLM`, made with

@@ -3,8 +3,8 @@ rank), and a state written and read back whole in one process (its tensors, its 
 structure); a tensor holding NaN is refused before any file. A part file: what :func:`write_part`
 writes, :func:`read_part`, safetensors' and MindSpore's own readers read back exactly (every dtype,
 a scalar, an empty array, a non-contiguous view), and a part written by the hand-written writer of
-before still reads; a dtype it cannot hold and a truncated file are one error naming them. Two real ranks, a cp 2 <-> cp 1 resume
-and the manifest are tests/train/test_train_mindspore_sharded.py's."""
+before still reads; a dtype it cannot hold and a truncated file are one error naming them. Two
+real ranks, a cp 2 <-> cp 1 resume and the manifest are tests/train/test_train_mindspore_sharded.py's."""
 
 from __future__ import annotations
 

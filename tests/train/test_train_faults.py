@@ -24,8 +24,8 @@ from distributed_harness import run_ranks, run_script, script_command, script_en
 from hyperpar_gdn.integrations.transformers.model_dir import train_tokenizer, write_tiny_qwen35
 from hyperpar_gdn.train import SaveError, TrainConfig, Trainer, TrainingStopped, load_checkpoint
 from hyperpar_gdn.train.checkpoint import list_checkpoints, nonfinite_entries
-from hyperpar_gdn.train.data import TokenStream, VocabularyError, check_vocabulary
 from hyperpar_gdn.train.fault_injection import INJECT_NAN_ENV, InjectNaN
+from hyperpar_gdn.train.global_batches import TokenStream, VocabularyError, check_vocabulary
 
 TINY = {"seq_len": 32, "batch_size": 2, "warmup_steps": 1}
 

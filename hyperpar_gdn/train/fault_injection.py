@@ -17,12 +17,9 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from hyperpar_gdn.train.callbacks import TrainCallback
-
-if TYPE_CHECKING:
-    from hyperpar_gdn.train.loop import Trainer
 
 __all__ = [
     "INJECT_NAN_ENV",
@@ -44,7 +41,7 @@ class InjectNaN(TrainCallback):
     def __init__(self, steps: Iterable[int]) -> None:
         self.steps = frozenset(steps)
 
-    def loss_scale(self, trainer: Trainer, step: int, scale: float) -> float:
+    def loss_scale(self, trainer: Any, step: int, scale: float) -> float:
         return float("nan") if step in self.steps else scale
 
 
@@ -55,10 +52,10 @@ class KillAtStep(TrainCallback):
         self.step = step
         self.armed = False
 
-    def on_train_begin(self, trainer: Trainer) -> None:
+    def on_train_begin(self, trainer: Any) -> None:
         self.armed = trainer.step == 0  # a resumed run (the restart after the kill) goes on
 
-    def on_step_begin(self, trainer: Trainer, step: int) -> None:
+    def on_step_begin(self, trainer: Any, step: int) -> None:
         if self.armed and step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import warnings
 
-from hyperpar_gdn.train.rank_batches import ReplicaRows, cut_batch, replica_rows
-
-__all__ = ["ReplicaRows", "cut_batch", "replica_rows"]
+from hyperpar_gdn.train.rank_batches import *  # noqa: F403
+from hyperpar_gdn.train.rank_batches import __all__  # noqa: F401
 
 warnings.warn(
     "hyperpar_gdn.train.batches is now hyperpar_gdn.train.rank_batches", DeprecationWarning, stacklevel=2

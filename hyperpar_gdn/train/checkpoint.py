@@ -37,58 +37,31 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+# the directory's names are importable from here too (this module's users found them here first)
+from hyperpar_gdn.train.checkpoint_dir import *  # noqa: F403
 from hyperpar_gdn.train.checkpoint_dir import (
-    DCP_LAYOUT,
     FORMAT,
-    FORMATS,
     MANIFEST,
-    REPLICATED_LAYOUT,
-    SHARD_LAYOUTS,
     SHARDED_FORMAT,
-    check_digest,
     checked_bytes,
-    file_digest,
     install,
     list_checkpoints,
-    os_error_behind,
-    prune_checkpoints,
     read_manifest,
-    remove_incomplete,
     resolve_checkpoint,
-    shard_layout,
-    write_atomic,
     write_manifest,
     write_parts,
 )
+from hyperpar_gdn.train.checkpoint_dir import __all__ as _DIRECTORY_NAMES
 from hyperpar_gdn.train.errors import CheckpointError
 
 __all__ = [
-    "DCP_LAYOUT",
-    "FORMAT",
-    "FORMATS",
-    "MANIFEST",
-    "REPLICATED_LAYOUT",
-    "SHARDED_FORMAT",
-    "SHARD_LAYOUTS",
+    *_DIRECTORY_NAMES,
     "CheckpointError",
-    "check_digest",
-    "file_digest",
-    "install",
     "latest_checkpoint",
-    "list_checkpoints",
     "load_checkpoint",
     "nonfinite_entries",
-    "os_error_behind",
-    "prune_checkpoints",
-    "read_manifest",
-    "remove_incomplete",
-    "resolve_checkpoint",
     "save_checkpoint",
     "serialize_parts",
-    "shard_layout",
-    "write_atomic",
-    "write_manifest",
-    "write_parts",
 ]
 
 

@@ -5,31 +5,8 @@ from __future__ import annotations
 
 import warnings
 
-from hyperpar_gdn.train.global_batches import (
-    TEXT_SUFFIXES,
-    VOCAB_SIZE,
-    Batch,
-    BatchSampler,
-    TokenStream,
-    VocabularyError,
-    check_vocabulary,
-    load_stream,
-    load_tokens,
-    read_documents,
-)
-
-__all__ = [
-    "TEXT_SUFFIXES",
-    "VOCAB_SIZE",
-    "Batch",
-    "BatchSampler",
-    "TokenStream",
-    "VocabularyError",
-    "check_vocabulary",
-    "load_stream",
-    "load_tokens",
-    "read_documents",
-]
+from hyperpar_gdn.train.global_batches import *  # noqa: F403
+from hyperpar_gdn.train.global_batches import __all__  # noqa: F401
 
 warnings.warn(
     "hyperpar_gdn.train.data is now hyperpar_gdn.train.global_batches", DeprecationWarning, stacklevel=2

@@ -24,6 +24,7 @@ __all__ = [
     "Batch",
     "BatchSampler",
     "TokenStream",
+    "VocabularyError",
     "check_vocabulary",
     "load_stream",
     "load_tokens",

@@ -31,7 +31,7 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.platform import get_platform, platform_name
 from hyperpar_gdn.train.backend import TrainBackend
 from hyperpar_gdn.train.callbacks import TrainCallback
-from hyperpar_gdn.train.checkpoint import write_atomic
+from hyperpar_gdn.train.checkpoint_dir import write_atomic
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.faults import (
     BadStepGuard,

@@ -49,7 +49,7 @@ from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_tor
 from hyperpar_gdn.models.mindspore.weights import DTYPES
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
-from hyperpar_gdn.train.checkpoint import REPLICATED_LAYOUT
+from hyperpar_gdn.train.checkpoint_dir import REPLICATED_LAYOUT
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.loop import Trainer
 from hyperpar_gdn.train.mindspore_adamw import ADAMW_FORMAT, AdamW, clip_grad_norm
@@ -259,15 +259,8 @@ class MindSporeBackend(TrainBackend):
 class MindSporeTrainer(Trainer):
     """:class:`~hyperpar_gdn.train.loop.Trainer` with :class:`MindSporeBackend`: the same options,
     batches, loss, logging and metrics; ``HP_PLATFORM=mindspore msrun ... scripts/train.py`` builds
-    this one.
-
-    Example::
-
-        trainer = MindSporeTrainer(TrainConfig(cp_mode="p2p", steps=10, seq_len=64, batch_size=4))
-        try:
-            result = trainer.train()
-        finally:
-            trainer.close()
+    this one. Used as :class:`~hyperpar_gdn.train.loop.Trainer` is (see its example: build, train,
+    close), with ``HP_PLATFORM=mindspore`` under ``msrun``.
     """
 
     backend_class = MindSporeBackend

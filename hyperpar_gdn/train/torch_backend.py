@@ -35,7 +35,7 @@ from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, l
 from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
-from hyperpar_gdn.train.checkpoint import DCP_LAYOUT
+from hyperpar_gdn.train.checkpoint_dir import DCP_LAYOUT
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.optim import adamw_step, build_adamw, clip_gradients, torch_optimizer_step
 from hyperpar_gdn.train.sharding import (

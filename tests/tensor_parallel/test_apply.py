@@ -119,10 +119,10 @@ def _reference(model: torch.nn.Module, ids: torch.Tensor, weight: torch.Tensor) 
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _tp_cp_worker(rank: int, world: int, moe: bool, runs: tuple[tuple[str, str], ...]) -> dict[str, float]:
+def _tp_cp_worker(rank: int, world: int, kind: str, runs: tuple[tuple[str, str], ...]) -> dict[str, float]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     cp_mesh = mesh["cp"]
-    base = tiny_model(moe=moe)
+    base = _hybrid() if kind == "hybrid" else tiny_model(moe=kind == "moe")
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 61, (1, T), generator=gen)
     weight = torch.randn(1, T, 61, generator=gen, dtype=torch.float64)
@@ -133,7 +133,10 @@ def _tp_cp_worker(rank: int, world: int, moe: bool, runs: tuple[tuple[str, str],
         index = torch.as_tensor(TokenLayout.of(layout, [T // 2] * 2).positions(cp_mesh.get_local_rank()))
         model = apply_tensor_parallel(copy.deepcopy(base), mesh["tp"])
         apply_context_parallel(model, cp_mesh, mode=mode, layout=layout)
-        logits = model(**shard.model_inputs(), use_cache=False).logits
+        if kind == "hybrid":
+            logits = model(shard.input_ids, cu_seqlens=shard.cu_seqlens, cp_layout=shard.layout)
+        else:
+            logits = model(**shard.model_inputs(), use_cache=False).logits
         (logits * weight[:, index]).sum().backward()
         errors[f"{mode}/{layout}/logits"] = _rel(logits.detach(), ref_logits[:, index])
         for name, grad in canonical_grads(model).items():
@@ -144,19 +147,44 @@ def _tp_cp_worker(rank: int, world: int, moe: bool, runs: tuple[tuple[str, str],
 
 DENSE_RUNS = tuple((mode, layout) for layout in ("contiguous", "head_tail") for mode in CP_MODES)
 MOE_RUNS = (("p2p", "contiguous"), ("ulysses", "head_tail"))
+HYBRID_RUNS = (("ulysses_hidden", "contiguous"), ("scan", "head_tail"))
 
 
 def _tp_cp_both_worker(rank: int, world: int) -> dict[str, float]:
     return {
-        **{f"dense/{k}": v for k, v in _tp_cp_worker(rank, world, False, DENSE_RUNS).items()},
-        **{f"moe/{k}": v for k, v in _tp_cp_worker(rank, world, True, MOE_RUNS).items()},
+        **{f"dense/{k}": v for k, v in _tp_cp_worker(rank, world, "dense", DENSE_RUNS).items()},
+        **{f"moe/{k}": v for k, v in _tp_cp_worker(rank, world, "moe", MOE_RUNS).items()},
+        **{f"hybrid/{k}": v for k, v in _tp_cp_worker(rank, world, "hybrid", HYBRID_RUNS).items()},
+        "multimodal/logits": _multimodal(mesh_shape=(2, 2)),
     }
 
 
+def _multimodal(*, mesh_shape: tuple[int, int]) -> float:
+    """The language model of transformers' Qwen3_5ForConditionalGeneration (text only) at tp x cp:
+    its logits shard against the whole model's (the vision tower stays whole)."""
+    import transformers
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("cp", "tp"))
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(text_config=tiny_config(moe=False).to_dict())
+    model = transformers.Qwen3_5ForConditionalGeneration(config).to(torch.float64).eval()
+    ids = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+        apply_tensor_parallel(model, mesh["tp"])
+        apply_context_parallel(model, mesh["cp"], mode="ulysses")
+        shard = shard_for_context_parallel(mesh["cp"], ids)
+        local = model(input_ids=shard.input_ids).logits
+    t = 32 // mesh_shape[0]
+    r = mesh["cp"].get_local_rank()
+    return _rel(local, ref[:, r * t : (r + 1) * t])
+
+
 def test_tp2_cp2_packed_equals_each_document_alone() -> None:
-    """Every CP mode in both layouts (dense), two runs of the MoE model; one process group."""
+    """Every CP mode in both layouts (dense transformers Qwen3.5), two runs of the MoE model and of
+    HybridLM, the multimodal model's language model; one process group."""
     for rank, errors in enumerate(run_ranks(_tp_cp_both_worker, 4, timeout_s=400)):
-        assert len(errors) > len(DENSE_RUNS) + len(MOE_RUNS)
+        assert len(errors) > len(DENSE_RUNS) + len(MOE_RUNS) + len(HYBRID_RUNS)
         for key, err in errors.items():
             tol = 1e-4 if key.endswith(("A_log", "dt_bias")) else TOL
             assert err <= tol, f"rank {rank} {key}: relative error {err:.2e} > {tol:.0e}"

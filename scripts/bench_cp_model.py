@@ -31,9 +31,8 @@ from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_ranks
 from benchkit.timing import alternating_rounds, machine_bound, slowest_per_round
 from hyperpar_gdn.cli import HelpFormatter
+from hyperpar_gdn.distributed.plan import LAYOUTS, MODES
 
-MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan")
-LAYOUTS = ("contiguous", "head_tail")
 SINGLE = ("transformers", "ours")
 LOCAL = "local"
 TARGET = 0.88  # whole-model efficiency at cp=2 in every mode, head_tail, T=8192 and 16384

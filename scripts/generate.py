@@ -174,7 +174,7 @@ def prompt_text(args: argparse.Namespace) -> str:
 def check_heads(args: argparse.Namespace, cp: int) -> None:
     """Ulysses splits the GDN value heads over the ranks (key heads may be shared): refuse a model
     whose value heads do not divide."""
-    from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
+    from hyperpar_gdn.distributed.plan import HEAD_MODES
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
 
     num_k_heads, num_v_heads, _ = gdn_dims(args.model)
@@ -209,7 +209,7 @@ def token_layout(args: argparse.Namespace, t: int, cp: int) -> str:
     T prompt tokens divide into 2cp equal pieces that hold the conv halo (W-1 tokens; one for
     ulysses), else contiguous. An explicit head_tail that does not divide is refused (the same
     error on every rank)."""
-    from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
+    from hyperpar_gdn.distributed.plan import HEAD_MODES
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims, has_softmax_attention
 
     divides = cp > 1 and t % (2 * cp) == 0

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
-from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
+from hyperpar_gdn.distributed.plan import HEAD_MODES
 from hyperpar_gdn.distributed.verify import compare_with_reference
 from hyperpar_gdn.platform import Platform, get_platform
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyperpar_gdn.distributed.cp.scan import scan_rounds
-from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
+from hyperpar_gdn.distributed.plan import HEAD_MODES
 
 __all__ = ["MACHINES", "Geometry", "Link", "Machine", "ModeCost", "mode_cost"]
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
+from hyperpar_gdn.distributed.plan import HEAD_MODES
 from hyperpar_gdn.distributed.sequence import GlobalSequence
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.platform import Tensor, ops_for

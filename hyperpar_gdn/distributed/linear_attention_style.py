@@ -10,12 +10,12 @@ from hyperpar_gdn.distributed.cp.conv_state import shard_conv_tail, whole_conv_s
 from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_conv_states
 from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
 from hyperpar_gdn.distributed.cp.two_level import (
-    TWO_LEVEL_MODES,
+    Levels,
     make_levels,
     two_level_forward,
     two_level_length_error,
 )
-from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES, ulysses_forward, ulysses_head_error
+from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward
 from hyperpar_gdn.distributed.cp.ulysses_hidden import ulysses_hidden_forward
 from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.gdn_call import (
@@ -28,15 +28,16 @@ from hyperpar_gdn.distributed.gdn_call import (
     signature_binder,
     whole_sequence,
 )
-from hyperpar_gdn.distributed.layout import TokenLayout, check_layout
-from hyperpar_gdn.distributed.mesh import as_cp_mesh
-from hyperpar_gdn.distributed.parallel_style import ParallelStyle
+from hyperpar_gdn.distributed.layout import TokenLayout
+from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
+from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_parallelized
+from hyperpar_gdn.distributed.plan import HEAD_MODES, MODES, CPPlan, agree_on_plan, first, plan_errors
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
 from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens, packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
 
-MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan")
+__all__ = ["MODES", "LinearAttentionContextParallel", "layer_shape"]
 
 
 class LinearAttentionContextParallel(ParallelStyle):
@@ -94,27 +95,19 @@ class LinearAttentionContextParallel(ParallelStyle):
         chunk_size: int = 64,
         layout: str = "contiguous",
         inner_size: int | None = None,
+        plan: CPPlan | None = None,
     ) -> None:
-        if mode not in MODES + TWO_LEVEL_MODES:
-            raise ValueError(
-                f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(MODES + TWO_LEVEL_MODES)}"
-            )
-        if (mode in TWO_LEVEL_MODES) != (inner_size is not None):
-            raise ValueError(
-                f"inner_size is given with the two-level modes ({', '.join(TWO_LEVEL_MODES)}) and only then; "
-                f"got mode={mode!r}, inner_size={inner_size!r}"
-            )
-        if inner_size is not None and (not isinstance(inner_size, int) or inner_size < 1):
-            raise ValueError(f"inner_size must be a positive int; got {inner_size!r}")
-        if inner_size is not None and layout != "contiguous":
-            raise NotImplementedError(f"mode={mode!r} supports layout='contiguous' only; got {layout!r}")
-        self.inner_size = inner_size
-        self._levels_by_ranks: dict[tuple[int, ...], Any] = {}
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
-        self.mode = mode
-        self.chunk_size = chunk_size
-        self.layout = check_layout(layout)
+        if plan is None:
+            plan = CPPlan(mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size)
+        elif not isinstance(plan, CPPlan):
+            raise TypeError(f"plan must be a CPPlan; got {type(plan).__name__}")
+        self.plan = plan
+        self._levels_by_ranks: dict[tuple[int, ...], Levels] = {}
+
+    mode = property(lambda self: self.plan.mode, doc="The plan's mode.")
+    layout = property(lambda self: self.plan.layout, doc="The plan's token layout.")
+    inner_size = property(lambda self: self.plan.inner_size, doc="The plan's inner group size.")
+    chunk_size = property(lambda self: self.plan.chunk_size, doc="The plan's chunk size.")
 
     def apply(self, module: Any, mesh: Any) -> Any:
         """Make ``module``'s forward take and return this rank's shard; returns ``module``.
@@ -124,19 +117,46 @@ class LinearAttentionContextParallel(ParallelStyle):
                 layer), changed in place; its parameters are untouched.
             mesh: the 1-D CP mesh (ours, e.g. ``mesh["cp"]``, or a 1-D torch ``DeviceMesh``).
 
-        Raises ``ValueError`` before any change when ``ulysses`` cannot split the layer's heads
-        over the mesh, or when context parallelism is already applied.
+        Call it on every rank of the mesh: the ranks first compare their plans and layer shapes
+        (one all-gather of an int). Raises ``ValueError`` on every rank, before any change, when the
+        plan cannot run on this layer and mesh (e.g. ulysses cannot split its heads over the mesh),
+        when a rank was given another plan or layer, or when context parallelism is already applied.
         """
         cp_mesh = as_cp_mesh(mesh)
-        dims = LayerDims.of(module)
-        cp = cp_mesh.size()
-        head_error = ulysses_head_error(dims, cp, self.mode) if self.mode in HEAD_MODES else None
-        if head_error is not None:
-            raise ValueError(head_error)
-        group = CPGroup.of(cp_mesh)
+        errors = self.errors([(0, module)], cp_mesh)
+        layers = [("linear_attn", layer_shape(module))]
+        agree_on_plan(cp_mesh.platform.collectives, cp_mesh.get_group(), self.plan, layers, first(errors))
+        self.make_groups(cp_mesh)
+        return self.install(module, cp_mesh)
+
+    def errors(self, layers: list[tuple[int, Any]], cp_mesh: DeviceMesh) -> list[Exception]:
+        """Why this style cannot be applied to the GDN layers ``(index, module)`` over ``cp_mesh``."""
+        already = [i for i, module in layers if is_parallelized(module)]
+        found: list[Exception] = [
+            ValueError(f"layer {i} already has context parallelism applied; undo() it first")
+            for i in already[:1]
+        ]
+        dims = [(i, LayerDims.of(module)) for i, module in layers]
+        world = cp_mesh.platform.world_size()
+        return found + plan_errors(self.plan, dims, cp=cp_mesh.size(), ranks=cp_mesh.rank_list, world=world)
+
+    def make_groups(self, cp_mesh: DeviceMesh) -> None:
+        """A two-level mode's inner and outer groups (made collectively, by every process, once per
+        CP group: every process makes every CP group's, since the CP groups are blocks of
+        consecutive ranks, checked by :meth:`errors`); nothing for the other modes."""
         ranks = tuple(cp_mesh.rank_list)
-        if self.inner_size is not None and ranks not in self._levels_by_ranks:  # once per CP group
-            self._levels_by_ranks[ranks] = self._levels(cp_mesh, group, dims)
+        if self.inner_size is None or ranks in self._levels_by_ranks:
+            return
+        cp, world = len(ranks), cp_mesh.platform.world_size()
+        replicas = [list(range(d * cp, (d + 1) * cp)) for d in range(world // cp)]
+        group = CPGroup.of(cp_mesh)
+        levels = make_levels(cp_mesh.platform, group, list(ranks), self.inner_size, replicas=replicas)
+        self._levels_by_ranks[ranks] = levels
+
+    def install(self, module: Any, cp_mesh: DeviceMesh) -> Any:
+        """Install the CP forward on ``module`` (checked and agreed on by :meth:`apply` or
+        :func:`~hyperpar_gdn.apply_context_parallel`)."""
+        group = CPGroup.of(cp_mesh)
 
         def make_forward(original: Callable) -> Callable:
             bind = signature_binder(original)
@@ -150,25 +170,6 @@ class LinearAttentionContextParallel(ParallelStyle):
             return forward
 
         return self._install(module, make_forward, layout=self.layout)
-
-    def _levels(self, cp_mesh: Any, group: CPGroup, dims: LayerDims) -> Any:
-        """The inner and outer groups of a two-level mode (made collectively, every process)."""
-        inner, cp = self.inner_size, group.size
-        if cp % inner:
-            raise ValueError(f"mode={self.mode!r}: inner_size={inner} does not divide cp={cp}")
-        head_error = ulysses_head_error(dims, inner)
-        if head_error is not None:
-            raise ValueError(f"mode={self.mode!r} runs ulysses over inner_size={inner} ranks: {head_error}")
-        world, ranks = cp_mesh.platform.world_size(), list(cp_mesh.rank_list)
-        # every process makes every CP group's inner and outer groups: it must know them all, as
-        # it does when the CP groups are blocks of consecutive ranks (a row-major (dp, cp) mesh)
-        replicas = [list(range(d * cp, (d + 1) * cp)) for d in range(world // cp)]
-        if world % cp or ranks not in replicas:
-            raise NotImplementedError(
-                f"mode={self.mode!r} needs the CP groups to be blocks of cp={cp} consecutive ranks of the "
-                f"{world} processes (a (dp, cp) mesh with cp last); this CP mesh has ranks {ranks}"
-            )
-        return make_levels(cp_mesh.platform, group, ranks, inner, replicas=replicas)
 
     def _forward(
         self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs, states: PrefillStates | None
@@ -300,3 +301,9 @@ class LinearAttentionContextParallel(ParallelStyle):
         state_mode = self.mode.split("+")[1]
         levels = next(v for v in self._levels_by_ranks.values() if v.flat_group is cp.group)
         return two_level_forward(state_mode, levels, call, x, attention_mask, lengths, whole)
+
+
+def layer_shape(module: Any) -> tuple[int, ...]:
+    """What the CP ranks compare of a GDN layer: its dims (hidden size, heads, head dims, conv width)."""
+    d = LayerDims.of(module)
+    return (d.hidden_size, d.num_k_heads, d.num_v_heads, d.head_k_dim, d.head_v_dim, d.conv_kernel_size)

@@ -21,111 +21,161 @@ import inspect
 import logging
 from typing import Any
 
-from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
-from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES, ulysses_head_error
-from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, text_model_of
-from hyperpar_gdn.distributed.layout import check_layout, layout_mismatch
-from hyperpar_gdn.distributed.linear_attention_style import MODES, LinearAttentionContextParallel
+from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, mixers_of, text_model_of
+from hyperpar_gdn.distributed.layout import layout_mismatch
+from hyperpar_gdn.distributed.linear_attention_style import LinearAttentionContextParallel, layer_shape
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
-from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
-from hyperpar_gdn.distributed.planner import plan_for_model
+from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers, is_parallelized
+from hyperpar_gdn.distributed.plan import CPPlan, agree_on_plan, check_mode, first
+from hyperpar_gdn.distributed.planner import choose_plan
 from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
-from hyperpar_gdn.ops.gdn.layer import LayerDims
 
 __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
 
 logger = logging.getLogger(__name__)
 
 
-# Long for its docstring (32 of its 86 lines): the public entry point documents every argument.
+# Long for its docstring: the public entry point documents every argument.
 def apply_context_parallel(
     model: Any,
     mesh: Any,
     *,
-    mode: str,
+    plan: CPPlan | None = None,
+    mode: str | None = None,
     chunk_size: int = 64,
     layout: str = "contiguous",
     seq_len: int | None = None,
     inner_size: int | None = None,
+    dtype: str = "bfloat16",
 ) -> Any:
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
-    GDN mixers (``linear_attn``) get :class:`LinearAttentionContextParallel` in ``mode``;
+    GDN mixers (``linear_attn``) get :class:`LinearAttentionContextParallel` with the ``plan``;
     softmax mixers (``self_attn``) get :class:`SoftmaxAttentionContextParallel` (all-gathered K
-    and V, whatever ``mode``). Checks every layer before changing any. Rank r of the mesh holds
-    its tokens of every sequence in ``layout``, as :func:`~hyperpar_gdn.shard_for_context_parallel`
-    cuts them (contiguous: tokens ``[r*T/cp, (r+1)*T/cp)``, or pieces of different lengths, each
-    forward exchanges the lengths; head_tail: pieces r and 2cp-1-r of 2*cp). Each rank passes only
-    its own tokens: the whole sequence on every rank computes wrong results (a transformers model
-    warns when every rank got the same tokens). On a transformers causal LM, ``labels=`` are this
-    rank's shifted labels (``shard.labels``) and ``.loss`` is this rank's term of the global mean
-    loss.
+    and V, whatever the mode) in the plan's layout. Call it on every rank of the mesh: the ranks
+    check the plan against every layer and the mesh, then compare their plans and layer shapes
+    (one all-gather of an int), and only then change anything; a rank given another mode, layout or
+    model stops every rank with one line naming the difference. Rank r of the mesh holds its tokens
+    of every sequence in the plan's layout, as :func:`~hyperpar_gdn.shard_for_context_parallel`
+    cuts them (contiguous: the r-th of cp pieces, usually ``[r*T/cp, (r+1)*T/cp)``, lengths may
+    differ: each forward exchanges them; head_tail: pieces r and 2cp-1-r of 2*cp). Each rank passes
+    only its own tokens: the whole sequence on every rank computes wrong results (a transformers
+    model warns when every rank got the same tokens). On a transformers causal LM, ``labels=`` are
+    this rank's shifted labels (``shard.labels``) and ``.loss`` is this rank's term of the global
+    mean loss.
 
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
         mesh: the CP axis (e.g. ``mesh["cp"]``).
-        mode: ``"ulysses"``, ``"ulysses_hidden"``, ``"p2p"``, ``"all_gather"`` or ``"scan"`` for
-            the GDN layers, or
-            ``"auto"``: the one :func:`~hyperpar_gdn.plan_context_parallel` predicts fastest for
-            this model, mesh and ``seq_len`` (logged, with why; docs/modes.md), two-level modes
-            included when ``inner_size`` is given or the mesh spans nodes.
+        plan: a :class:`~hyperpar_gdn.CPPlan` (mode, layout, inner size, chunk size), or None to
+            build one from the keywords below (give one or the other).
+        mode: one of :data:`~hyperpar_gdn.distributed.plan.MODE_CHOICES`: ``"ulysses"``,
+            ``"ulysses_hidden"``, ``"p2p"``, ``"all_gather"``, ``"scan"``, the two-level
+            ``"ulysses+p2p"``, ``"ulysses+all_gather"``, ``"ulysses+scan"`` (with ``inner_size``),
+            or ``"auto"``: the plan :func:`~hyperpar_gdn.distributed.planner.choose_plan` predicts
+            fastest for this model, mesh, ``seq_len`` and ``dtype`` (logged, with why;
+            docs/modes.md), two-level modes included when ``inner_size`` is given or the mesh spans
+            nodes.
         chunk_size: chunk of the gated delta rule.
-        layout: ``"contiguous"`` (rank r holds tokens ``[r*T/cp, (r+1)*T/cp)``) or ``"head_tail"``
-            (pieces r and 2cp-1-r of 2*cp: equal softmax-attention work on every rank). The model
-            takes ``cp_layout=`` (a keyword of its forward, which
-            ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut for another.
-        seq_len: the whole sequence's tokens, for ``mode="auto"`` only (required there).
-        inner_size: for the two-level GDN modes (``"ulysses+p2p"``, ``"ulysses+all_gather"``,
-            ``"ulysses+scan"``) and ``"auto"`` only: ranks per inner group (a node); the softmax
-            layers use the whole group.
+        layout: ``"contiguous"`` or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp: equal
+            softmax-attention work on every rank). The model takes ``cp_layout=`` (a keyword of its
+            forward, which ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut
+            for another.
+        seq_len, dtype: for ``mode="auto"`` only (``seq_len`` required there): what the cost model prices.
+        inner_size: ranks per inner group (a node) of the two-level modes (and of ``"auto"``).
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
-    check_layout(layout)
-    if mode not in (*MODES, *TWO_LEVEL_MODES, "auto"):
-        raise ValueError(
-            f"mode={mode!r} is not a context-parallel mode; choose one of "
-            f"{', '.join((*MODES, *TWO_LEVEL_MODES))} or auto"
-        )
+    plan = _plan_from(model, mesh, plan, mode, chunk_size, layout, seq_len, inner_size, dtype)
+    cp_mesh = as_cp_mesh(mesh)
+    outer, text_model = find_decoder(model)
+    mixers = mixers_of(text_model)
+    linear_style = LinearAttentionContextParallel(plan=plan)
+    gdn = [(i, module) for i, (kind, module) in enumerate(mixers) if kind == "linear_attn"]
+    errors = linear_style.errors(gdn, cp_mesh)
+    attention = [
+        i for i, (kind, module) in enumerate(mixers) if kind != "linear_attn" and is_parallelized(module)
+    ]
+    errors += [
+        ValueError(f"layer {i} already has context parallelism applied; undo it first") for i in attention[:1]
+    ]
+    errors += [
+        TypeError(f"layer {i}: {e}")
+        for i, (kind, module) in enumerate(mixers)
+        if kind != "linear_attn" and (e := SoftmaxAttentionContextParallel.error(module)) is not None
+    ][:1]
+    shapes = [(kind, layer_shape(m) if kind == "linear_attn" else ()) for kind, m in mixers]
+    agree_on_plan(cp_mesh.platform.collectives, cp_mesh.get_group(), plan, shapes, first(errors))
+    linear_style.make_groups(cp_mesh)  # two levels: collective, before anything changes
+    softmax_style = SoftmaxAttentionContextParallel(layout=plan.layout)
+    done: list[Any] = []
+    try:
+        if from_transformers(text_model):
+            from hyperpar_gdn.integrations.transformers.hooks import install_hooks
+
+            installed = install_hooks(model, outer, text_model, cp_mesh, plan.layout)
+        else:
+            installed = False
+        if not installed:  # HybridLM: its forward takes cp_layout= and checks it
+            ParallelStyle._install(model, lambda original: _per_forward(original, cp_mesh, plan.layout))
+        for kind, module in mixers:
+            if kind == "linear_attn":
+                linear_style.install(module, cp_mesh)
+            else:
+                softmax_style.install(module, cp_mesh)
+            done.append(module)
+    except BaseException:  # leave the model as it was
+        for module in done:
+            ParallelStyle.undo(module)
+        if from_transformers(text_model):
+            from hyperpar_gdn.integrations.transformers.hooks import remove_hooks
+
+            if not remove_hooks(text_model) and is_parallelized(model):
+                ParallelStyle.undo(model)
+        elif is_parallelized(model):
+            ParallelStyle.undo(model)
+        raise
+    return model
+
+
+def _plan_from(
+    model: Any,
+    mesh: Any,
+    plan: CPPlan | None,
+    mode: str | None,
+    chunk_size: int,
+    layout: str,
+    seq_len: int | None,
+    inner_size: int | None,
+    dtype: str,
+) -> CPPlan:
+    """The plan of :func:`apply_context_parallel`'s arguments (the same checks on every rank)."""
+    if plan is not None:
+        if not isinstance(plan, CPPlan):
+            raise TypeError(f"plan must be a CPPlan; got {type(plan).__name__}")
+        given = {"mode": mode, "seq_len": seq_len, "inner_size": inner_size}
+        extra = [k for k, v in given.items() if v is not None]
+        extra += [
+            k for k, v, d in (("chunk_size", chunk_size, 64), ("layout", layout, "contiguous")) if v != d
+        ]
+        if extra:
+            raise ValueError(f"give plan= or the keywords {', '.join(extra)}, not both")
+        return plan
+    if mode is None:
+        raise ValueError("apply_context_parallel needs plan= or mode=")
+    check_mode(mode, allow_auto=True)
     if (mode == "auto") != (seq_len is not None):
         raise ValueError(
             f"seq_len is given with mode='auto' and only then; got mode={mode!r}, seq_len={seq_len!r}"
         )
-    if mode == "auto":
-        plan = plan_for_model(model, mesh, seq_len=seq_len, layout=layout, inner_size=inner_size)
-        logger.info("apply_context_parallel(mode='auto'): %s", plan.why())
-        mode, inner_size = plan.choice, plan.inner_size
-    cp_mesh = as_cp_mesh(mesh)
-    outer, text_model = find_decoder(model)
-    mixers = [mixer_of(i, block) for i, block in enumerate(text_model.layers)]
-    cp = cp_mesh.size()
-    linear_style = LinearAttentionContextParallel(
-        mode, chunk_size=chunk_size, layout=layout, inner_size=inner_size
+    if mode != "auto":
+        return CPPlan(mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size)
+    plan = choose_plan(
+        model, mesh, seq_len=seq_len, layout=layout, dtype=dtype, inner_size=inner_size, chunk_size=chunk_size
     )
-    heads_over = cp if mode in HEAD_MODES else inner_size  # ranks ulysses splits the heads over
-    if inner_size is not None and cp % inner_size:
-        raise ValueError(f"mode={mode!r}: inner_size={inner_size} does not divide cp={cp}")
-    for i, (kind, module) in enumerate(mixers):
-        error = (
-            ulysses_head_error(LayerDims.of(module), heads_over, mode if mode in HEAD_MODES else "ulysses")
-            if heads_over is not None and kind == "linear_attn"
-            else None
-        )
-        if error is not None:
-            raise ValueError(f"layer {i}: {error}")
-    if from_transformers(text_model):
-        from hyperpar_gdn.integrations.transformers.hooks import install_hooks
-
-        installed = install_hooks(model, outer, text_model, cp_mesh, layout)
-    else:
-        installed = False
-    if not installed:  # HybridLM: its forward takes cp_layout= and checks it
-        ParallelStyle._install(model, lambda original: _per_forward(original, cp_mesh, layout))
-    softmax_style = SoftmaxAttentionContextParallel(layout=layout)
-    for kind, module in mixers:
-        (linear_style if kind == "linear_attn" else softmax_style).apply(module, cp_mesh)
-    return model
+    logger.info("apply_context_parallel(mode='auto'): %s", plan.reason)
+    return plan
 
 
 def undo_context_parallel(model: Any) -> Any:

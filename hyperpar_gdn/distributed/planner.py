@@ -14,11 +14,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry, Link, Machine, ModeCost, mode_cost
+from hyperpar_gdn.distributed.plan import MODES, TWO_LEVEL_MODES, CPPlan
 
-__all__ = ["MACHINES", "Link", "Machine", "ModeCost", "Plan", "plan_context_parallel"]
+__all__ = [
+    "MACHINES",
+    "Link",
+    "Machine",
+    "ModeCost",
+    "Plan",
+    "choose_plan",
+    "plan_context_parallel",
+    "plan_for_model",
+]
 
-PLANNED_MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan")
-TWO_LEVEL = ("ulysses+p2p", "ulysses+all_gather", "ulysses+scan")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
@@ -121,7 +129,7 @@ def plan_context_parallel(
         raise ValueError(
             f"plan_context_parallel: inner_size={inner_size} needs layout='contiguous'; got {layout!r}"
         )
-    allowed = PLANNED_MODES + (TWO_LEVEL if inner_size is not None else ())
+    allowed = MODES + (TWO_LEVEL_MODES if inner_size is not None else ())
     modes = allowed if modes is None else tuple(modes)
     unknown = [m for m in modes if m not in allowed]
     if unknown or not modes:
@@ -232,4 +240,30 @@ def plan_for_model(
         device=device,
         inner_size=inner_size,
         **machine,
+    )
+
+
+def choose_plan(
+    model: object,
+    mesh: object,
+    *,
+    seq_len: int,
+    layout: str = "contiguous",
+    dtype: str = "bfloat16",
+    inner_size: int | None = None,
+    chunk_size: int = 64,
+    **machine: float,
+) -> CPPlan:
+    """The :class:`~hyperpar_gdn.CPPlan` that ``mode="auto"`` runs: :func:`plan_for_model`'s
+    fastest mode for ``model`` on the CP ``mesh`` at ``seq_len`` tokens in ``dtype``; its
+    ``reason`` is the cost model's line (:meth:`Plan.why`)."""
+    ranked = plan_for_model(
+        model, mesh, seq_len=seq_len, layout=layout, dtype=dtype, inner_size=inner_size, **machine
+    )
+    return CPPlan(
+        mode=ranked.choice,
+        layout=layout,
+        inner_size=ranked.inner_size,
+        chunk_size=chunk_size,
+        reason=ranked.why(),
     )

@@ -71,7 +71,28 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
         self.layout = check_layout(layout)
 
     def apply(self, module: Any, mesh: Any) -> Any:
-        cp_mesh = as_cp_mesh(mesh)
+        """Make ``module``'s forward take and return this rank's shard; returns ``module``."""
+        error = self.error(module)
+        if error is not None:
+            raise TypeError(error)
+        return self.install(module, as_cp_mesh(mesh))
+
+    @staticmethod
+    def error(module: Any) -> str | None:
+        """Why this style cannot serve ``module``, or None."""
+        if from_transformers(module):
+            return None
+        missing = [name for name in ("project", "finish") if not callable(getattr(module, name, None))]
+        if missing:
+            return (
+                f"{type(module).__name__} has no {missing[0]}(): SoftmaxAttentionContextParallel supports "
+                "hyperpar_gdn.models.attention.CausalSelfAttention and transformers' Qwen3.5 attention"
+            )
+        return None
+
+    def install(self, module: Any, cp_mesh: Any) -> Any:
+        """Install the CP forward on ``module`` (checked by :meth:`apply` or
+        :func:`~hyperpar_gdn.apply_context_parallel`)."""
         if from_transformers(module):
             from hyperpar_gdn.integrations.transformers.attention import transformers_attention_forward
 
@@ -80,12 +101,6 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
                 lambda original: transformers_attention_forward(module, cp_mesh, self.layout),
                 layout=self.layout,
             )
-        for name in ("project", "finish"):
-            if not callable(getattr(module, name, None)):
-                raise TypeError(
-                    f"{type(module).__name__} has no {name}(): SoftmaxAttentionContextParallel supports "
-                    "hyperpar_gdn.models.attention.CausalSelfAttention and transformers' Qwen3.5 attention"
-                )
         adapter = OwnAttention(module)
 
         def forward(

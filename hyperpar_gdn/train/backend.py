@@ -33,22 +33,23 @@ __all__ = ["TrainBackend", "apply_cp_mode"]
 
 
 def apply_cp_mode(backend: Any, config: TrainConfig, model: Any, cp_mesh: DeviceMesh) -> None:
-    """Make ``model`` context parallel over ``cp_mesh`` in --cp-mode, and set ``backend.cp_mode``
-    (for ``auto``: the cost model's choice, whose reason is ``backend.cp_plan.why()``)."""
+    """Make ``model`` context parallel over ``cp_mesh`` with the run's :class:`~hyperpar_gdn.CPPlan`
+    and set ``backend.cp_mode``; for --cp-mode auto, ``backend.cp_plan`` is the cost model's plan
+    (its ``reason`` says why), else None."""
     from hyperpar_gdn.distributed.parallelize import apply_context_parallel
-    from hyperpar_gdn.distributed.planner import plan_for_model
+    from hyperpar_gdn.distributed.plan import CPPlan
+    from hyperpar_gdn.distributed.planner import choose_plan
 
-    backend.cp_mode, backend.cp_plan = config.cp_mode, None
+    layout = config.token_layout()
     if config.cp_mode == "auto":
         dtype = "bfloat16" if config.dtype == "bf16" else "float32"
-        backend.cp_plan = plan_for_model(
-            model, cp_mesh, seq_len=config.seq_len, layout=config.token_layout(), dtype=dtype
-        )
-        backend.cp_mode = backend.cp_plan.choice
-    inner_size = config.cp_inner_size if backend.cp_plan is None else backend.cp_plan.inner_size
-    apply_context_parallel(
-        model, cp_mesh, mode=backend.cp_mode, layout=config.token_layout(), inner_size=inner_size
-    )
+        plan = choose_plan(model, cp_mesh, seq_len=config.seq_len, layout=layout, dtype=dtype)
+        backend.cp_plan = plan
+    else:
+        plan = CPPlan(mode=config.cp_mode, layout=layout, inner_size=config.cp_inner_size)
+        backend.cp_plan = None
+    backend.cp_mode = plan.mode
+    apply_context_parallel(model, cp_mesh, plan=plan)
 
 
 class TrainBackend(ABC):

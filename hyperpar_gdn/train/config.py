@@ -14,14 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.cli import option
-from hyperpar_gdn.distributed.cp.two_level import TWO_LEVEL_MODES
-from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
 from hyperpar_gdn.distributed.layout import LAYOUTS
-from hyperpar_gdn.distributed.linear_attention_style import MODES
+from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, TWO_LEVEL_MODES
 from hyperpar_gdn.models.config import HybridLMConfig
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
 
-CP_MODES = (*MODES, *TWO_LEVEL_MODES, "auto")
+CP_MODES = MODE_CHOICES
 CHECKPOINT_FORMATS = ("sharded", "whole")
 DTYPES = ("fp32", "bf16")
 SAVE_ERROR_POLICIES = ("stop", "continue")

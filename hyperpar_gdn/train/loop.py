@@ -278,7 +278,7 @@ class Trainer:
         ):
             logger.info(line)
         if plan is not None:
-            logger.info("--cp-mode auto chose %s: %s", self.backend.cp_mode, plan.why())
+            logger.info("--cp-mode auto chose %s: %s", self.backend.cp_mode, plan.reason)
 
     def _run_facts(self) -> dict[str, Any]:
         return {

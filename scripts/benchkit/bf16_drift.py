@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DriftShape", "drift", "drift_layer", "run_modes", "truth"]
+from hyperpar_gdn.distributed.plan import MODES
 
-MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan")
+__all__ = ["MODES", "DriftShape", "drift", "drift_layer", "run_modes", "truth"]
 
 
 @dataclass(frozen=True)

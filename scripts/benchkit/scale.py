@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from benchkit.timing import alternating_rounds, slowest_per_round
+from hyperpar_gdn.distributed.plan import STATE_MODES, TWO_LEVEL_MODES
 
 __all__ = [
     "FAR_CPS",
@@ -34,8 +35,8 @@ __all__ = [
     "predicted_rows",
 ]
 
-ONE_LEVEL = ("ulysses", "p2p", "all_gather", "scan")
-TWO_LEVEL = ("ulysses+p2p", "ulysses+all_gather", "ulysses+scan")
+ONE_LEVEL = ("ulysses", *STATE_MODES)  # ulysses_hidden needs the hidden size, not in these geometries
+TWO_LEVEL = TWO_LEVEL_MODES
 COUNTED = ("send", "all_to_all", "all_gather", "shift_right")
 # GDN heads (16 q/k heads of 128 in both): Qwen3.5-27B from transformers' Qwen3.5 defaults,
 # Qwen3.5-397B-A17B as public copies of its config.json give it (64 value heads, hidden 4096)

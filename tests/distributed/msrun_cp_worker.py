@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for msru
 from msrun_harness import start_watchdog, write_result  # noqa: E402
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh  # noqa: E402
-from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES  # noqa: E402
+from hyperpar_gdn.distributed.plan import HEAD_MODES  # noqa: E402
 from hyperpar_gdn.distributed.verify import compare_with_reference, relative_error  # noqa: E402
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 

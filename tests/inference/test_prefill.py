@@ -27,7 +27,7 @@ from hyperpar_gdn import (
     prefill_context_parallel,
     undo_context_parallel,
 )
-from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES
+from hyperpar_gdn.distributed.plan import HEAD_MODES
 from hyperpar_gdn.inference.prefill import prompt_lengths
 
 transformers = pytest.importorskip("transformers")

@@ -32,8 +32,6 @@ from hyperpar_gdn.ops import prepare_chunks
 from hyperpar_gdn.ops.gdn.onepass import shard_outputs
 from hyperpar_gdn.platform import Tensor
 
-TWO_LEVEL_MODES = tuple(f"ulysses+{m}" for m in EXCHANGES)
-
 
 @dataclass(frozen=True)
 class Levels:

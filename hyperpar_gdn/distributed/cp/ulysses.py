@@ -32,6 +32,7 @@ import numpy as np
 
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs
 from hyperpar_gdn.distributed.layout import TokenLayout
+from hyperpar_gdn.distributed.plan import head_split_error
 from hyperpar_gdn.ops import chunk_gated_delta_rule, outputs_from, prepare_chunks
 from hyperpar_gdn.ops.gdn.layer import (
     LayerDims,
@@ -45,20 +46,12 @@ from hyperpar_gdn.ops.gdn.layer import (
 )
 from hyperpar_gdn.platform import Tensor, TensorOps
 
-HEAD_MODES = ("ulysses", "ulysses_hidden")  # the modes that split the heads over the ranks
-
 
 def ulysses_head_error(dims: LayerDims, cp: int, mode: str = "ulysses") -> str | None:
-    """Why ``mode`` (one of :data:`HEAD_MODES`) cannot split the heads of a layer with ``dims``
-    over ``cp`` ranks, or None when it can: num_v_heads must be divisible by cp (num_k_heads need
-    not be)."""
-    if dims.num_v_heads % cp:
-        return (
-            f"mode={mode!r} splits the value heads over the ranks: num_v_heads={dims.num_v_heads} is not "
-            f"divisible by cp={cp} (num_k_heads={dims.num_k_heads}); use mode='p2p' or 'all_gather', "
-            "or a cp that divides num_v_heads"
-        )
-    return None
+    """Why ``mode`` (one of :data:`~hyperpar_gdn.distributed.plan.HEAD_MODES`) cannot split the
+    heads of a layer with ``dims`` over ``cp`` ranks, or None when it can: num_v_heads must be
+    divisible by cp (num_k_heads need not be)."""
+    return head_split_error(dims.num_v_heads, dims.num_k_heads, cp, mode)
 
 
 @dataclass(frozen=True)

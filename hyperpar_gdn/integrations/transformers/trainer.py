@@ -54,8 +54,10 @@ class ContextParallelMixin:
     Keyword-only options (the rest go to the Trainer unchanged):
 
     - ``cp_size``: ranks per CP group; divides the launched world, the rest is data parallel.
-    - ``cp_mode``: the GDN layers' mode, ``"p2p"`` (default), ``"all_gather"``, ``"scan"``,
-      ``"ulysses"`` or ``"ulysses_hidden"``.
+    - ``cp_mode``: the GDN layers' mode, any of :data:`~hyperpar_gdn.distributed.plan.MODE_CHOICES`:
+      ``"p2p"`` (default), ``"all_gather"``, ``"scan"``, ``"ulysses"``, ``"ulysses_hidden"``, a
+      two-level mode with ``cp_inner_size``, or ``"auto"`` (the cost model's choice for
+      ``cp_seq_len`` tokens, else ``args.max_length``).
     - ``cp_layout``: ``"head_tail"`` or ``"contiguous"``; None: head_tail when the model has
       softmax-attention layers (equal attention work per rank), else contiguous.
     - ``cp_chunk_size``: chunk of the gated delta rule (64).
@@ -72,6 +74,8 @@ class ContextParallelMixin:
         cp_mode: str = "p2p",
         cp_layout: str | None = None,
         cp_chunk_size: int = 64,
+        cp_inner_size: int | None = None,
+        cp_seq_len: int | None = None,
         **kwargs: Any,
     ) -> None:
         model = kwargs.get("model", args[0] if args else None)
@@ -91,14 +95,24 @@ class ContextParallelMixin:
             cp_mode=cp_mode,
             cp_layout=cp_layout,
             cp_chunk_size=cp_chunk_size,
+            cp_inner_size=cp_inner_size,
+            cp_seq_len=cp_seq_len,
         )
         super().__init__(*args, **kwargs)
         setup = self.cp_setup
         device_type = self.args.device.type
         self.cp_mesh = init_device_mesh(device_type, (setup.dp, setup.cp), mesh_dim_names=("dp", "cp"))
-        apply_context_parallel(
-            self.model, self.cp_mesh["cp"], mode=setup.mode, chunk_size=setup.chunk_size, layout=setup.layout
-        )
+        if setup.plan is None:  # auto: the cost model's plan for this mesh and sequence length
+            apply_context_parallel(
+                self.model,
+                self.cp_mesh["cp"],
+                mode="auto",
+                seq_len=setup.seq_len,
+                layout=setup.layout,
+                chunk_size=setup.chunk_size,
+            )
+        else:
+            apply_context_parallel(self.model, self.cp_mesh["cp"], plan=setup.plan)
         # the loss below divides by num_items_in_batch: the Trainer must count it and not divide
         # the loss by the accumulation steps again
         self.model_accepts_loss_kwargs = True

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.distributed.cp.ulysses import HEAD_MODES, ulysses_head_error
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixers_of
 from hyperpar_gdn.distributed.layout import check_layout
-from hyperpar_gdn.distributed.linear_attention_style import MODES
+from hyperpar_gdn.distributed.plan import CPPlan, check_mode, plan_errors
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 
 __all__ = ["CPSetup", "check_trainer_setup"]
@@ -43,9 +42,12 @@ class CPSetup:
         world: processes launched.
         dp: data-parallel replicas (``world / cp``).
         cp: ranks per context-parallel group.
-        mode: the GDN layers' CP mode.
+        mode: the GDN layers' CP mode as asked (``"auto"`` included).
         layout: the token layout of every shard.
         chunk_size: chunk of the gated delta rule.
+        plan: the :class:`~hyperpar_gdn.CPPlan`, or None for ``"auto"`` (chosen when the model is
+            parallelized, by the cost model at ``seq_len`` tokens).
+        seq_len: the sequence length ``"auto"`` prices (None for the other modes).
     """
 
     world: int
@@ -54,6 +56,8 @@ class CPSetup:
     mode: str
     layout: str
     chunk_size: int
+    plan: CPPlan | None = None
+    seq_len: int | None = None
 
 
 def check_trainer_setup(
@@ -65,6 +69,8 @@ def check_trainer_setup(
     cp_mode: str,
     cp_layout: str | None,
     cp_chunk_size: int,
+    cp_inner_size: int | None = None,
+    cp_seq_len: int | None = None,
 ) -> CPSetup:
     """Check a Trainer's set-up for context parallelism; no communication.
 
@@ -73,11 +79,13 @@ def check_trainer_setup(
         args: its ``TrainingArguments`` (or TRL's config), or None for the defaults.
         world: processes launched (torchrun's ``WORLD_SIZE``).
         cp_size: ranks per CP group; must divide ``world``.
-        cp_mode: one of ``MODES`` (``"ulysses"``, ``"ulysses_hidden"``, ``"p2p"``, ``"all_gather"``,
-            ``"scan"``).
+        cp_mode: one of :data:`~hyperpar_gdn.distributed.plan.MODE_CHOICES` (a one-level mode, a
+            two-level mode with ``cp_inner_size``, or ``"auto"``).
         cp_layout: ``"contiguous"``, ``"head_tail"`` or None (head_tail when the model has
-            softmax-attention layers, else contiguous).
+            softmax-attention layers and the mode serves it, else contiguous).
         cp_chunk_size: chunk of the gated delta rule.
+        cp_inner_size: ranks per inner group (a node) of the two-level modes.
+        cp_seq_len: the tokens per sequence that ``cp_mode="auto"`` prices (else ``args.max_length``).
 
     Returns the :class:`CPSetup`; raises ``ValueError`` / ``TypeError`` / ``NotImplementedError``
     naming the value and the rule.
@@ -89,24 +97,57 @@ def check_trainer_setup(
             f"cp_size={cp_size} does not divide the {world} launched processes (WORLD_SIZE={world}); "
             f"launch a multiple of {cp_size} processes or choose a cp_size that divides {world}"
         )
-    if cp_mode not in MODES:
-        raise ValueError(
-            f"cp_mode={cp_mode!r} is not a context-parallel mode; choose one of {', '.join(MODES)}"
-        )
+    try:
+        check_mode(cp_mode, allow_auto=True)
+    except ValueError as error:
+        raise ValueError(str(error).replace("mode=", "cp_mode=", 1)) from None
     if cp_layout is not None:
         check_layout(cp_layout)
     if isinstance(cp_chunk_size, bool) or not isinstance(cp_chunk_size, int) or cp_chunk_size < 1:
         raise ValueError(f"cp_chunk_size={cp_chunk_size!r} must be a positive int")
     if args is not None:
         _check_args(args)
-    kinds = _check_model(model, cp_size, cp_mode)
-    layout = cp_layout or ("head_tail" if "self_attn" in kinds else "contiguous")
+    seq_len = None
+    if cp_mode == "auto":
+        seq_len = cp_seq_len if cp_seq_len is not None else getattr(args, "max_length", None)
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(
+                f"cp_mode='auto' chooses a mode for a sequence length: pass cp_seq_len= (tokens per "
+                f"sequence) or set args.max_length; got cp_seq_len={cp_seq_len!r}"
+            )
+    elif cp_seq_len is not None:
+        raise ValueError(f"cp_seq_len is for cp_mode='auto' only; got cp_mode={cp_mode!r}")
+    kinds = _check_model(model)
+    two_level = cp_inner_size is not None or "+" in cp_mode
+    layout = cp_layout or ("head_tail" if "self_attn" in kinds and not two_level else "contiguous")
+    plan = None
+    if cp_mode != "auto":
+        plan = CPPlan(mode=cp_mode, layout=layout, inner_size=cp_inner_size, chunk_size=cp_chunk_size)
+        _, text_model = find_decoder(model)
+        gdn = [
+            (i, LayerDims.of(m)) for i, (kind, m) in enumerate(mixers_of(text_model)) if kind == "linear_attn"
+        ]
+        errors = plan_errors(plan, gdn, cp=cp_size, ranks=range(cp_size), world=world)
+        if errors:
+            raise errors[0]
+    elif cp_inner_size is not None:
+        raise ValueError(
+            f"cp_inner_size={cp_inner_size} with cp_mode='auto': auto ranks the two-level modes by "
+            "the mesh itself; give a two-level cp_mode to fix the inner size"
+        )
     return CPSetup(
-        world=world, dp=world // cp_size, cp=cp_size, mode=cp_mode, layout=layout, chunk_size=cp_chunk_size
+        world=world,
+        dp=world // cp_size,
+        cp=cp_size,
+        mode=cp_mode,
+        layout=layout,
+        chunk_size=cp_chunk_size,
+        plan=plan,
+        seq_len=seq_len,
     )
 
 
-def _check_model(model: Any, cp: int, mode: str) -> set[str]:
+def _check_model(model: Any) -> set[str]:
     """The mixer kinds of ``model``; errors for what CP cannot train."""
     if isinstance(model, str) or model is None:
         raise TypeError(
@@ -131,11 +172,6 @@ def _check_model(model: Any, cp: int, mode: str) -> set[str]:
             f"{name}.config.output_router_logits=True: the router's auxiliary loss is not part of the CP loss; "
             "set it to False"
         )
-    if mode in HEAD_MODES:
-        for i, (kind, module) in enumerate(mixers):
-            error = ulysses_head_error(LayerDims.of(module), cp, mode) if kind == "linear_attn" else None
-            if error is not None:
-                raise ValueError(f"layer {i}: {error}")
     return kinds
 
 

@@ -1,0 +1,284 @@
+"""The context-parallel plan: what a model's GDN layers run under CP, owned in one place.
+
+This module is the one place that names the CP modes (:data:`MODES`, :data:`TWO_LEVEL_MODES`,
+:data:`MODE_CHOICES`) and what each mode is (:class:`ModeSpec`: head parallel, two levels, which
+state exchange). A :class:`CPPlan` (mode, token layout, inner size, chunk size) is frozen and checks
+itself when built; :func:`plan_errors` checks it against a model's GDN layers and a CP mesh (heads,
+inner groups, rank blocks) before anything changes, and :func:`agree_on_plan` makes the ranks of a
+CP group compare their plans and layer shapes in one small collective, so that a rank launched with
+another mode, layout or model stops every rank with the same line instead of hanging.
+
+``mode="auto"`` is not a plan: :func:`hyperpar_gdn.distributed.planner.choose_plan` turns it into
+one with the cost model (for a sequence length and a dtype).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyperpar_gdn.distributed.layout import LAYOUTS, check_layout
+
+__all__ = [
+    "HEAD_MODES",
+    "LAYOUTS",
+    "MODES",
+    "MODE_CHOICES",
+    "STATE_MODES",
+    "TWO_LEVEL_MODES",
+    "CPPlan",
+    "ModeSpec",
+    "agree_on_plan",
+    "first",
+    "head_split_error",
+    "plan_errors",
+]
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """What a GDN CP mode does.
+
+    Attributes:
+        name: the mode's name, as users spell it.
+        head_parallel: the whole CP group trades the sequence split for a split of the value heads
+            (every rank runs the rule on the whole sequence for its heads; no conv halo).
+        state_exchange: how the shards' state summaries reach later shards (``"p2p"``,
+            ``"all_gather"`` or ``"scan"``), or None (a head-parallel mode).
+        two_level: ulysses inside groups of ``inner_size`` consecutive CP ranks, ``state_exchange``
+            across them.
+        exchanges: what goes over the links, in words (for docs and errors).
+    """
+
+    name: str
+    head_parallel: bool
+    state_exchange: str | None
+    two_level: bool
+    exchanges: str
+
+
+_STATE = {
+    "p2p": "the entering state, rank to rank along a chain (cp - 1 hops)",
+    "all_gather": "one all-gather of every rank's fp32 state summary",
+    "scan": "a prefix scan of the summaries in ceil(log2 cp) point-to-point rounds",
+}
+_SPECS = (
+    ModeSpec("ulysses", True, None, False, "two all-to-alls of the projected heads"),
+    ModeSpec("ulysses_hidden", True, None, False, "two all-to-alls of the layer's input and output"),
+    *(ModeSpec(name, False, name, False, words) for name, words in _STATE.items()),
+    *(
+        ModeSpec(f"ulysses+{name}", False, name, True, f"ulysses inside a node; across nodes {words}")
+        for name, words in _STATE.items()
+    ),
+)
+SPECS: dict[str, ModeSpec] = {spec.name: spec for spec in _SPECS}
+
+MODES = tuple(s.name for s in _SPECS if not s.two_level)  # one level
+TWO_LEVEL_MODES = tuple(s.name for s in _SPECS if s.two_level)
+HEAD_MODES = tuple(s.name for s in _SPECS if s.head_parallel)
+STATE_MODES = tuple(s.name for s in _SPECS if s.state_exchange is not None and not s.two_level)
+MODE_CHOICES = (*MODES, *TWO_LEVEL_MODES, "auto")  # what a user may ask for
+
+
+def check_mode(mode: object, *, allow_auto: bool = False) -> str:
+    """``mode`` if it names a mode (or ``"auto"`` with ``allow_auto``), else a ValueError naming them."""
+    choices = MODE_CHOICES if allow_auto else (*MODES, *TWO_LEVEL_MODES)
+    if mode not in choices:
+        raise ValueError(f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(choices)}")
+    return mode  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPPlan:
+    """How a model's GDN layers run under context parallelism (validated when built).
+
+    Attributes:
+        mode: one of :data:`MODES` or :data:`TWO_LEVEL_MODES` (``"auto"`` is resolved before a
+            plan exists: :func:`~hyperpar_gdn.distributed.planner.choose_plan`).
+        layout: which tokens a rank holds: ``"contiguous"`` (the r-th piece of cp) or
+            ``"head_tail"`` (pieces r and 2cp-1-r of 2cp).
+        inner_size: ranks per inner group (a node) for the two-level modes, and only for them.
+        chunk_size: tokens per chunk of the gated delta rule.
+        reason: why this plan was chosen (the cost model's line for ``auto``), for run headers.
+
+    Example::
+
+        plan = CPPlan(mode="ulysses+scan", inner_size=8)
+        plan.spec.two_level, plan.spec.state_exchange      # (True, 'scan')
+    """
+
+    mode: str
+    layout: str = "contiguous"
+    inner_size: int | None = None
+    chunk_size: int = 64
+    reason: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
+        check_layout(self.layout)
+        two_level = SPECS[self.mode].two_level
+        if two_level != (self.inner_size is not None):
+            raise ValueError(
+                f"inner_size is given with the two-level modes ({', '.join(TWO_LEVEL_MODES)}) and only "
+                f"then; got mode={self.mode!r}, inner_size={self.inner_size!r}"
+            )
+        if self.inner_size is not None and (not _is_int(self.inner_size) or self.inner_size < 1):
+            raise ValueError(f"inner_size must be a positive int; got {self.inner_size!r}")
+        if two_level and self.layout != "contiguous":
+            raise NotImplementedError(
+                f"mode={self.mode!r} supports layout='contiguous' only; got layout={self.layout!r}"
+            )
+        if not _is_int(self.chunk_size) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int; got {self.chunk_size!r}")
+
+    @property
+    def spec(self) -> ModeSpec:
+        return SPECS[self.mode]
+
+    def describe(self) -> str:
+        """One line for a run header: ``mode=p2p layout=head_tail`` (and the inner size)."""
+        inner = "" if self.inner_size is None else f" inner_size={self.inner_size}"
+        return f"mode={self.mode} layout={self.layout}{inner}"
+
+    def heads_split_over(self, cp: int) -> int | None:
+        """Ranks that the value heads are split over: cp (head-parallel), inner_size (two-level), or None."""
+        return cp if self.spec.head_parallel else self.inner_size
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def head_split_error(num_v_heads: int, num_k_heads: int, ranks: int, mode: str) -> str | None:
+    """Why ``mode`` cannot split a layer's value heads over ``ranks`` ranks, or None (num_v_heads
+    must be divisible by ranks; num_k_heads need not be)."""
+    if num_v_heads % ranks:
+        return (
+            f"mode={mode!r} splits the value heads over the ranks: num_v_heads={num_v_heads} is not "
+            f"divisible by cp={ranks} (num_k_heads={num_k_heads}); use mode='p2p', 'all_gather' or 'scan', "
+            "or a cp that divides num_v_heads"
+        )
+    return None
+
+
+def plan_errors(plan: CPPlan, gdn_dims: Sequence[tuple[int, Any]], *, cp: int, ranks: Sequence[int],
+                world: int) -> list[Exception]:  # fmt: skip
+    """Every reason ``plan`` cannot run on these GDN layers over this CP mesh, as the exceptions to
+    raise (empty: it can; ``NotImplementedError`` for what is not built, ``ValueError`` else).
+
+    Args:
+        gdn_dims: (layer index, :class:`~hyperpar_gdn.ops.gdn.layer.LayerDims`) of every GDN layer.
+        cp: the CP group's size; ranks: its global ranks, in order; world: the number of processes.
+    """
+    errors = []
+    over = plan.heads_split_over(cp)
+    if plan.inner_size is not None and cp % plan.inner_size:
+        errors.append(ValueError(f"mode={plan.mode!r}: inner_size={plan.inner_size} does not divide cp={cp}"))
+    elif plan.inner_size is not None:
+        blocks = [list(range(d * cp, (d + 1) * cp)) for d in range(world // cp)]
+        if world % cp or list(ranks) not in blocks:
+            errors.append(
+                NotImplementedError(
+                    f"mode={plan.mode!r} needs the CP groups to be blocks of cp={cp} consecutive ranks of "
+                    f"the {world} processes (a (dp, cp) mesh with cp last); this CP mesh has ranks {list(ranks)}"
+                )
+            )
+    for index, dims in gdn_dims:
+        error = (
+            None if over is None else head_split_error(dims.num_v_heads, dims.num_k_heads, over, "ulysses")
+        )
+        if error is not None and plan.spec.two_level:
+            error = f"mode={plan.mode!r} runs ulysses over inner_size={over} ranks: {error}"
+        elif error is not None:
+            error = head_split_error(dims.num_v_heads, dims.num_k_heads, over, plan.mode)
+        if error is not None:
+            errors.append(ValueError(f"layer {index}: {error}"))
+            break  # every GDN layer of a model has the same heads: one line says it
+    return errors
+
+
+# --- the ranks agree ---------------------------------------------------------------------------------
+# One int64 per rank: the plan's fields and the model's shapes packed into bit fields, so that a
+# difference can be named (which field, which value on which ranks). -1: this rank refused its set-up.
+_FIELDS = (("mode", 4), ("layout", 2), ("inner_size", 8), ("chunk_size", 12), ("GDN layers", 8),
+           ("layer shapes", 26))  # fmt: skip
+
+
+def _fingerprint(plan: CPPlan, layers: Sequence[tuple[str, tuple]]) -> list[int]:
+    shapes = hashlib.sha256(repr(list(layers)).encode()).digest()
+    return [
+        MODES.index(plan.mode) if plan.mode in MODES else len(MODES) + TWO_LEVEL_MODES.index(plan.mode),
+        LAYOUTS.index(plan.layout),
+        plan.inner_size or 0,
+        plan.chunk_size,
+        sum(1 for kind, _ in layers if kind == "linear_attn"),
+        int.from_bytes(shapes[:8], "big"),
+    ]
+
+
+def _pack(values: Sequence[int]) -> int:
+    code, shift = 0, 0
+    for (_, bits), value in zip(_FIELDS, values, strict=True):
+        code |= (value % (1 << bits)) << shift
+        shift += bits
+    return code
+
+
+def _unpack(code: int) -> list[int]:
+    values, shift = [], 0
+    for _, bits in _FIELDS:
+        values.append((code >> shift) % (1 << bits))
+        shift += bits
+    return values
+
+
+def _shown(name: str, value: int) -> str:
+    if name == "mode":
+        both = MODES + TWO_LEVEL_MODES
+        return repr(both[value]) if value < len(both) else str(value)
+    if name == "layout":
+        return repr(LAYOUTS[value]) if value < len(LAYOUTS) else str(value)
+    return f"{value:07x}" if name == "layer shapes" else str(value)
+
+
+def agree_on_plan(collectives: Any, group: Any, plan: CPPlan, layers: Sequence[tuple[str, tuple]],
+                  error: Exception | None) -> None:  # fmt: skip
+    """Make every rank of the CP ``group`` stop with the same line unless all have the same plan and
+    the same layers: one all-gather of one int per rank (call it on every rank, whatever its set-up).
+
+    Args:
+        collectives: the platform's collectives; group: the CP group.
+        plan: this rank's plan; layers: (mixer kind, shape) of every decoder layer, in order.
+        error: what this rank found wrong with its own set-up (raised here after the exchange; the
+            other ranks raise a ValueError that says these ranks refused), or None.
+    """
+    codes = collectives.all_gather_int(-1 if error is not None else _pack(_fingerprint(plan, layers)), group)
+    if error is not None:
+        raise error
+    refused = [r for r, c in enumerate(codes) if c < 0]
+    if refused:
+        raise ValueError(
+            f"CP ranks {refused} refused their set-up (their own errors say why); every rank stops before "
+            "changing the model"
+        )
+    differences = []
+    for (name, _), values in zip(_FIELDS, zip(*(_unpack(c) for c in codes), strict=True), strict=True):
+        if len(set(values)) > 1:
+            by_value: dict[int, list[int]] = {}
+            for rank, value in enumerate(values):
+                by_value.setdefault(value, []).append(rank)
+            differences.append(
+                f"{name} (" + ", ".join(f"{_shown(name, v)} on ranks {r}" for v, r in by_value.items()) + ")"
+            )
+    if differences:
+        raise ValueError(
+            "the CP ranks were given different set-ups: " + "; ".join(differences)
+            + ": launch every rank of a CP group with the same mode, layout, inner size, chunk size and model"
+        )  # fmt: skip
+
+
+def first(errors: Sequence[Exception]) -> Exception | None:
+    """The first of ``errors`` (the one a rank raises), or None."""
+    return errors[0] if errors else None

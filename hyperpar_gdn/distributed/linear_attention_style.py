@@ -125,7 +125,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         cp_mesh = as_cp_mesh(mesh)
         errors = self.errors([(0, module)], cp_mesh)
         layers = [("linear_attn", layer_shape(module))]
-        agree_on_plan(cp_mesh.platform.collectives, cp_mesh.get_group(), self.plan, layers, first(errors))
+        agree_on_plan(cp_mesh, self.plan, layers, first(errors))
         self.make_groups(cp_mesh)
         return self.install(module, cp_mesh)
 

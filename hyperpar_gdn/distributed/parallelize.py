@@ -106,7 +106,7 @@ def apply_context_parallel(
         if kind != "linear_attn" and (e := SoftmaxAttentionContextParallel.error(module)) is not None
     ][:1]
     shapes = [(kind, layer_shape(m) if kind == "linear_attn" else ()) for kind, m in mixers]
-    agree_on_plan(cp_mesh.platform.collectives, cp_mesh.get_group(), plan, shapes, first(errors))
+    agree_on_plan(cp_mesh, plan, shapes, first(errors))
     linear_style.make_groups(cp_mesh)  # two levels: collective, before anything changes
     softmax_style = SoftmaxAttentionContextParallel(layout=plan.layout)
     done: list[Any] = []

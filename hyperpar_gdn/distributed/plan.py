@@ -243,18 +243,25 @@ def _shown(name: str, value: int) -> str:
     return f"{value:07x}" if name == "layer shapes" else str(value)
 
 
-def agree_on_plan(collectives: Any, group: Any, plan: CPPlan, layers: Sequence[tuple[str, tuple]],
-                  error: Exception | None) -> None:  # fmt: skip
-    """Make every rank of the CP ``group`` stop with the same line unless all have the same plan and
-    the same layers: one all-gather of one int per rank (call it on every rank, whatever its set-up).
+def agree_on_plan(
+    mesh: Any, plan: CPPlan, layers: Sequence[tuple[str, tuple]], error: Exception | None
+) -> None:
+    """Make every rank of the 1-D CP ``mesh`` stop with the same line unless all have the same plan
+    and the same layers: one all-gather of one int per rank (call it on every rank, whatever its
+    set-up; a mesh of one rank exchanges nothing).
 
     Args:
-        collectives: the platform's collectives; group: the CP group.
+        mesh: the CP mesh (:class:`~hyperpar_gdn.distributed.mesh.DeviceMesh`).
         plan: this rank's plan; layers: (mixer kind, shape) of every decoder layer, in order.
         error: what this rank found wrong with its own set-up (raised here after the exchange; the
             other ranks raise a ValueError that says these ranks refused), or None.
     """
-    codes = collectives.all_gather_int(-1 if error is not None else _pack(_fingerprint(plan, layers)), group)
+    if mesh.size() == 1:
+        if error is not None:
+            raise error
+        return
+    code = -1 if error is not None else _pack(_fingerprint(plan, layers))
+    codes = mesh.platform.collectives.all_gather_int(code, mesh.get_group())
     if error is not None:
         raise error
     refused = [r for r, c in enumerate(codes) if c < 0]

@@ -3,6 +3,7 @@ plan (:mod:`hyperpar_gdn.tensor_parallel`) and the CP checks ask of a GDN layer'
 
 from __future__ import annotations
 
+from hyperpar_gdn.distributed.plan import HEAD_MODES
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 
 __all__ = ["tensor_parallel_head_error"]
@@ -22,7 +23,7 @@ def tensor_parallel_head_error(
             f"TP rank whole q/k heads with their value heads (num_v_heads={dims.num_v_heads}); use a tp "
             f"that divides {dims.num_k_heads}"
         )
-    if mode in ("ulysses", "ulysses_hidden") and dims.num_v_heads % (tp * cp):
+    if mode in HEAD_MODES and dims.num_v_heads % (tp * cp):
         return (
             f"mode={mode!r} splits each TP rank's value heads over the CP ranks: num_v_heads="
             f"{dims.num_v_heads} is not divisible by tp x cp = {tp} x {cp}; use a state mode "

@@ -325,3 +325,48 @@ def test_layout_doc_arrows_are_true() -> None:
         if (s, d) not in upward
     ]
     assert not problems, "\n".join(problems)
+
+
+# The docs' lists of CP modes against the one place that spells them.
+
+MODE_LIST = re.compile(r"^<!-- modes: (?P<name>\w+) -->\n(?P<text>.+?)(?:\n\n|\Z)", re.MULTILINE | re.DOTALL)
+NAMED = re.compile(r"`([^`\s]+)`|\*\*([^*\s]+)\*\*")
+BRACES = re.compile(r"\{([\w+]+(?:,[\w+]+)+)\}")
+MODE_SETS = ("MODES", "HEAD_MODES", "STATE_MODES", "TWO_LEVEL_MODES", "MODE_CHOICES")
+
+
+def test_the_docs_lists_of_modes_are_the_plans() -> None:
+    """Every list of modes in README.md and docs/ is one of ``hyperpar_gdn.distributed.plan``'s:
+    a paragraph or list under ``<!-- modes: NAME -->`` names (in backticks or bold) exactly the
+    modes of ``plan.NAME``, and a ``{a,b,...}`` choice list that names a mode is one of the plan's
+    sets. A mode added to the plan fails here until each list names it."""
+    from hyperpar_gdn.distributed import plan
+
+    sets = {name: tuple(getattr(plan, name)) for name in MODE_SETS}
+    known = set(plan.MODE_CHOICES)
+    problems, marked = [], set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        for match in MODE_LIST.finditer(text):
+            where = f"{path.name}:{text.count(chr(10), 0, match.start()) + 1}"
+            if match["name"] not in sets:
+                problems.append(
+                    f"{where}: <!-- modes: {match['name']} --> names no list of the plan; use one of {MODE_SETS}"
+                )
+                continue
+            marked.add(path.name)
+            named = {a or b for a, b in NAMED.findall(match["text"])} & known
+            want = set(sets[match["name"]])
+            if named != want:
+                problems.append(
+                    f"{where}: the list under <!-- modes: {match['name']} --> should name plan.{match['name']} "
+                    f"{list(sets[match['name']])}: add {sorted(want - named)}, remove {sorted(named - want)}"
+                )
+        for match in BRACES.finditer(FENCE.sub("", text)):
+            names = set(match[1].split(","))
+            if names & known and names not in [set(v) for v in sets.values()]:
+                problems.append(f"{path.name}: {{{match[1]}}} is none of the plan's lists {MODE_SETS}")
+    assert not problems, "\n".join(problems)
+    assert {"training.md", "modes.md", "trainer.md"} <= marked, (
+        f"the mode lists are marked in {sorted(marked)} only"
+    )

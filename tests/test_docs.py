@@ -366,6 +366,15 @@ def test_the_docs_lists_of_modes_are_the_plans() -> None:
             names = set(match[1].split(","))
             if names & known and names not in [set(v) for v in sets.values()]:
                 problems.append(f"{path.name}: {{{match[1]}}} is none of the plan's lists {MODE_SETS}")
+    import hyperpar_gdn
+    import hyperpar_gdn.distributed.cp
+
+    for module in (hyperpar_gdn, hyperpar_gdn.distributed.cp):
+        missing = (set(plan.MODES) | set(plan.TWO_LEVEL_MODES)) - set(
+            re.findall(r"``([^`]+)``", module.__doc__)
+        )
+        if missing:
+            problems.append(f"{module.__name__}'s docstring does not name the modes {sorted(missing)}")
     assert not problems, "\n".join(problems)
     assert {"training.md", "modes.md", "trainer.md"} <= marked, (
         f"the mode lists are marked in {sorted(marked)} only"

@@ -32,7 +32,7 @@ _M_MMAP_THRESHOLD = -3
 # left holes, because torch asks for 64-byte aligned blocks, which glibc serves from a free block
 # at least 96 bytes larger than the request, so a freed block never takes the next tensor of its
 # own size (measured with V = 248,320, hidden 256: 1.72 GiB allocated at the peak, a resident peak
-# of 2.7 to 3.9 GiB with a 1 GiB threshold, growing with the loss's chunks; docs/training.md).
+# of 2.7 to 3.9 GiB with a 1 GiB threshold, growing with the loss's chunks; docs/benchmarks.md).
 MMAP_THRESHOLD = 128 * 1024 * 1024
 MMAP_THRESHOLD_CAPPED = 32 * 1024 * 1024
 TRIM_THRESHOLD = 2**31 - 1  # the largest value mallopt's int takes: 2 GiB

@@ -65,12 +65,12 @@ GDN_CHUNK = 64  # the chunk rule's C (hyperpar_gdn.ops.gdn.layer's default)
 # The framework's code pages as a fresh install leaves them in the page cache: the kernel maps a
 # whole page-cache folio on a fault, and a library file written in large writes (as pip 26 installs
 # it) is cached in large folios, where one read in a page maps up to megabytes around it. Measured
-# on the CPU machine of docs/training.md (the tiny preset's step): the process mapped 201 MiB of
+# on the CPU machine of docs/benchmarks.md (the tiny preset's step): the process mapped 201 MiB of
 # files with torch's libraries written so, 110 MiB once they were cached by reading them back
 # (small folios; libtorch_cpu.so alone 98 against 48 MiB), with the same 300 MiB anonymous.
 FRESH_INSTALL_CODE_BYTES = 91 * 2**20
 # The resident memory of a process that imported the framework and built a tiny model (measured
-# on the CPU machine of docs/training.md: 306 MiB after importing hyperpar_gdn.train and one step of
+# on the CPU machine of docs/benchmarks.md: 306 MiB after importing hyperpar_gdn.train and one step of
 # the tiny preset with the libraries in small folios; 324 MiB with transformers imported too, as for
 # --model directories), plus the fresh install's larger mapped code: the plan holds for both states.
 RUNTIME_BYTES = {

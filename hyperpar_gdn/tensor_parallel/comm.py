@@ -10,7 +10,7 @@ TP rank, computes with its rank's heads or columns only, and returns the sum ove
   all-reduce of ``[B, T, hidden]``); backward, identity.
 - :func:`sum_grad_over_tp`: a parameter that every TP rank holds whole but uses for its own heads
   only (the gated norm's weight, the q/k norms, the MoE router, K/V projections replicated when
-  tp exceeds the K/V heads) gets its gradient summed over the TP group before it is accumulated.
+  tp exceeds the K/V heads) is used through it: its gradient is summed over the TP group.
 
 Every exchange is an all-reduce (sum) over the TP process group. :func:`count_tp_traffic` records
 each one's kind and payload bytes (docs/tensor_parallel.md has the formula).
@@ -70,13 +70,13 @@ def _all_reduce(x: torch.Tensor, group: Any, kind: str) -> torch.Tensor:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: Any, kind: str) -> torch.Tensor:
+        ctx.group, ctx.kind = group, kind
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group, "input_grad"), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_reduce(grad, ctx.group, ctx.kind), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -91,7 +91,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
 def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``x`` (the same on every TP rank) as a block's input: backward sums its gradient over ``group``."""
-    return _CopyToTP.apply(x, group)
+    return _CopyToTP.apply(x, group, "input_grad")
 
 
 def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -99,7 +99,8 @@ def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
-def sum_grad_over_tp(param: torch.Tensor, group: Any) -> Any:
-    """Sum ``param``'s gradient over ``group`` each backward, before it is accumulated (so
-    gradient accumulation over micro-batches stays right). Returns the hook's handle."""
-    return param.register_hook(lambda grad: _all_reduce(grad, group, "param_grad"))
+def sum_grad_over_tp(weight: torch.Tensor, group: Any) -> torch.Tensor:
+    """``weight`` (whole on every TP rank, used for this rank's heads only) as the forward uses it:
+    identity; backward, its gradient summed over ``group``. Applied where the weight is used, so
+    it holds whatever holds the parameter (FSDP's unsharded copy, a recomputed forward)."""
+    return _CopyToTP.apply(weight, group, "param_grad")

@@ -3,8 +3,8 @@
 Each style splits one block's parameters by heads (a token mixer) or by columns (an MLP, the
 experts) over a 1-D torch ``DeviceMesh`` of TP ranks, as ``DTensor`` parameters: column-parallel
 weights ``Shard(0)``, row-parallel ones ``Shard(1)`` (the experts' ``Shard(1)`` and ``Shard(2)``);
-parameters a rank needs whole stay plain tensors whose gradient is summed over the TP group
-(:func:`~.comm.sum_grad_over_tp`). The block then computes on its rank's local
+parameters a rank needs whole stay plain tensors, used through :func:`~.comm.sum_grad_over_tp`
+(their gradients are rank shares, summed over the TP group). The block then computes on its rank's local
 shards (``DTensor.to_local()``: the gradients reach the DTensor parameters) and its output is
 summed over the TP group (:func:`~.comm.reduce_from_tp`; its input's gradient by
 :func:`~.comm.copy_to_tp`), through forward hooks that stay in place when a
@@ -111,13 +111,32 @@ def _local_linear(linear: nn.Module, mesh: Any, dim: int) -> None:
 def _rows_linear(linear: nn.Module, rows: slice, group: Any) -> None:
     """A Linear every TP rank holds whole but uses rows ``rows`` of (K/V heads replicated when tp
     exceeds them); its gradient is summed over the TP group."""
-    for p in linear.parameters():
-        sum_grad_over_tp(p, group)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, linear.weight[rows], None if linear.bias is None else linear.bias[rows])
+        weight = sum_grad_over_tp(linear.weight, group)[rows]
+        bias = None if linear.bias is None else sum_grad_over_tp(linear.bias, group)[rows]
+        return F.linear(x, weight, bias)
 
     linear.forward = forward
+
+
+def _whole_with_summed_grads(module: nn.Module, group: Any) -> None:
+    """A module every TP rank holds whole (a norm over the head dim, the MoE router, the shared
+    expert's gate) whose gradients are rank shares: its forward runs on its parameters passed
+    through :func:`sum_grad_over_tp`, put in place of the parameters for the call."""
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        held = dict(module._parameters)
+        try:
+            for name, p in held.items():
+                if p is not None:
+                    module._parameters[name] = sum_grad_over_tp(p, group)
+            return original(*args, **kwargs)
+        finally:
+            module._parameters.update(held)
+
+    module.forward = forward
 
 
 def _first_arg(names: Sequence[str]) -> Callable:
@@ -173,7 +192,6 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
         _shard(module, "A_log", device_mesh, 0)
         _shard(module, "dt_bias", device_mesh, 0)
         _shard(module.out_proj, "weight", device_mesh, 1)
-        sum_grad_over_tp(module.norm.weight, group)
         canonical = torch.as_tensor(np.argsort(qkv_grouped_order(hk, dims.head_k_dim, hv, dims.head_v_dim)))
 
         def weights() -> LayerWeights:
@@ -185,7 +203,7 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
                 conv=local(module.conv1d.weight).index_select(0, canonical.to(module.A_log.device)),
                 a_log=local(module.A_log),
                 dt_bias=local(module.dt_bias),
-                norm=module.norm.weight,
+                norm=sum_grad_over_tp(module.norm.weight, group),
                 out=local(module.out_proj.weight),
             )
 
@@ -244,9 +262,8 @@ class AttentionTensorParallel(ParallelStyle):
             _rows_linear(module.k_proj, slice(head * d, (head + 1) * d), group)
             _rows_linear(module.v_proj, slice(head * d, (head + 1) * d), group)
         _local_linear(module.o_proj, device_mesh, 1)
-        for norm in (module.q_norm, module.k_norm):
-            for p in norm.parameters():
-                sum_grad_over_tp(p, group)
+        _whole_with_summed_grads(module.q_norm, group)
+        _whole_with_summed_grads(module.k_norm, group)
         setattr(module, TP_RECORD, (heads, kv_heads))
         if from_transformers(module):
             module.num_key_value_groups = (heads // tp) // local_kv
@@ -293,8 +310,8 @@ class MoETensorParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         group, experts = device_mesh.get_group(), module.experts
         intermediate = experts.gate_up_proj.shape[1] // 2
-        sum_grad_over_tp(module.gate.weight, group)
-        sum_grad_over_tp(module.shared_expert_gate.weight, group)
+        _whole_with_summed_grads(module.gate, group)
+        _whole_with_summed_grads(module.shared_expert_gate, group)
         _local_swiglu(module.shared_expert, device_mesh)
         _shard(experts, "gate_up_proj", device_mesh, 1, gate_up_interleaved_order(intermediate))
         _shard(experts, "down_proj", device_mesh, 2)

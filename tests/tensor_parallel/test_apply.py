@@ -25,7 +25,7 @@ from hyperpar_gdn import (
     shard_for_context_parallel,
 )
 from hyperpar_gdn.distributed.layout import TokenLayout
-from hyperpar_gdn.models.lm import HybridLM
+from hyperpar_gdn.models.lm import HybridLM, HybridLMConfig
 from hyperpar_gdn.tensor_parallel import (
     canonical_grads,
     canonical_state_dict,
@@ -225,12 +225,37 @@ CASES = {  # config overrides, the error's words
 }
 
 
-def _errors_worker(rank: int, world: int) -> dict[str, str]:
-    return {case: _error_worker(rank, world, case) for case in CASES}
+def _tp4_whole_kv(rank: int, world: int) -> float:
+    """HybridLM at tp = 4 with 2 K/V heads: each rank uses the K/V head of its query heads from
+    whole K/V projections (their gradients summed); logits and gradients against one process."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    config = HybridLMConfig(vocab_size=61, hidden_size=32, num_layers=4, linear_num_key_heads=4)
+    base = HybridLM(config).double()
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(4))
+    ref = copy.deepcopy(base)
+    ref_logits = ref(ids)
+    ref_logits.square().sum().backward()
+    model = apply_tensor_parallel(copy.deepcopy(base), mesh["tp"])
+    logits = model(ids)
+    logits.square().sum().backward()
+    grads = canonical_grads(model)
+    return max(
+        _rel(logits.detach(), ref_logits.detach()),
+        *(_rel(grads[n], p.grad) for n, p in ref.named_parameters()),
+    )
 
 
-def test_wrong_setups_fail_on_every_rank() -> None:
-    outcomes = run_ranks(_errors_worker, 4, timeout_s=180)
+def _errors_worker(rank: int, world: int) -> dict[str, object]:
+    return {"tp4": _tp4_whole_kv(rank, world), **{case: _error_worker(rank, world, case) for case in CASES}}
+
+
+def test_tp4_whole_kv_heads_and_wrong_setups() -> None:
+    """4 ranks: tp = 4 over 2 K/V heads equals one process; each wrong set-up fails on every rank
+    with the same one-line error before any communication, the model as it was."""
+    outcomes = run_ranks(_errors_worker, 4, timeout_s=240)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.pop("tp4") <= TOL, f"rank {rank}: tp = 4 differs from one process"
     for case, (_, words) in CASES.items():
         seen = {o[case] for o in outcomes}
         assert len(seen) == 1, f"{case}: {seen}"  # the same on every rank

@@ -151,9 +151,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def head_split_error(num_v_heads: int, num_k_heads: int, ranks: int, mode: str) -> str | None:
+def head_split_error(num_v_heads: int, num_k_heads: int, ranks: int, mode: str, *, tp: int = 1) -> str | None:
     """Why ``mode`` cannot split a layer's value heads over ``ranks`` ranks, or None (num_v_heads
-    must be divisible by ranks; num_k_heads need not be)."""
+    must be divisible by ranks; num_k_heads need not be). ``tp`` > 1: the heads given are one TP
+    rank's share, which the mode splits again (the layer's heads divisible by tp x ranks)."""
+    if tp > 1 and num_v_heads % ranks:
+        return (
+            f"mode={mode!r} splits each TP rank's value heads over the CP ranks: num_v_heads="
+            f"{num_v_heads * tp} is not divisible by tp x cp = {tp} x {ranks}; use mode='p2p', 'all_gather' "
+            "or 'scan', or a smaller tp or cp"
+        )
     if num_v_heads % ranks:
         return (
             f"mode={mode!r} splits the value heads over the ranks: num_v_heads={num_v_heads} is not "
@@ -187,12 +194,14 @@ def plan_errors(plan: CPPlan, gdn_dims: Sequence[tuple[int, Any]], *, cp: int, r
             )
     for index, dims in gdn_dims:
         error = (
-            None if over is None else head_split_error(dims.num_v_heads, dims.num_k_heads, over, "ulysses")
+            None
+            if over is None
+            else head_split_error(dims.num_v_heads, dims.num_k_heads, over, "ulysses", tp=dims.tp)
         )
         if error is not None and plan.spec.two_level:
             error = f"mode={plan.mode!r} runs ulysses over inner_size={over} ranks: {error}"
         elif error is not None:
-            error = head_split_error(dims.num_v_heads, dims.num_k_heads, over, plan.mode)
+            error = head_split_error(dims.num_v_heads, dims.num_k_heads, over, plan.mode, tp=dims.tp)
         if error is not None:
             errors.append(ValueError(f"layer {index}: {error}"))
             break  # every GDN layer of a model has the same heads: one line says it

@@ -3,7 +3,7 @@ plan (:mod:`hyperpar_gdn.tensor_parallel`) and the CP checks ask of a GDN layer'
 
 from __future__ import annotations
 
-from hyperpar_gdn.distributed.plan import HEAD_MODES
+from hyperpar_gdn.distributed.plan import HEAD_MODES, head_split_error
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 
 __all__ = ["tensor_parallel_head_error"]
@@ -23,10 +23,6 @@ def tensor_parallel_head_error(
             f"TP rank whole q/k heads with their value heads (num_v_heads={dims.num_v_heads}); use a tp "
             f"that divides {dims.num_k_heads}"
         )
-    if mode in HEAD_MODES and dims.num_v_heads % (tp * cp):
-        return (
-            f"mode={mode!r} splits each TP rank's value heads over the CP ranks: num_v_heads="
-            f"{dims.num_v_heads} is not divisible by tp x cp = {tp} x {cp}; use a state mode "
-            "(p2p, all_gather, scan) or a smaller tp or cp"
-        )
+    if mode in HEAD_MODES:
+        return head_split_error(dims.num_v_heads // tp, dims.num_k_heads // tp, cp, mode, tp=tp)
     return None

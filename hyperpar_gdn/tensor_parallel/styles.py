@@ -208,7 +208,7 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
             )
 
         setattr(module, TP_RECORD, dims)
-        module.num_k_heads, module.num_v_heads = hk, hv
+        module.num_k_heads, module.num_v_heads, module._hyperpar_tp_size = hk, hv, tp
         module.key_dim, module.value_dim = hk * dims.head_k_dim, hv * dims.head_v_dim
         module.conv_dim = 2 * module.key_dim + module.value_dim
         module._hyperpar_tp_weights = weights

@@ -221,7 +221,7 @@ def _error_worker(rank: int, world: int, case: str) -> str:
 CASES = {  # config overrides, the error's words
     "k_heads": ({"linear_num_key_heads": 1}, "num_k_heads=1 is not divisible by tp=2"),
     "after_cp": ({}, "apply tensor parallelism first"),
-    "ulysses": ({"linear_num_value_heads": 2}, "num_v_heads"),
+    "ulysses": ({"linear_num_value_heads": 2}, "num_v_heads=2 is not divisible by tp x cp = 2 x 2"),
 }
 
 

@@ -57,6 +57,7 @@ class LayerDims:
     head_v_dim: int
     conv_kernel_size: int
     norm_eps: float
+    tp: int = 1  # tensor parallelism: the heads above are one of tp ranks' share of the layer's
 
     @property
     def key_dim(self) -> int:
@@ -90,6 +91,7 @@ class LayerDims:
             head_v_dim=int(module.head_v_dim),
             conv_kernel_size=int(module.conv_kernel_size),
             norm_eps=float(eps),
+            tp=int(getattr(module, "_hyperpar_tp_size", 1)),
         )
 
 

@@ -44,6 +44,7 @@ _EXPORTS = {
     "TrainingStopped": "hyperpar_gdn.train.faults",
     "PlatformUnavailableError": "hyperpar_gdn.platform.base",
     "TrainBackend": "hyperpar_gdn.train.backend",
+    "TrainCallback": "hyperpar_gdn.train.callbacks",
     "load_checkpoint": "hyperpar_gdn.train.checkpoint",
     "save_checkpoint": "hyperpar_gdn.train.checkpoint",
     "UsageError": "hyperpar_gdn.train.command_line",

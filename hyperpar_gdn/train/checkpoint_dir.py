@@ -36,6 +36,7 @@ __all__ = [
     "check_digest",
     "checked_bytes",
     "file_digest",
+    "fsync_path",
     "install",
     "list_checkpoints",
     "os_error_behind",
@@ -85,7 +86,7 @@ def install(temp: Path, directory: Path) -> Path:
     moved aside first and deleted after); ``temp`` is removed if that fails."""
     root = directory.parent
     try:
-        _fsync_directory(temp)
+        fsync_path(temp)
         if directory.exists():  # replace: move the old one aside, then the new one in
             old = root / f".{directory.name}.old-{os.getpid()}"
             shutil.rmtree(old, ignore_errors=True)
@@ -94,7 +95,7 @@ def install(temp: Path, directory: Path) -> Path:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(temp, directory)
-        _fsync_directory(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
@@ -243,8 +244,8 @@ def write_flushed(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def _fsync_directory(path: Path) -> None:
-    """Make the entries of directory ``path`` (new names, renames) durable."""
+def fsync_path(path: Path) -> None:
+    """Flush ``path`` to disk: a file's data, or a directory's entries (new names, renames)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

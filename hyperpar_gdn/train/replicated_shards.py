@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.train.checkpoint_dir import write_flushed
+from hyperpar_gdn.train.checkpoint_dir import fsync_path, write_flushed
 from hyperpar_gdn.train.errors import CheckpointError
 
 __all__ = [
@@ -144,11 +144,7 @@ def write_part(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
             raise
         errno = int(found.group(1))
         raise OSError(errno, os.strerror(errno), str(path)) from err
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def read_part(path: Path) -> dict[str, np.ndarray]:

@@ -30,6 +30,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -85,6 +86,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop(process: subprocess.Popen) -> None:
+    """End a block's processes: SIGINT first (msrun then stops the workers it started in their own
+    sessions; torchrun its workers), SIGKILL to what is left of the group after 20 s."""
+    for signum, grace in ((signal.SIGINT, 20.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            return
+        try:
+            process.communicate(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run(block: str, venv: Path, env: dict[str, str], timeout: float) -> bool:
     """Run one block from a new shell; print what ran and its last line; True if it exited 0."""
     match = SETUP.match(block)
@@ -102,17 +118,20 @@ def run(block: str, venv: Path, env: dict[str, str], timeout: float) -> bool:
         print(f"== {block}")
     command = command.replace("msrun ", f"msrun --master_port={free_port()} ")
     start = time.perf_counter()
+    process = subprocess.Popen(
+        ["bash", "-c", command], cwd=ROOT, env=env, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
     try:
-        result = subprocess.run(
-            ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-        )
+        output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stop(process)
         print(f"   FAILED: no end within {timeout:.0f} s")
         return False
     seconds = time.perf_counter() - start
-    lines = (result.stdout + result.stderr).strip().splitlines()
-    if result.returncode != 0:
-        print(f"   FAILED (exit code {result.returncode}, {seconds:.0f} s); its last lines:")
+    lines = output.strip().splitlines()
+    if process.returncode != 0:
+        print(f"   FAILED (exit code {process.returncode}, {seconds:.0f} s); its last lines:")
         print("\n".join(f"   | {line}" for line in lines[-30:]))
         return False
     print(f"   ok ({seconds:.0f} s): {lines[-1] if lines else '(no output)'}")
@@ -128,6 +147,9 @@ def main() -> int:
         "--env", action="append", default=[], help="NAME=VALUE for every command (repeatable)"
     )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each command")
+    parser.add_argument(
+        "--only", action="append", default=[], help="run only the blocks that contain this text (repeatable)"
+    )
     args = parser.parse_args()
     env = {
         "HOME": os.environ.get("HOME", str(ROOT)),
@@ -139,6 +161,8 @@ def main() -> int:
     ok = True
     try:
         for block in readme_blocks():
+            if args.only and not any(text in block for text in args.only):
+                continue
             reason = next((why for key, why in SKIPPED.items() if key in block), None)
             if reason is not None:
                 print(f"== {block}\n   skipped: {reason}")

@@ -1,20 +1,28 @@
 """Fine-tune a Qwen3.5 model with TRL's SFTTrainer under context parallelism.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/sft_qwen35.py
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/sft_qwen35.py --cp-mode auto
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 examples/sft_qwen35.py --cp-size 4 \\
+        --cp-mode ulysses+p2p --cp-inner-size 2
 
 Each sequence is split over the 2 ranks (cp_size=2): the Gated DeltaNet layers pass their state
-from rank to rank (cp_mode="p2p"), the softmax-attention layers gather keys and values. Without
---model it writes a tiny random Qwen3.5 directory (no download) and trains it on the built-in
-English text. With a real model: --model /path/to/Qwen3.5-dir, and on GPUs HP_PLATFORM=cuda.
+from rank to rank (cp_mode="p2p"; every mode of the library is offered, two-level ones with
+--cp-inner-size, and auto, the cost model's choice for a packed row's length), the
+softmax-attention layers gather keys and values. Without --model it writes a tiny random Qwen3.5
+directory (no download) and trains it on the built-in English text. With a real model:
+--model /path/to/Qwen3.5-dir, and on GPUs HP_PLATFORM=cuda. Rank 0 prints one line saying what
+runs (cp and dp sizes, mode, layout, kernel), then the Trainer's logs; --output-dir also keeps
+the model and trainer_state.json (every logged loss).
 
 Compared with a plain SFTTrainer script, three things are new: the mixin class, cp_size (and
-optionally cp_mode / cp_layout) in its constructor, and pad_to_multiple_of so every packed row
-splits evenly over the ranks.
+optionally cp_mode / cp_layout / cp_inner_size / cp_seq_len) in its constructor, and
+pad_to_multiple_of so every packed row splits evenly over the ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 
 import datasets
@@ -23,8 +31,11 @@ from transformers.utils import logging as transformers_logging
 from trl import SFTConfig, SFTTrainer
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS
+from hyperpar_gdn.distributed.plan import MODE_CHOICES
 from hyperpar_gdn.integrations.transformers import ContextParallelMixin
 from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35
+
+BATCH = 8  # texts per packed row (per device)
 
 
 class CPSFTTrainer(ContextParallelMixin, SFTTrainer):
@@ -36,9 +47,13 @@ def main() -> None:
     parser.add_argument(
         "--model", default=None, help="a Qwen3.5 model directory (default: a tiny random one)"
     )
-    parser.add_argument("--cp-size", type=int, default=2)
-    parser.add_argument("--cp-mode", default="p2p", choices=("p2p", "all_gather", "ulysses"))
+    parser.add_argument("--cp-size", type=int, default=2, help="ranks per CP group (default: 2)")
+    parser.add_argument("--cp-mode", default="p2p", choices=MODE_CHOICES, help="the GDN layers' CP mode")
+    parser.add_argument(
+        "--cp-inner-size", type=int, default=None, help="ranks per inner group of a two-level mode"
+    )
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--output-dir", default=None)
     options = parser.parse_args()
     # the tiny model loads and its data maps in an instant: no progress bars
@@ -51,13 +66,15 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(path)
         lines = [line for line in BUILTIN_CORPUS.splitlines() if line.strip()]
         dataset = datasets.Dataset.from_dict({"text": lines})
+        # auto prices a sequence length: a packed row holds BATCH texts (and their EOS tokens)
+        row_tokens = BATCH * round(statistics.mean(len(tokenizer(line)["input_ids"]) + 1 for line in lines))
 
         config = SFTConfig(
             output_dir=options.output_dir or f"{scratch}/out",
-            per_device_train_batch_size=8,
+            per_device_train_batch_size=BATCH,
             learning_rate=3e-3,
             max_steps=options.steps,
-            logging_steps=5,
+            logging_steps=options.logging_steps,
             padding_free=True,  # packed rows, position_ids restarting per document
             max_length=None,  # padding-free rows are not truncated: keep the texts short (or pack)
             pad_to_multiple_of=2 * options.cp_size,  # head_tail cuts each row into 2 * cp_size pieces
@@ -76,10 +93,13 @@ def main() -> None:
             processing_class=tokenizer,
             cp_size=options.cp_size,
             cp_mode=options.cp_mode,
+            cp_inner_size=options.cp_inner_size,
+            cp_seq_len=row_tokens if options.cp_mode == "auto" else None,
         )
         trainer.train()
         if options.output_dir:
             trainer.save_model()  # a normal model directory, written by rank 0
+            trainer.save_state()  # trainer_state.json: the logged losses
 
 
 if __name__ == "__main__":

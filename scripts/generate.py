@@ -42,11 +42,11 @@ from typing import Any
 import numpy as np
 
 SAMPLING_OPTIONS = {"temperature": 1.0, "top_k": 0, "seed": 0}
-LAYOUTS = ("contiguous", "head_tail")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from hyperpar_gdn.cli import Parser
+    from hyperpar_gdn.distributed.plan import LAYOUTS, MODES
 
     parser = Parser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--mode",
         default="p2p",
-        choices=("ulysses", "ulysses_hidden", "p2p", "all_gather", "scan"),
+        choices=MODES,
         help="CP mode of the GDN layers during the prefill (scan: the log-depth state exchange)",
     )
     add(

@@ -83,15 +83,22 @@ def _main(argv: list[str] | None) -> int:
         sync_context_parallel_grads,
     )
     from hyperpar_gdn.cli import Parser, UsageError
+    from hyperpar_gdn.distributed.plan import MODE_CHOICES
     from hyperpar_gdn.ops.lm_loss import lm_loss_sum_reference
     from hyperpar_gdn.platform import get_platform
 
     parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--cp-mode",
-        choices=("ulysses", "ulysses_hidden", "p2p", "all_gather"),
+        choices=MODE_CHOICES,
         default="p2p",
-        help="CP mode of the GDN layers",
+        help="CP mode of the GDN layers (auto: the cost model's choice for --seq-len)",
+    )
+    parser.add_argument(
+        "--inner-size",
+        type=int,
+        default=None,
+        help="ranks per inner group of a two-level --cp-mode (default: none, for the one-level modes)",
     )
     parser.add_argument("--seq-len", type=int, default=32, help="tokens T of the batch, split over the ranks")
     parser.add_argument("--seed", type=int, default=0, help="weights and input")
@@ -113,7 +120,8 @@ def _main(argv: list[str] | None) -> int:
     input_ids = platform.from_numpy(tokens, dtype="int64")
     reference = build_model(args.seed)
     model = build_model(args.seed)
-    apply_context_parallel(model, mesh, mode=args.cp_mode)
+    auto = {"seq_len": args.seq_len, "dtype": "float32"} if args.cp_mode == "auto" else {}
+    apply_context_parallel(model, mesh, mode=args.cp_mode, inner_size=args.inner_size, **auto)
 
     shard = shard_for_context_parallel(mesh, input_ids)  # this rank's tokens and shifted labels
     loss_share, grads = loss_and_grads(

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hyperpar_gdn.distributed.plan import SPECS
 from hyperpar_gdn.distributed.planner import DEVICE_KINDS, MACHINES, plan_context_parallel
 
 __all__ = ["CPPayoff", "cp_advice", "cp_payoff"]
@@ -143,7 +144,7 @@ def cp_advice(
     ranks (an option or a launcher setting), named in the line. The other arguments are
     :func:`cp_payoff`'s; a layout-dependent mode also names the contiguous layout when the model
     predicts it cheaper."""
-    if cp < 2 or ("+" in mode and inner_size is None):
+    if cp < 2 or (SPECS[mode].two_level and inner_size is None):
         return None  # no CP, or a two-level mode whose inner size the caller did not say
     common = dict(model_config=model_config, seq_len=seq_len, cp=cp, mode=mode, device=device, dtype=dtype)
     payoff = cp_payoff(**common, layout=layout, inner_size=inner_size, **machine)

@@ -159,16 +159,22 @@ def test_a_stalled_peer_gives_a_named_collective_error_in_time() -> None:
 
 
 def test_selfcheck_runs_under_msrun() -> None:
-    """scripts/selfcheck.py under msrun prints the torch run's table, every mode ok."""
+    """scripts/selfcheck.py under msrun prints the torch run's table: every one-level mode of the
+    library's list ok, the two-level ones skipped (2 workers) with the reason."""
+    from hyperpar_gdn.distributed.plan import MODES, TWO_LEVEL_MODES
+
     script = Path(__file__).resolve().parents[2] / "scripts" / "selfcheck.py"
     args = ["--seq-len", "64", "--hidden", "32", "--head-dim", "16", "--timeout-s", "60"]
     outcome = run_msrun(script, 2, args, timeout_s=180)
     log = outcome.logs.get("worker_0.log", "")
     assert outcome.returncode == 0 and not outcome.timed_out, outcome.describe()
     assert "platform=mindspore ranks=2 T=64 B=2 hidden=32" in log, log
-    for mode in worker.MODES:
+    for mode in MODES:
         assert re.search(rf"^{mode}\s+\S+ \(\w[\w.]*\)\s+[\d.]+s\s+ok$", log, re.MULTILINE), log
-    assert log.rstrip().endswith(f"selfcheck: {len(worker.MODES)}/{len(worker.MODES)} ok"), log
+    for mode in TWO_LEVEL_MODES:
+        assert re.search(rf"^{re.escape(mode)}\s+skipped: two levels need 4 or more ranks", log, re.M), log
+    expected = f"selfcheck: {len(MODES)}/{len(MODES)} ok, {len(TWO_LEVEL_MODES)} skipped"
+    assert log.rstrip().endswith(expected), log
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")

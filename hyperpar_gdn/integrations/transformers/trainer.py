@@ -31,11 +31,15 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from hyperpar_gdn.cli import print_line
 from hyperpar_gdn.distributed.batch import IGNORE_INDEX, context_parallel_lm_loss, shard_for_context_parallel
 from hyperpar_gdn.distributed.layout import layout_error
 from hyperpar_gdn.distributed.mesh import init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+from hyperpar_gdn.distributed.plan import CPPlan
+from hyperpar_gdn.distributed.planner import choose_plan
 from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
+from hyperpar_gdn.integrations.transformers.notices import hide_expected_notices, one_line_if_uncaught
 from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_trainer_setup
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 
@@ -46,6 +50,7 @@ __all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
 # documents as the position_ids
 _BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 _PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_REFUSALS = (ValueError, NotImplementedError, TypeError)  # a set-up the CP path does not serve
 
 
 class ContextParallelMixin:
@@ -80,43 +85,67 @@ class ContextParallelMixin:
     ) -> None:
         model = kwargs.get("model", args[0] if args else None)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        for name in ("compute_metrics", "compute_loss_func", "preprocess_logits_for_metrics"):
-            if kwargs.get(name) is not None:
-                raise NotImplementedError(
-                    f"{name} is not supported under context parallelism: no rank holds the whole logits "
-                    "and the loss is the CP loss; leave it None"
-                )
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.cp_setup: CPSetup = check_trainer_setup(
-            model,
-            training_args,
-            world=world,
-            cp_size=cp_size,
-            cp_mode=cp_mode,
-            cp_layout=cp_layout,
-            cp_chunk_size=cp_chunk_size,
-            cp_inner_size=cp_inner_size,
-            cp_seq_len=cp_seq_len,
-        )
+        try:
+            for name in ("compute_metrics", "compute_loss_func", "preprocess_logits_for_metrics"):
+                if kwargs.get(name) is not None:
+                    raise NotImplementedError(
+                        f"{name} is not supported under context parallelism: no rank holds the whole "
+                        "logits and the loss is the CP loss; leave it None"
+                    )
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            self.cp_setup: CPSetup = check_trainer_setup(
+                model,
+                training_args,
+                world=world,
+                cp_size=cp_size,
+                cp_mode=cp_mode,
+                cp_layout=cp_layout,
+                cp_chunk_size=cp_chunk_size,
+                cp_inner_size=cp_inner_size,
+                cp_seq_len=cp_seq_len,
+            )
+        except _REFUSALS as error:
+            one_line_if_uncaught(error, name=type(self).__name__)
+            raise
         super().__init__(*args, **kwargs)
         setup = self.cp_setup
         device_type = self.args.device.type
+        hide_expected_notices(device_type)
         self.cp_mesh = init_device_mesh(device_type, (setup.dp, setup.cp), mesh_dim_names=("dp", "cp"))
-        if setup.plan is None:  # auto: the cost model's plan for this mesh and sequence length
-            apply_context_parallel(
+        try:
+            self.cp_plan: CPPlan = setup.plan or choose_plan(  # auto: the cost model's plan
                 self.model,
                 self.cp_mesh["cp"],
-                mode="auto",
                 seq_len=setup.seq_len,
                 layout=setup.layout,
+                dtype="bfloat16" if self.args.bf16 else "float32",
                 chunk_size=setup.chunk_size,
             )
-        else:
-            apply_context_parallel(self.model, self.cp_mesh["cp"], plan=setup.plan)
+            apply_context_parallel(self.model, self.cp_mesh["cp"], plan=self.cp_plan)
+        except _REFUSALS as error:
+            one_line_if_uncaught(error, name=type(self).__name__)
+            raise
         # the loss below divides by num_items_in_batch: the Trainer must count it and not divide
         # the loss by the accumulation steps again
         self.model_accepts_loss_kwargs = True
         self.loss_is_scaled_for_ga = True
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train`` after one header line on rank 0 (:meth:`cp_header`)."""
+        if self.is_world_process_zero():
+            print_line(f"{type(self).__name__}: {self.cp_header()}")
+        return super().train(*args, **kwargs)
+
+    def cp_header(self) -> str:
+        """What runs where, in one line: ``context parallelism: cp 2 x dp 1 (2 processes, cpu),
+        mode p2p, layout head_tail, kernel native`` (``mode auto: <its choice>`` for auto)."""
+        setup, plan = self.cp_setup, self.cp_plan
+        mode = plan.mode if setup.plan is not None else f"auto: {plan.mode}"
+        inner = "" if plan.inner_size is None else f", inner size {plan.inner_size}"
+        return (
+            f"context parallelism: cp {setup.cp} x dp {setup.dp} ({setup.world} processes, "
+            f"{self.args.device.type}), mode {mode}{inner}, layout {plan.layout}, kernel native"
+        )
 
     # --- data ------------------------------------------------------------------------------------
 
@@ -179,10 +208,12 @@ class ContextParallelMixin:
         for rank, (_, length) in enumerate(every.tolist()):
             if length:
                 reason = layout_error(self.cp_setup.layout, int(length), self.cp_setup.cp)
-                raise ValueError(
+                error = ValueError(
                     f"rank {rank}'s batch: {reason}; pad batches with the collator's pad_to_multiple_of="
                     f"{2 * self.cp_setup.cp if self.cp_setup.layout == 'head_tail' else self.cp_setup.cp}"
                 )
+                one_line_if_uncaught(error, name=type(self).__name__)
+                raise error
         return (every[:, 0].sum() / self.cp_setup.cp).to(torch.float32)
 
     # --- loss ------------------------------------------------------------------------------------

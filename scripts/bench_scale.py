@@ -15,7 +15,8 @@ Two parts, one JSON (and a PNG of where each mode wins), from :mod:`benchkit.sca
   8..256 and T 128K..1M on the ``gpu`` and ``npu`` machines (nodes of 8; two-level modes with a
   node as the inner group).
 
-Timing claims need a quiet machine; on a shared one run it small, to see that it works::
+The predictions alone (no ranks, seconds): ``--predict-only``. Timing claims need a quiet
+machine; on a shared one run it small, to see that it works::
 
     PYTHONPATH=. python scripts/bench_scale.py --seq-len 256 --cps 2 4 --repeats 1 --out /tmp/scale
 """
@@ -46,6 +47,18 @@ def where_each_mode_wins(rows: list[dict]) -> list[Panel]:
     return panels
 
 
+def print_predictions(rows: list[dict]) -> None:
+    """The issue's grid: per model, device, T (128K, 256K, 1M) and cp (8..64), the mode auto picks,
+    the predicted step per GDN layer and the CP state memory per rank."""
+    print(f"{'model':<18} {'device':<6} {'T':>6} {'cp':>3} {'auto':<14} {'ms/layer':>9} {'state MiB':>9}")
+    for r in rows:
+        if r["seq_len"] in (131072, 262144, 1048576) and r["cp"] <= 64:
+            print(
+                f"{r['model']:<18} {r['device']:<6} {r['seq_len'] // 1024:>5}K {r['cp']:>3} {r['choice']:<14} "
+                f"{r['layer_seconds'] * 1e3:>9.2f} {r['state_mib']:>9.1f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens of the measured layer")
@@ -62,6 +75,11 @@ def main() -> None:
         help="key heads, value heads, key and value head dims",
     )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="seconds per measurement")
+    parser.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="skip the measured part: the predictions' JSON and PNG only",
+    )
     parser.add_argument(
         "--out", type=Path, default=Path("bench_scale"), help="folder for scale.json and scale.png"
     )
@@ -81,6 +99,12 @@ def main() -> None:
     }
     result = {"machine": machine_info(), "job": job, "measured": [], "predicted": predicted_rows()}
     json_path = args.out / "scale.json"
+    if args.predict_only:
+        write_json(json_path, result)
+        save_png(args.out / "scale.png", where_each_mode_wins(result["predicted"]))
+        print_predictions(result["predicted"])
+        print(f"wrote {json_path} and scale.png")
+        return
     for cp in args.cps:
         per_rank = on_ranks(measure_modes, cp, job, timeout_s=args.timeout_s)
         result["measured"] += measured_rows(cp, job, per_rank)
@@ -101,9 +125,7 @@ def main() -> None:
             f"{r['predicted_messages']:>5.0f} {r['seconds'] * 1e3:>8.1f} {r['local_seconds'] * 1e3:>8.1f} "
             f"{r['added_seconds'] * 1e3:>7.1f} {r['predicted_seconds'] * 1e3:>10.1f}"
         )
-    far = [r for r in result["predicted"] if r["seq_len"] == 1048576]
-    for r in far:
-        print(f"{r['model']:<18} {r['device']} T=1M cp={r['cp']:>3}: {r['choice']}")
+    print_predictions(result["predicted"])
     print(
         f"load average {load_average()[0]:.1f} (timings need a quiet machine); wrote {json_path} and scale.png"
     )

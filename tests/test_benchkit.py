@@ -104,6 +104,15 @@ def test_scale_predictions_and_their_map(tmp_path: Path) -> None:
         for r in rows
         if r["model"] == "Qwen3.5-397B-A17B" and r["cp"] <= 64
     )
+    # the CP state per rank: all_gather's grows with cp, scan's does not; a layer's step falls with cp
+    for model in GEOMETRIES:
+        line = sorted((r for r in rows if (r["model"], r["device"], r["seq_len"]) == (model, "gpu", 1 << 20)),
+                      key=lambda r: r["cp"])  # fmt: skip
+        gathered = [r["state_bytes"]["all_gather"] for r in line]
+        assert gathered == sorted(gathered) and gathered[-1] == gathered[0] * FAR_CPS[-1] / FAR_CPS[0]
+        assert len({r["state_bytes"]["scan"] for r in line}) == 1
+        steps = [r["layer_seconds"] for r in line]
+        assert steps == sorted(steps, reverse=True), steps
     panels = bench_scale.where_each_mode_wins(rows)
     assert len(panels) == 4 and all(list(p.points) == list(panels[0].points) for p in panels)
     save_png(tmp_path / "scale.png", panels)

@@ -31,13 +31,20 @@ FLOPs (fwd+bwd, 8.9 GFLOP at T=4096, H=4, K=V=128, C=64, as counted for the kern
 change the ranking but says how much a mode adds to a layer.
 
 Predicted seconds = latency x messages in sequence + bytes in sequence / bandwidth + extra FLOPs /
-flops, each message on the link it crosses. Left out: the projections and the 8-byte length
+rate, each message on the link it crosses. Left out: the projections and the 8-byte length
 exchange; overlap of communication with compute (none in this implementation).
+
+The rate is ``flops`` while a rank runs enough heads to fill its device. A fused chunk kernel
+(fla's and its ports) spends about :data:`STATE_PASS_SHARE` of its time in the state passes,
+whose grid is only (value-dim blocks x rows x heads): with fewer than ``saturating_heads`` rows x
+heads on a rank that share slows by saturating_heads / heads. That is what ulysses pays at large
+cp (H/cp heads per rank) and the state modes do not (all H heads on every rank): published
+device runs show it (docs/benchmarks.md, "The cost model against published device runs").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hyperpar_gdn.distributed.cp.scan import scan_rounds
 from hyperpar_gdn.distributed.plan import HEAD_MODES
@@ -46,6 +53,7 @@ __all__ = ["MACHINES", "Geometry", "Link", "Machine", "ModeCost", "mode_cost"]
 
 SHARED_FLOPS_PER_UNIT = 16.6  # rule fwd+bwd FLOPs per token, head and (K V + C (K + V))
 CHUNK = 64  # C, the chunk size
+STATE_PASS_SHARE = 0.4  # of a fused chunk kernel's time: the state passes, parallel over heads only
 
 
 @dataclass(frozen=True)
@@ -59,12 +67,22 @@ class Link:
 @dataclass(frozen=True)
 class Machine:
     """Nodes of ``devices_per_node`` devices: ``intra`` links inside a node, ``inter`` between
-    nodes (per device), and ``flops`` FLOP/s of the rule's chunk work on one device."""
+    nodes (per device), ``flops`` FLOP/s of the rule's chunk work on one device, and
+    ``saturating_heads``: rows x value heads per rank from which the chunk kernel's state passes
+    fill the device (its cores over the kernel's blocks per head; 0: no such limit)."""
 
     intra: Link
     inter: Link
     devices_per_node: int
     flops: float
+    saturating_heads: float = 0.0
+
+    def rate(self, heads: float) -> float:
+        """FLOP/s of the chunk work of a rank that runs ``heads`` rows x value heads."""
+        if self.saturating_heads <= heads:
+            return self.flops
+        slow = self.saturating_heads / max(heads, 1e-9)
+        return self.flops / (1 - STATE_PASS_SHARE + STATE_PASS_SHARE * slow)
 
 
 # gpu, npu: published orders of magnitude, not measurements of a cluster (override them):
@@ -72,10 +90,16 @@ class Machine:
 # 200-400 Gb/s NICs between nodes (25-50 GB/s per device), 5-20 us per message. cpu: gloo between
 # processes of one machine as scripts/bench_scale.py measures it on a 2-core x86 host (ping-pong
 # of the platform's send/recv: 2.2 GB/s, 0.36 ms per message; the chunk rule forward+backward in
-# fp32 on one core: 18 GFLOP/s).
+# fp32 on one core: 18 GFLOP/s). saturating_heads: an H100/H800 has 132 SMs and fla's state
+# passes run 4 blocks of 32 value columns per head (V = 128): 33; an Ascend 910B has 24 AI cores,
+# one block per head: 24 (the CPU has no such limit).
 MACHINES = {
-    "gpu": Machine(Link(300e9, 10e-6), Link(40e9, 20e-6), devices_per_node=8, flops=50e12),
-    "npu": Machine(Link(56e9, 15e-6), Link(25e9, 20e-6), devices_per_node=8, flops=50e12),
+    "gpu": Machine(
+        Link(300e9, 10e-6), Link(40e9, 20e-6), devices_per_node=8, flops=50e12, saturating_heads=33
+    ),
+    "npu": Machine(
+        Link(56e9, 15e-6), Link(25e9, 20e-6), devices_per_node=8, flops=50e12, saturating_heads=24
+    ),
     "cpu": Machine(Link(2.2e9, 360e-6), Link(2.2e9, 360e-6), devices_per_node=1 << 20, flops=18e9),
 }
 
@@ -205,6 +229,7 @@ def _chain_hops(g: Geometry, span: Span) -> tuple[int, int]:
 def _state_mode(mode: str, g: Geometry, span: Span, m: Machine) -> tuple[float, float, float, float, float]:
     """(bytes sent, messages, seconds, extra FLOPs, summary memory) of p2p, all_gather or scan."""
     halo = g.halo_bytes()
+    rate = m.rate(g.b * g.h)  # every rank runs all of the group's heads
     link = _link(m, span.crosses())
     seconds = 2 * link.latency + halo / link.bandwidth  # the halo's two messages
     if mode == "p2p":
@@ -214,15 +239,15 @@ def _state_mode(mode: str, g: Geometry, span: Span, m: Machine) -> tuple[float, 
         flops = g.widened_flops() + 2 * (near + far) * step
         for count, hop in ((near, m.intra), (far, m.inter)):
             seconds += 2 * count * (hop.latency + state / hop.bandwidth)
-        return 2 * state + halo, 2 * (near + far) + 2, seconds + flops / m.flops, flops, 2 * state
+        return 2 * state + halo, 2 * (near + far) + 2, seconds + flops / rate, flops, 2 * state
     if mode == "all_gather":
         sent = 2 * (g.cp - 1) * g.summary()
         flops = g.widened_flops() + 4 * (g.n - 1) * g.b * g.h * g.k**2 * g.v
-        seconds += 2 * (g.cp - 1) * link.latency + sent / link.bandwidth + flops / m.flops
+        seconds += 2 * (g.cp - 1) * link.latency + sent / link.bandwidth + flops / rate
         return sent + halo, 2 * (g.cp - 1) + 2, seconds, flops, g.cp * g.summary()
     rounds = 2 * scan_rounds(g.n)
     flops = g.widened_flops() + rounds * 4 * g.b * g.h * g.k**2 * (g.k + g.v)
-    seconds += rounds * (link.latency + g.summary() / link.bandwidth) + flops / m.flops
+    seconds += rounds * (link.latency + g.summary() / link.bandwidth) + flops / rate
     return rounds * g.summary() + halo, rounds + 2, seconds, flops, 3 * g.summary()
 
 
@@ -231,6 +256,18 @@ def mode_cost(mode: str, g: Geometry, m: Machine, *, inner_size: int | None = No
     with ``inner_size``) for ``g`` on ``m``; infeasible (with the reason) where heads forbid it."""
     shared = g.shared_flops() / m.flops
     span = Span(g.cp, 1, m.devices_per_node)
+    # The rule work runs on T/cp tokens for all H heads, or (head parallel) on T tokens for H/cp
+    # heads (two levels: a node's T k/cp tokens for H/k heads): the same FLOPs, but a rank with
+    # few heads runs them below the device's rate; the mode pays that difference.
+    heads = g.h / g.cp if mode in HEAD_MODES else g.h / inner_size if "+" in mode and inner_size else g.h
+    starved = g.shared_flops() * (1 / m.rate(g.b * heads) - 1 / m.flops)
+    cost = _mode_cost(mode, g, m, inner_size, shared, span)
+    return replace(cost, seconds=cost.seconds + starved) if cost.feasible else cost
+
+
+def _mode_cost(
+    mode: str, g: Geometry, m: Machine, inner_size: int | None, shared: float, span: Span
+) -> ModeCost:
     if mode in HEAD_MODES:
         if g.h % g.cp:
             return _refused(mode, shared, f"num_v_heads={g.h:g} is not divisible by cp={g.cp}")

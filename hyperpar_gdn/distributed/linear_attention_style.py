@@ -31,7 +31,15 @@ from hyperpar_gdn.distributed.gdn_call import (
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_parallelized
-from hyperpar_gdn.distributed.plan import HEAD_MODES, MODES, CPPlan, agree_on_plan, first, plan_errors
+from hyperpar_gdn.distributed.plan import (
+    HEAD_MODES,
+    MODES,
+    CPPlan,
+    agree_on_plan,
+    cp_groups,
+    first,
+    plan_errors,
+)
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
 from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens, packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates
@@ -77,8 +85,8 @@ class LinearAttentionContextParallel(ParallelStyle):
             ``"contiguous"`` (the r-th piece) or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp,
             concatenated: the layout that balances causal softmax attention).
         inner_size: for the two-level modes only (required there): ranks per inner group; it
-            divides cp and the value heads. The CP groups must be blocks of cp consecutive ranks
-            (the whole world, or the cp axis of a row-major ``(dp, cp)`` mesh): every process
+            divides cp and the value heads. The CP groups must be the whole world or the cp axis
+            of a row-major ``(dp, cp)`` or ``(dp, cp, tp)`` mesh: every process
             applies the style, as the inner and outer groups are made collectively.
 
     Example::
@@ -142,13 +150,12 @@ class LinearAttentionContextParallel(ParallelStyle):
 
     def make_groups(self, cp_mesh: DeviceMesh) -> None:
         """A two-level mode's inner and outer groups (made collectively, by every process, once per
-        CP group: every process makes every CP group's, since the CP groups are blocks of
-        consecutive ranks, checked by :meth:`errors`); nothing for the other modes."""
+        CP group: every process makes every CP group's, since the CP groups are the cp axis of a
+        row-major mesh, checked by :meth:`errors`); nothing for the other modes."""
         ranks = tuple(cp_mesh.rank_list)
         if self.inner_size is None or ranks in self._levels_by_ranks:
             return
-        cp, world = len(ranks), cp_mesh.platform.world_size()
-        replicas = [list(range(d * cp, (d + 1) * cp)) for d in range(world // cp)]
+        replicas = cp_groups(ranks, cp_mesh.platform.world_size())  # checked by errors(): not None
         group = CPGroup.of(cp_mesh)
         levels = make_levels(cp_mesh.platform, group, list(ranks), self.inner_size, replicas=replicas)
         self._levels_by_ranks[ranks] = levels

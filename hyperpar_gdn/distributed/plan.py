@@ -170,6 +170,23 @@ def head_split_error(num_v_heads: int, num_k_heads: int, ranks: int, mode: str, 
     return None
 
 
+def cp_groups(ranks: Sequence[int], world: int) -> list[list[int]] | None:
+    """Every CP group of the world when ``ranks`` (this CP group's global ranks, in order) is the cp
+    axis of a row-major mesh of ``world`` ranks, ``(dp, cp)`` or ``(dp, cp, tp)``: cp ranks ``s``
+    apart (s = 1, or tp), the groups ``b*cp*s + t + k*s`` (k < cp) for every block b and offset
+    t < s; None for any other CP group. Every process computes the same list (no exchange)."""
+    ranks, cp = list(ranks), len(ranks)
+    stride = ranks[1] - ranks[0] if cp > 1 else 1
+    if stride < 1 or world % (cp * stride):
+        return None
+    groups = [
+        [b * cp * stride + t + k * stride for k in range(cp)]
+        for b in range(world // (cp * stride))
+        for t in range(stride)
+    ]
+    return groups if ranks in groups else None
+
+
 def plan_errors(plan: CPPlan, gdn_dims: Sequence[tuple[int, Any]], *, cp: int, ranks: Sequence[int],
                 world: int) -> list[Exception]:  # fmt: skip
     """Every reason ``plan`` cannot run on these GDN layers over this CP mesh, as the exceptions to
@@ -184,12 +201,12 @@ def plan_errors(plan: CPPlan, gdn_dims: Sequence[tuple[int, Any]], *, cp: int, r
     if plan.inner_size is not None and cp % plan.inner_size:
         errors.append(ValueError(f"mode={plan.mode!r}: inner_size={plan.inner_size} does not divide cp={cp}"))
     elif plan.inner_size is not None:
-        blocks = [list(range(d * cp, (d + 1) * cp)) for d in range(world // cp)]
-        if world % cp or list(ranks) not in blocks:
+        if cp_groups(ranks, world) is None:
             errors.append(
                 NotImplementedError(
-                    f"mode={plan.mode!r} needs the CP groups to be blocks of cp={cp} consecutive ranks of "
-                    f"the {world} processes (a (dp, cp) mesh with cp last); this CP mesh has ranks {list(ranks)}"
+                    f"mode={plan.mode!r} needs the CP groups to be the cp axis of a row-major mesh of the "
+                    f"{world} processes ((dp, cp) or (dp, cp, tp): cp ranks evenly strided); this CP mesh has "
+                    f"ranks {list(ranks)}"
                 )
             )
     for index, dims in gdn_dims:

@@ -95,9 +95,9 @@ def plan_context_parallel(
     ``plan.inner_size``, ``plan.ranking`` (every mode's :class:`ModeCost`, fastest first,
     infeasible ones last), ``plan.why()``.
 
-    Example (Qwen3.5-27B's GDN heads, 128K tokens on 32 GPUs, 4 nodes of 8)::
+    Example (Qwen3.5-27B's GDN heads, 128K tokens on 128 GPUs, 16 nodes of 8)::
 
-        plan = plan_context_parallel(seq_len=131072, cp=32, num_k_heads=16, num_v_heads=48,
+        plan = plan_context_parallel(seq_len=131072, cp=128, num_k_heads=16, num_v_heads=48,
                                      head_k_dim=128, head_v_dim=128, inner_size=8)
         plan.choice, plan.inner_size     # ('ulysses+scan', 8)
     """

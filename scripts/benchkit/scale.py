@@ -214,7 +214,11 @@ def measured_rows(cp: int, job: dict[str, Any], per_rank: list[dict[str, Any]]) 
 
 
 def predicted_rows() -> list[dict[str, Any]]:
-    """The model's choice and every mode's seconds per (model, device, T, cp), bf16."""
+    """The model's choice and every mode's seconds per (model, device, T, cp), bf16: ``choice``
+    over every mode (two-level ones with a node as the inner group from cp 16), ``one_level``
+    the best one-level mode, ``layer_seconds`` the choice's predicted step per GDN layer (rule
+    work included, fwd+bwd) and ``state_bytes`` / ``state_mib`` every mode's CP state memory per
+    rank (the summaries it holds at once)."""
     from hyperpar_gdn import plan_context_parallel
 
     rows = []
@@ -225,9 +229,15 @@ def predicted_rows() -> list[dict[str, Any]]:
                     inner = NODE if cp > NODE else None
                     plan = plan_context_parallel(seq_len=t, cp=cp, device=device, inner_size=inner, **heads)
                     seconds = {c.mode: c.seconds if c.feasible else None for c in plan.ranking}
+                    state = {c.mode: c.summary_bytes for c in plan.ranking if c.feasible}
+                    best, one = plan.ranking[0], next(c for c in plan.ranking if "+" not in c.mode)
                     rows.append(
                         {"model": model, "device": device, "seq_len": t, "cp": cp, "choice": plan.choice}
-                        | {"inner_size": plan.inner_size, "seconds": seconds}
-                        | {"shared_seconds": plan.ranking[0].shared_seconds}
+                        | {"inner_size": plan.inner_size, "seconds": seconds, "one_level": one.mode}
+                        | {
+                            "shared_seconds": best.shared_seconds,
+                            "layer_seconds": best.seconds + best.shared_seconds,
+                        }
+                        | {"state_bytes": state, "state_mib": best.summary_bytes / 2**20}
                     )
     return rows

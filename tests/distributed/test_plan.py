@@ -11,7 +11,7 @@ import pytest
 import torch
 from distributed_harness import run_ranks
 
-from hyperpar_gdn import apply_context_parallel, init_device_mesh
+from hyperpar_gdn import DeviceMesh, apply_context_parallel, init_device_mesh
 from hyperpar_gdn.distributed.decoder_layers import mixers_of
 from hyperpar_gdn.distributed.parallel_style import is_parallelized
 from hyperpar_gdn.distributed.plan import (
@@ -107,11 +107,14 @@ def _refused_worker(rank: int, world: int) -> dict[str, object]:
     except ValueError as err:
         out["heads"] = str(err)
     out["heads untouched"] = _untouched(model, reference, ids)
-    # two levels over CP groups that are not blocks of consecutive ranks: (cp, dp) puts cp first
+    # two levels over CP groups that are no mesh's cp axis: {0, 3} and {1, 2}
     model, reference = _model(), _model()
-    transposed = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp"))
+    platform = mesh.platform
+    groups = {tuple(r): platform.new_group(list(r)) for r in ((0, 3), (1, 2))}
+    mine = next(r for r in groups if rank in r)
+    crossed = DeviceMesh.from_group(platform, groups[mine], list(mine), mesh_dim_name="cp", device_type="cpu")
     try:
-        apply_context_parallel(model, transposed["cp"], mode="ulysses+p2p", inner_size=2)
+        apply_context_parallel(model, crossed, mode="ulysses+p2p", inner_size=2)
     except NotImplementedError as err:
         out["blocks"] = str(err)
     out["blocks untouched"] = _untouched(model, reference, ids)
@@ -123,8 +126,8 @@ def test_refused_plan_leaves_the_model_as_it_was() -> None:
     for rank, out in enumerate(run_ranks(_refused_worker, 4, timeout_s=90)):
         assert "layer 2: mode='ulysses'" in out["heads"], out
         assert "num_v_heads=3 is not divisible by cp=4" in out["heads"], out
-        assert "blocks of cp=2 consecutive ranks of the 4 processes" in out["blocks"], out
-        assert f"has ranks {[rank % 2, rank % 2 + 2]}" in out["blocks"], out
+        assert "the cp axis of a row-major mesh of the 4 processes" in out["blocks"], out
+        assert f"has ranks {[0, 3] if rank in (0, 3) else [1, 2]}" in out["blocks"], out
         assert out["heads untouched"] and out["blocks untouched"], (rank, out)
 
 

@@ -182,9 +182,9 @@ def test_two_level_modes_are_ranked_with_inner_size() -> None:
 
 def test_growth_from_cp4_to_cp8_on_npu() -> None:
     """A published measurement (Ascend, one GDN layer, 8K tokens per rank): from cp 4 to cp 8 p2p
-    grew 2.3% and ulysses 28%. With the shard's rule work as the base (no projections), the model
-    predicts +11.1% and +13.5% for Qwen3.5's 16/32 heads of 128: the same order, not the same
-    sizes (it is too kind to ulysses and too harsh on p2p there; see docs/modes.md)."""
+    grew 2.3% and ulysses 28%. On the default npu machine the model keeps that order: ulysses'
+    ranks run half as many heads at cp 8, below what fills the device, and its all-to-all grows;
+    p2p adds hops. The sizes against the report's own kernel rate: tests/test_bench_published.py."""
     heads = {"num_k_heads": 16, "num_v_heads": 32, "head_k_dim": 128, "head_v_dim": 128}
     growth = {}
     for mode in ("p2p", "ulysses"):
@@ -196,9 +196,7 @@ def test_growth_from_cp4_to_cp8_on_npu() -> None:
             }
             layer.append(cost[mode].seconds + cost[mode].shared_seconds)
         growth[mode] = layer[1] / layer[0] - 1
-    assert growth["p2p"] == pytest.approx(0.111, abs=0.001) and growth["ulysses"] == pytest.approx(
-        0.135, abs=0.001
-    )
+    assert 0 < growth["p2p"] < growth["ulysses"], growth
 
 
 @pytest.mark.parametrize(

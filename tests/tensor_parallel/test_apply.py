@@ -3,9 +3,11 @@ the one-process model.
 
 - tp = 2 alone: transformers' Qwen3.5 (dense and MoE) and our HybridLM on a batch of 2; the bytes
   of every TP all-reduce equal docs/tensor_parallel.md's formula; per-rank parameters ~0.5x.
-- tp = 2 x cp = 2 (4 ranks, mesh (cp, tp)): every CP mode in both layouts on packed documents
-  against each document alone on one process (dense model), and a mode per layout for MoE.
-- wrong set-ups: every rank raises the same one-line error before any communication.
+- tp = 2 x cp = 2 (4 ranks, mesh (cp, tp)): every one-level CP mode in both layouts and three
+  two-level runs on packed documents against each document alone on one process (dense model),
+  a mode per layout for MoE and HybridLM; the multimodal model's language model.
+- tp = 4 over 2 K/V heads (whole K/V projections); FSDP2 over dp 2 beside tp 2; wrong set-ups: every rank raises the same
+  one-line error before any communication, the model as it was.
 Tolerances as in test_models_varlen (transformers' GDN gates are fp32 in an fp64 model)."""
 
 from __future__ import annotations
@@ -119,7 +121,9 @@ def _reference(model: torch.nn.Module, ids: torch.Tensor, weight: torch.Tensor) 
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _tp_cp_worker(rank: int, world: int, kind: str, runs: tuple[tuple[str, str], ...]) -> dict[str, float]:
+def _tp_cp_worker(
+    rank: int, world: int, kind: str, runs: tuple[tuple[str, str, int | None], ...]
+) -> dict[str, float]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     cp_mesh = mesh["cp"]
     base = _hybrid() if kind == "hybrid" else tiny_model(moe=kind == "moe")
@@ -128,11 +132,11 @@ def _tp_cp_worker(rank: int, world: int, kind: str, runs: tuple[tuple[str, str],
     weight = torch.randn(1, T, 61, generator=gen, dtype=torch.float64)
     ref_logits, ref_grads = _reference(copy.deepcopy(base), ids, weight)
     errors = {}
-    for mode, layout in runs:
+    for mode, layout, inner in runs:
         shard = shard_for_context_parallel(cp_mesh, ids, cu_seqlens=torch.tensor(CU), layout=layout)
         index = torch.as_tensor(TokenLayout.of(layout, [T // 2] * 2).positions(cp_mesh.get_local_rank()))
         model = apply_tensor_parallel(copy.deepcopy(base), mesh["tp"])
-        apply_context_parallel(model, cp_mesh, mode=mode, layout=layout)
+        apply_context_parallel(model, cp_mesh, mode=mode, layout=layout, inner_size=inner)
         if kind == "hybrid":
             logits = model(shard.input_ids, cu_seqlens=shard.cu_seqlens, cp_layout=shard.layout)
         else:
@@ -145,9 +149,16 @@ def _tp_cp_worker(rank: int, world: int, kind: str, runs: tuple[tuple[str, str],
     return errors
 
 
-DENSE_RUNS = tuple((mode, layout) for layout in ("contiguous", "head_tail") for mode in CP_MODES)
-MOE_RUNS = (("p2p", "contiguous"), ("ulysses", "head_tail"))
-HYBRID_RUNS = (("ulysses_hidden", "contiguous"), ("scan", "head_tail"))
+# (mode, layout, inner_size): every one-level mode in both layouts; two levels (contiguous only)
+# with ulysses over both CP ranks (inner 2) or over one (inner 1, the state mode across both)
+DENSE_RUNS = (
+    *((mode, layout, None) for layout in ("contiguous", "head_tail") for mode in CP_MODES),
+    ("ulysses+p2p", "contiguous", 2),
+    ("ulysses+scan", "contiguous", 1),
+    ("ulysses+all_gather", "contiguous", 2),
+)
+MOE_RUNS = (("p2p", "contiguous", None), ("ulysses", "head_tail", None))
+HYBRID_RUNS = (("ulysses_hidden", "contiguous", None), ("scan", "head_tail", None))
 
 
 def _tp_cp_both_worker(rank: int, world: int) -> dict[str, float]:
@@ -246,16 +257,46 @@ def _tp4_whole_kv(rank: int, world: int) -> float:
     )
 
 
+def _fsdp_dp2_tp2(rank: int, world: int) -> float:
+    """FSDP2 over dp = 2 beside tp = 2 on a torch mesh: each replica half the batch; the gradients
+    (FSDP's mean over dp, times 2) equal one process's on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = torch_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    base = tiny_model(moe=True)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 61, (4, 16), generator=gen)
+    weight = torch.randn(4, 16, 61, generator=gen, dtype=torch.float64)
+    ref = copy.deepcopy(base)
+    (_logits(ref, ids) * weight).sum().backward()
+    model = apply_tensor_parallel(copy.deepcopy(base), mesh["tp"])
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    mine = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
+    (_logits(model, ids[mine]) * weight[mine]).sum().backward()
+    grads = canonical_grads(model)
+    return max(_rel(2 * grads[n], p.grad) for n, p in ref.named_parameters())
+
+
 def _errors_worker(rank: int, world: int) -> dict[str, object]:
-    return {"tp4": _tp4_whole_kv(rank, world), **{case: _error_worker(rank, world, case) for case in CASES}}
+    return {
+        "tp4": _tp4_whole_kv(rank, world),
+        "fsdp": _fsdp_dp2_tp2(rank, world),
+        **{case: _error_worker(rank, world, case) for case in CASES},
+    }
 
 
-def test_tp4_whole_kv_heads_and_wrong_setups() -> None:
-    """4 ranks: tp = 4 over 2 K/V heads equals one process; each wrong set-up fails on every rank
-    with the same one-line error before any communication, the model as it was."""
+def test_tp4_whole_kv_heads_fsdp2_and_wrong_setups() -> None:
+    """4 ranks: tp = 4 over 2 K/V heads equals one process; FSDP2 over dp 2 x tp 2 (MoE model)
+    too; each wrong set-up fails on every rank with the same one-line error before any
+    communication, the model as it was."""
     outcomes = run_ranks(_errors_worker, 4, timeout_s=240)
     for rank, outcome in enumerate(outcomes):
         assert outcome.pop("tp4") <= TOL, f"rank {rank}: tp = 4 differs from one process"
+        fsdp = outcome.pop("fsdp")
+        assert fsdp <= 1e-4, f"rank {rank}: FSDP2 x tp gradients differ by {fsdp:.1e}"  # fp32 gates
     for case, (_, words) in CASES.items():
         seen = {o[case] for o in outcomes}
         assert len(seen) == 1, f"{case}: {seen}"  # the same on every rank

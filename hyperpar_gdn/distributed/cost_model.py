@@ -287,7 +287,7 @@ def _mode_cost(
     # the cp/k groups (ranks k apart) for H/k heads and their conv channels
     inner_g = Geometry(g.t * k / g.cp, k, g.hk, g.h, g.k, g.v, g.w, g.b, g.e)
     sent_u, messages_u, seconds_u = _ulysses(inner_g, Span(k, 1, m.devices_per_node), m)
-    outer_g = Geometry(g.t, outer, g.hk / k, g.h / k, g.k, g.v, g.w, g.b, g.e)
+    outer_g = Geometry(g.t, outer, g.hk / k, g.h / k, g.k, g.v, g.w, g.b, g.e, head_tail=g.head_tail)
     outer_span = Span(outer, k, m.devices_per_node)
     if outer == 1:
         sent_s = messages_s = seconds_s = flops = memory = 0.0

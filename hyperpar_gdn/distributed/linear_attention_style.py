@@ -301,13 +301,17 @@ class LinearAttentionContextParallel(ParallelStyle):
             raise NotImplementedError(
                 f"mode={self.mode!r} does not record prefill states; use a one-level mode"
             )
-        error = two_level_length_error(self.mode, lengths, self.inner_size, call.dims.conv_kernel_size)
+        error = two_level_length_error(
+            self.mode, lengths, self.inner_size, call.dims.conv_kernel_size, layout=self.layout
+        )
         if error is not None:
             raise ValueError(error)
         whole = None if cu_seqlens is None else doc_starts_from_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
         state_mode = self.mode.split("+")[1]
         levels = next(v for v in self._levels_by_ranks.values() if v.flat_group is cp.group)
-        return two_level_forward(state_mode, levels, call, x, attention_mask, lengths, whole)
+        return two_level_forward(
+            state_mode, levels, call, x, attention_mask, lengths, whole, layout=self.layout
+        )
 
 
 def layer_shape(module: Any) -> tuple[int, ...]:

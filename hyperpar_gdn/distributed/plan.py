@@ -126,10 +126,6 @@ class CPPlan:
             )
         if self.inner_size is not None and (not _is_int(self.inner_size) or self.inner_size < 1):
             raise ValueError(f"inner_size must be a positive int; got {self.inner_size!r}")
-        if two_level and self.layout != "contiguous":
-            raise NotImplementedError(
-                f"mode={self.mode!r} supports layout='contiguous' only; got layout={self.layout!r}"
-            )
         if not _is_int(self.chunk_size) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int; got {self.chunk_size!r}")
 

@@ -90,8 +90,8 @@ def plan_context_parallel(
     possible without it. ``device`` picks a :data:`MACHINES` entry; ``bandwidth`` (bytes/s) and ``latency`` (s) override
     its links inside a node, ``inter_bandwidth`` and ``inter_latency`` those between nodes,
     ``devices_per_node`` and ``flops`` the rest. ``inner_size`` (ranks per inner group) adds the
-    two-level modes ``ulysses+p2p``, ``ulysses+all_gather``, ``ulysses+scan`` to the ranking
-    (contiguous layout only); ``modes`` restricts it. Returns a :class:`Plan`: ``plan.choice``,
+    two-level modes ``ulysses+p2p``, ``ulysses+all_gather``, ``ulysses+scan`` to the ranking;
+    ``modes`` restricts it. Returns a :class:`Plan`: ``plan.choice``,
     ``plan.inner_size``, ``plan.ranking`` (every mode's :class:`ModeCost`, fastest first,
     infeasible ones last), ``plan.why()``.
 
@@ -125,10 +125,6 @@ def plan_context_parallel(
         raise ValueError(f"plan_context_parallel: device={device!r}; choose one of {', '.join(MACHINES)}")
     if layout not in ("contiguous", "head_tail"):
         raise ValueError(f"plan_context_parallel: layout={layout!r}; choose 'contiguous' or 'head_tail'")
-    if inner_size is not None and layout != "contiguous":
-        raise ValueError(
-            f"plan_context_parallel: inner_size={inner_size} needs layout='contiguous'; got {layout!r}"
-        )
     allowed = MODES + (TWO_LEVEL_MODES if inner_size is not None else ())
     modes = allowed if modes is None else tuple(modes)
     unknown = [m for m in modes if m not in allowed]
@@ -197,9 +193,8 @@ def plan_for_model(
     Qwen3.5 models; every GDN layer of a model has the same shape) over the 1-D CP ``mesh``, on the
     machine of the mesh's device kind (``machine``: any of ``MACHINE_KEYWORDS``).
 
-    The two-level modes are ranked too when ``inner_size`` is given, or else when the layout is
-    contiguous, the CP groups are blocks of consecutive ranks (as they require) and one covers more
-    than one node: then ``inner_size`` is the devices per node (``devices_per_node=``, else torchrun's
+    The two-level modes are ranked too when ``inner_size`` is given, or else when the CP groups
+    are blocks of consecutive ranks (as they require) and one covers more than one node: then ``inner_size`` is the devices per node (``devices_per_node=``, else torchrun's
     ``LOCAL_WORLD_SIZE``, else the machine's default)."""
     from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
     from hyperpar_gdn.distributed.mesh import as_cp_mesh
@@ -222,7 +217,7 @@ def plan_for_model(
     cp = cp_mesh.size()
     ranks = list(cp_mesh.rank_list)
     blocks = ranks == list(range(ranks[0], ranks[0] + cp)) and ranks[0] % cp == 0  # what two levels need
-    if inner_size is None and layout == "contiguous" and blocks:
+    if inner_size is None and blocks:
         per_node = int(machine.get("devices_per_node") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
         per_node = per_node or MACHINES[device].devices_per_node
         inner_size = per_node if 1 < per_node < cp and cp % per_node == 0 else None

@@ -108,11 +108,6 @@ def test_two_level_matches_single_device(world: int) -> None:
             ValueError,
             "mode='ulysses+ring' is not a context-parallel mode",
         ),
-        (
-            {"mode": "ulysses+p2p", "inner_size": 2, "layout": "head_tail"},
-            NotImplementedError,
-            "supports layout='contiguous' only",
-        ),
     ],
 )
 def test_bad_options(kwargs: dict, error: type, message: str) -> None:

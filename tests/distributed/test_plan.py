@@ -48,7 +48,6 @@ def test_mode_properties_are_defined_once() -> None:
         ({"mode": "p2p", "layout": "zigzag"}, ValueError, "layout='zigzag' is not a token layout"),
         ({"mode": "p2p", "chunk_size": 0}, ValueError, "chunk_size must be a positive int; got 0"),
         ({"mode": "ulysses+p2p"}, ValueError, "inner_size is given with the two-level modes"),
-        ({"mode": "ulysses+scan", "inner_size": 2, "layout": "head_tail"}, NotImplementedError, "contiguous"),
     ],
 )
 def test_plan_refuses_bad_fields(kwargs: dict, error: type, message: str) -> None:

@@ -16,6 +16,13 @@ Traffic per rank: ulysses' activations over the inner links only (its T is the s
 state mode's few summaries over the outer links, for H/inner heads each.
 Packed documents: the conv and the chunks of a segment restart at the global document starts;
 the state mode's summaries cut the chain as in the one-level modes.
+
+head_tail (rank r holds pieces r and 2cp-1-r of 2cp): node o's ranks hold the head pieces
+o*k .. o*k+k-1 and the tail pieces 2cp-1-o*k .. 2cp-o*k-k, so after the all-to-all the node has
+two segments of k pieces each, the head segment (outer piece o of 2 cp/k) and the tail segment
+(outer piece 2 cp/k - 1 - o). Across nodes that is the head_tail layout again, over the outer
+group with pieces k times longer: the segments run as two rows of one batch and the state mode
+chains them in global order, as a one-level head_tail shard's fragments.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, conv_with_halo
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
 from hyperpar_gdn.distributed.cp.state_passing import EXCHANGES
-from hyperpar_gdn.distributed.cp.ulysses import heads_in, heads_out, local_heads
+from hyperpar_gdn.distributed.cp.ulysses import HeadsIn, heads_in, heads_out, local_heads
+from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops import prepare_chunks
 from hyperpar_gdn.ops.gdn.onepass import shard_outputs
 from hyperpar_gdn.platform import Tensor
@@ -80,15 +88,20 @@ def two_level_forward(
     attention_mask: Tensor | None,
     lengths: Sequence[int],
     doc_starts: np.ndarray | None = None,
+    *,
+    layout: str = "contiguous",
 ) -> Tensor:
     """x ``[B, T_r, hidden]`` (this rank's shard; ``lengths``: every rank's, CP rank order) ->
     ``[B, T_r, hidden]``. ``doc_starts``: ``[T]`` bool, True where a packed document starts in
-    the whole sequence (B = 1)."""
+    the whole sequence (B = 1). ``layout``: ``"contiguous"`` or ``"head_tail"`` (the shard is
+    the rank's two pieces, concatenated)."""
     inner, outer = levels.inner, levels.outer
     xp = inner.xp
     node = list(lengths[outer.rank * inner.size : (outer.rank + 1) * inner.size])
     start = sum(lengths[: outer.rank * inner.size])
     hin = heads_in(inner, call, x, attention_mask, node)
+    if layout == "head_tail":
+        return _head_tail(state_mode, levels, call, hin, node, doc_starts)
     mine = hin.shares[inner.rank]
     docs = (
         None
@@ -114,14 +127,65 @@ def two_level_forward(
     return heads_out(inner, call, hin, o.reshape(bsz, sum(node), mine.v_count * call.dims.head_v_dim), node)
 
 
+def _head_tail(
+    state_mode: str,
+    levels: Levels,
+    call: LayerCall,
+    hin: HeadsIn,
+    node: list[int],
+    doc_starts: np.ndarray | None,
+) -> Tensor:
+    """The head_tail case of :func:`two_level_forward` after the first all-to-all: ``hin.full``
+    ``[B, sum(node), width]`` holds the node's ranks' shards (head piece, tail piece each) in rank
+    order; in node order they are the head segment then the tail segment."""
+    inner, outer = levels.inner, levels.outer
+    xp = inner.xp
+    mine = hin.shares[inner.rank]
+    in_node = TokenLayout.of("head_tail", node)  # the node's tokens as one head_tail sequence
+    across = TokenLayout.of("head_tail", [sum(node)] * outer.size)  # the segments across nodes
+    segments = across.mine(outer.rank)  # [head, tail]; one piece when there is one node
+    sizes = [f.length for f in segments]
+    docs = (
+        None
+        if doc_starts is None
+        else [
+            ShardDocs.of_segment(doc_starts, f.start, f.length, call.dims.conv_kernel_size) for f in segments
+        ]
+    )
+
+    def conv(conv_in: Tensor, weight: Tensor) -> Tensor:
+        return xp.cat(conv_fragments(outer, across, xp.split(conv_in, sizes, 1), weight, docs), 1)
+
+    q, k, v, g, beta = local_heads(xp, call, mine, in_node.to_global(xp, hin.full, 1), conv)
+
+    def rows(y: Tensor) -> Tensor:  # [B, 2S, ...] -> [2B, S, ...], segment-major
+        return xp.cat(xp.split(y, sizes, 1), 0)
+
+    prep = prepare_chunks(
+        *(rows(y) for y in (q, k, v, g, beta)),
+        chunk_size=call.chunk_size,
+        use_qk_l2norm_in_kernel=True,
+        doc_starts=None if docs is None else np.stack([d.local for d in docs]),
+    )
+    exchange = EXCHANGES[state_mode](outer, across)
+    o = xp.cast(shard_outputs(prep, exchange, widened=True), prep.out_dtype)  # [2B, S, hv, Dv]
+    bsz = o.shape[0] // len(segments)
+    o = xp.cat(xp.split(o, [bsz] * len(segments), 0), 1).reshape(
+        bsz, sum(node), mine.v_count * call.dims.head_v_dim
+    )
+    return heads_out(inner, call, hin, in_node.to_rank_order(xp, o, 1), node)
+
+
 def two_level_length_error(
-    mode: str, lengths: Sequence[int], inner_size: int, conv_kernel_size: int
+    mode: str, lengths: Sequence[int], inner_size: int, conv_kernel_size: int, *, layout: str = "contiguous"
 ) -> str | None:
     """Every rank needs a token (ulysses), every node's segment the conv halo W-1 (the state
-    mode); the same answer on every rank (all know the lengths)."""
+    mode; head_tail: each of a node's two segments); the same answer on every rank (all know the
+    lengths)."""
     if min(lengths) < 1:
         return f"mode={mode!r}: the shard of CP rank {list(lengths).index(min(lengths))} is empty; every shard needs a token"
-    segments = [sum(lengths[o : o + inner_size]) for o in range(0, len(lengths), inner_size)]
+    pieces = 2 if layout == "head_tail" else 1
+    segments = [sum(lengths[o : o + inner_size]) // pieces for o in range(0, len(lengths), inner_size)]
     halo = conv_kernel_size - 1
     short = [o for o, t in enumerate(segments) if t < halo]
     if short:

@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         "contiguous)",
     )
     add("--device", default="cpu", help="cpu, cuda or npu (HP_PLATFORM names the framework)")
+    add(
+        "--gdn-kernel",
+        default="auto",
+        choices=("auto", "fla", "native"),
+        help="the GDN layers' local kernel during the prefill: auto (fla's Triton kernels on CUDA and "
+        "Ascend where they import, else ours), fla or native; named with its reason in the report",
+    )
     add("--max-new-tokens", type=int, default=32, help="tokens to decode after the prompt (at least 1)")
     add("--sample", action="store_true", help="sample instead of greedy decoding (default: greedy)")
     add(
@@ -359,6 +366,9 @@ def _generate(argv: list[str] | None) -> int:
     try:  # every check below raises on every rank alike, before the first collective
         mesh = init_device_mesh(args.device, (platform.world_size(),), mesh_dim_names=("cp",))
         check_heads(args, platform.world_size())
+        from hyperpar_gdn.ops.gdn.kernels import resolve_kernel
+
+        args.kernel_choice = resolve_kernel(args.gdn_kernel, platform=platform.name)
         ids_np = prompt_ids(args)
         check_prompt_length(args, ids_np.shape[1])
         args.layout = token_layout(args, ids_np.shape[1], platform.world_size())
@@ -389,7 +399,7 @@ def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids
     solo = init_device_mesh(args.device, (platform.world_size(), 1), mesh_dim_names=("dp", "cp"))["cp"]
     cp_times, one_times, solo_times = [], [], []
     for _ in range(args.repeats):
-        apply_context_parallel(engine.model, mesh, mode=args.mode, layout=args.layout)
+        apply_context_parallel(engine.model, mesh, mode=args.mode, layout=args.layout, kernel=args.gdn_kernel)
         comm.barrier(group)
         start = time.perf_counter()
         logits, state = prefill_context_parallel(engine.model, mesh, ids)
@@ -401,7 +411,7 @@ def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids
                 start = time.perf_counter()
                 engine.one_device_prefill(ids)
                 one_times.append(time.perf_counter() - start)
-                apply_context_parallel(engine.model, solo, mode=args.mode)
+                apply_context_parallel(engine.model, solo, mode=args.mode, kernel=args.gdn_kernel)
                 start = time.perf_counter()
                 prefill_context_parallel(engine.model, solo, ids)
                 solo_times.append(time.perf_counter() - start)
@@ -451,6 +461,7 @@ def _report(
         "device": args.device,
         "mode": args.mode,
         "layout": args.layout,
+        "gdn_kernel": args.kernel_choice.name,
         "cp": cp,
         "prompt_tokens": t,
         "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
@@ -472,6 +483,7 @@ def _report(
         f"prefill of {t} tokens at cp={cp} ({args.mode}, {args.layout}): {prefill_s:.3f} s median, "
         f"{t / prefill_s:.1f} tokens/s"
     )
+    print(f"GDN kernel: {args.kernel_choice.name} ({args.kernel_choice.reason})")
     advice = cp_advice(
         model_config=text_config(args.model),
         seq_len=t,

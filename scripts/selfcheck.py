@@ -31,6 +31,7 @@ import numpy as np
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
 from hyperpar_gdn.distributed.plan import MODE_CHOICES, SPECS, CPPlan, head_split_error
 from hyperpar_gdn.distributed.verify import compare_with_reference
+from hyperpar_gdn.ops.gdn.kernels import KERNELS, resolve_kernel
 from hyperpar_gdn.platform import Platform, get_platform
 
 
@@ -92,9 +93,17 @@ def _main() -> int:
     add("--seed", type=int, default=0, help="weights and input")
     add("--tolerance", type=float, default=1e-4, help="max error relative to each tensor's scale")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout (seconds)")
+    add(
+        "--gdn-kernel",
+        default="auto",
+        choices=KERNELS,
+        help="the CP layers' local GDN kernel: auto (fla's Triton kernels on CUDA and Ascend where they "
+        "import, else ours), fla or native; the reference is always ours on one device",
+    )
     args = parser.parse_args()
 
     platform = get_platform()
+    resolve_kernel(args.gdn_kernel, platform=platform.name)  # an error on every rank alike, before the group
     platform.init_distributed(timeout_s=args.timeout_s)
     rank, world = platform.rank(), platform.world_size()
     if args.seq_len % world:  # every rank alike, before any collective
@@ -121,7 +130,7 @@ def _main() -> int:
             if why is not None:
                 rows.append((mode, f"skipped: {args.v_heads} value heads not divisible by {split}", "", ""))
                 continue
-            plan = CPPlan(mode=mode, inner_size=inner if spec.two_level else None)
+            plan = CPPlan(mode=mode, inner_size=inner if spec.two_level else None, kernel=args.gdn_kernel)
             layer = LinearAttentionContextParallel(plan=plan).apply(build_layer(platform, args), mesh)
             start = time.perf_counter()
             errors = compare_with_reference(platform, mesh, layer, build_layer(platform, args), x, cotangent)
@@ -160,6 +169,8 @@ def _auto_row(
 
 def _print_table(platform: str, world: int, args: argparse.Namespace, rows: list[tuple]) -> None:
     print(f"platform={platform} ranks={world} T={args.seq_len} B={args.batch_size} hidden={args.hidden}")
+    kernel = resolve_kernel(args.gdn_kernel, platform=platform)
+    print(f"GDN kernel: {kernel.name} ({kernel.reason})")
     print(f"{'mode':<30}{'max rel error':<44}{'time':<10}result")
     for mode, err, elapsed, result in rows:
         print(f"{mode:<30}{err:<44}{elapsed:<10}{result}")

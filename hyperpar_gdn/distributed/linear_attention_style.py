@@ -40,6 +40,7 @@ from hyperpar_gdn.distributed.plan import (
     first,
     plan_errors,
 )
+from hyperpar_gdn.ops.gdn.kernels import GDNKernel, kernel_for_inputs, platform_of, resolve_kernel
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
 from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens, packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates
@@ -88,6 +89,11 @@ class LinearAttentionContextParallel(ParallelStyle):
             divides cp and the value heads. The CP groups must be the whole world or the cp axis
             of a row-major ``(dp, cp)`` or ``(dp, cp, tp)`` mesh: every process
             applies the style, as the inner and outer groups are made collectively.
+        kernel: the local kernel of the gated delta rule (:mod:`hyperpar_gdn.ops.gdn.kernels`):
+            ``"auto"`` (fla's Triton kernels on CUDA and Ascend where they import, else ours),
+            ``"fla"`` (an error on every rank where they cannot run) or ``"native"`` (ours).
+            ``kernel_choice`` says, once applied, which one runs and why.
+        plan: a :class:`~hyperpar_gdn.CPPlan` instead of the keywords above.
 
     Example::
 
@@ -103,19 +109,24 @@ class LinearAttentionContextParallel(ParallelStyle):
         chunk_size: int = 64,
         layout: str = "contiguous",
         inner_size: int | None = None,
+        kernel: str = "auto",
         plan: CPPlan | None = None,
     ) -> None:
         if plan is None:
-            plan = CPPlan(mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size)
+            plan = CPPlan(
+                mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size, kernel=kernel
+            )
         elif not isinstance(plan, CPPlan):
             raise TypeError(f"plan must be a CPPlan; got {type(plan).__name__}")
         self.plan = plan
+        self.kernel_choice: GDNKernel | None = None  # resolved on the mesh's platform by errors()
         self._levels_by_ranks: dict[tuple[int, ...], Levels] = {}
 
     mode = property(lambda self: self.plan.mode, doc="The plan's mode.")
     layout = property(lambda self: self.plan.layout, doc="The plan's token layout.")
     inner_size = property(lambda self: self.plan.inner_size, doc="The plan's inner group size.")
     chunk_size = property(lambda self: self.plan.chunk_size, doc="The plan's chunk size.")
+    kernel = property(lambda self: self.plan.kernel, doc="The plan's local GDN kernel (as asked for).")
 
     def apply(self, module: Any, mesh: Any) -> Any:
         """Make ``module``'s forward take and return this rank's shard; returns ``module``.
@@ -144,6 +155,10 @@ class LinearAttentionContextParallel(ParallelStyle):
             ValueError(f"layer {i} already has context parallelism applied; undo() it first")
             for i in already[:1]
         ]
+        try:  # the same answer on every rank: the same platform and installed packages
+            self.kernel_choice = resolve_kernel(self.plan.kernel, platform=cp_mesh.platform.name)
+        except ValueError as error:
+            found.append(error)
         dims = [(i, LayerDims.of(module)) for i, module in layers]
         world = cp_mesh.platform.world_size()
         return found + plan_errors(self.plan, dims, cp=cp_mesh.size(), ranks=cp_mesh.rank_list, world=world)
@@ -194,7 +209,12 @@ class LinearAttentionContextParallel(ParallelStyle):
         attention_mask, _ = as_sequence_shard(attention_mask, owner=owner, layout=self.layout)
         dims = LayerDims.of(module)
         error = shard_error(dims, x, attention_mask)
-        call = LayerCall(weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size)
+        if self.kernel_choice is None:
+            self.kernel_choice = resolve_kernel(self.plan.kernel, platform=platform_of(x))
+        kernel = kernel_for_inputs(self.kernel_choice.name, self.plan.kernel, x)
+        call = LayerCall(
+            weights=LayerWeights.of(module), dims=dims, chunk_size=self.chunk_size, kernel=kernel
+        )
         error = error or self._packed_prefill_error(cp, cu_seqlens, call_args.position_ids, states)
         if cp.size == 1:
             if error is not None:
@@ -214,6 +234,7 @@ class LinearAttentionContextParallel(ParallelStyle):
                 chunk_size=self.chunk_size,
                 doc_starts=doc_starts,
                 output_final_state=states is not None,
+                kernel=kernel,
             )
             if states is not None:
                 y, (conv, s) = y

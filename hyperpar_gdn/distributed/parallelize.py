@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import replace
 from typing import Any
 
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, mixers_of, text_model_of
@@ -48,6 +49,7 @@ def apply_context_parallel(
     seq_len: int | None = None,
     inner_size: int | None = None,
     dtype: str = "bfloat16",
+    kernel: str = "auto",
 ) -> Any:
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
@@ -84,10 +86,12 @@ def apply_context_parallel(
             for another.
         seq_len, dtype: for ``mode="auto"`` only (``seq_len`` required there): what the cost model prices.
         inner_size: ranks per inner group (a node) of the two-level modes (and of ``"auto"``).
+        kernel: the GDN layers' local kernel, ``"auto"``, ``"fla"`` or ``"native"`` (the plan's;
+            :class:`LinearAttentionContextParallel`).
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
-    plan = _plan_from(model, mesh, plan, mode, chunk_size, layout, seq_len, inner_size, dtype)
+    plan = _plan_from(model, mesh, plan, mode, chunk_size, layout, seq_len, inner_size, dtype, kernel)
     cp_mesh = as_cp_mesh(mesh)
     outer, text_model = find_decoder(model)
     mixers = mixers_of(text_model)
@@ -149,6 +153,7 @@ def _plan_from(
     seq_len: int | None,
     inner_size: int | None,
     dtype: str,
+    kernel: str = "auto",
 ) -> CPPlan:
     """The plan of :func:`apply_context_parallel`'s arguments (the same checks on every rank)."""
     if plan is not None:
@@ -157,7 +162,13 @@ def _plan_from(
         given = {"mode": mode, "seq_len": seq_len, "inner_size": inner_size}
         extra = [k for k, v in given.items() if v is not None]
         extra += [
-            k for k, v, d in (("chunk_size", chunk_size, 64), ("layout", layout, "contiguous")) if v != d
+            k
+            for k, v, d in (
+                ("chunk_size", chunk_size, 64),
+                ("layout", layout, "contiguous"),
+                ("kernel", kernel, "auto"),
+            )
+            if v != d
         ]
         if extra:
             raise ValueError(f"give plan= or the keywords {', '.join(extra)}, not both")
@@ -170,12 +181,12 @@ def _plan_from(
             f"seq_len is given with mode='auto' and only then; got mode={mode!r}, seq_len={seq_len!r}"
         )
     if mode != "auto":
-        return CPPlan(mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size)
+        return CPPlan(mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size, kernel=kernel)
     plan = choose_plan(
         model, mesh, seq_len=seq_len, layout=layout, dtype=dtype, inner_size=inner_size, chunk_size=chunk_size
     )
     logger.info("apply_context_parallel(mode='auto'): %s", plan.reason)
-    return plan
+    return replace(plan, kernel=kernel)
 
 
 def undo_context_parallel(model: Any) -> Any:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyperpar_gdn.distributed.layout import LAYOUTS, check_layout
+from hyperpar_gdn.ops.gdn.kernels import check_kernel
 
 __all__ = [
     "HEAD_MODES",
@@ -101,6 +102,9 @@ class CPPlan:
             ``"head_tail"`` (pieces r and 2cp-1-r of 2cp).
         inner_size: ranks per inner group (a node) for the two-level modes, and only for them.
         chunk_size: tokens per chunk of the gated delta rule.
+        kernel: the local kernel of the gated delta rule, ``"auto"``, ``"fla"`` or ``"native"``
+            (:func:`~hyperpar_gdn.ops.gdn.kernels.resolve_kernel`; ``"auto"``: fla's Triton kernels
+            on CUDA and Ascend where they import, else ours).
         reason: why this plan was chosen (the cost model's line for ``auto``), for run headers.
 
     Example::
@@ -113,6 +117,7 @@ class CPPlan:
     layout: str = "contiguous"
     inner_size: int | None = None
     chunk_size: int = 64
+    kernel: str = "auto"
     reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +133,7 @@ class CPPlan:
             raise ValueError(f"inner_size must be a positive int; got {self.inner_size!r}")
         if not _is_int(self.chunk_size) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int; got {self.chunk_size!r}")
+        check_kernel(self.kernel)
 
     @property
     def spec(self) -> ModeSpec:

@@ -184,9 +184,13 @@ def sharded_attention(
     return xp.cast(xp.swapaxes(o, 1, 2).reshape(b, t, h * d), xp.dtype(q))
 
 
-def decode_step_context_parallel(model: Any, mesh: Any, state: ShardedCache, ids_B1: Tensor) -> Tensor:
+def decode_step_context_parallel(
+    model: Any, mesh: Any, state: ShardedCache, ids_B1: Tensor, *, gdn_kernel: str = "auto"
+) -> Tensor:
     """One token per row ``[B, 1]`` at position ``state.length`` on every rank of the CP group ->
-    its logits ``[B, V]`` (the same on every rank); ``state`` moves on by one token."""
+    its logits ``[B, V]`` (the same on every rank); ``state`` moves on by one token.
+    ``gdn_kernel``: our models' GDN step (:func:`~hyperpar_gdn.inference.decoding.decode_step`);
+    transformers' models step through their own layers."""
     check_step_ids(ids_B1)
     cp_mesh = as_cp_mesh(mesh)
     if (cp_mesh.size(), cp_mesh.get_local_rank()) != (state.cp, state.rank):
@@ -202,19 +206,28 @@ def decode_step_context_parallel(model: Any, mesh: Any, state: ShardedCache, ids
     if hf.is_causal_lm(model):
         logits = hf.step(model, state.gdn, ids_B1, position=state.length, attend=attend)
     else:
-        logits, state.gdn = step_blocks(model, ids_B1, position=state.length, gdn=state.gdn, attend=attend)
+        logits, state.gdn = step_blocks(
+            model, ids_B1, position=state.length, gdn=state.gdn, attend=attend, gdn_kernel=gdn_kernel
+        )
     state.length += 1
     return logits
 
 
 def greedy_continue_context_parallel(
-    model: Any, mesh: Any, logits_BV: Tensor, state: ShardedCache, *, max_new_tokens: int
+    model: Any,
+    mesh: Any,
+    logits_BV: Tensor,
+    state: ShardedCache,
+    *,
+    max_new_tokens: int,
+    gdn_kernel: str = "auto",
 ) -> Tensor:
     """Greedy continuation on the CP group from the prefill's last logits ``[B, V]`` -> the new
-    tokens ``[B, max_new_tokens]`` (int64, on the logits' device), the same on every rank."""
+    tokens ``[B, max_new_tokens]`` (int64, on the logits' device), the same on every rank;
+    ``gdn_kernel`` as in :func:`decode_step_context_parallel`."""
     return greedy_tokens(
         logits_BV,
-        lambda ids_B1: decode_step_context_parallel(model, mesh, state, ids_B1),
+        lambda ids_B1: decode_step_context_parallel(model, mesh, state, ids_B1, gdn_kernel=gdn_kernel),
         max_new_tokens=max_new_tokens,
     )
 

@@ -29,6 +29,7 @@ import numpy as np
 from hyperpar_gdn.ops.attention.softmax import causal_attention
 from hyperpar_gdn.ops.blocks import decoder_block, lm_logits
 from hyperpar_gdn.ops.gdn.decode import gdn_decode_step
+from hyperpar_gdn.ops.gdn.kernels import platform_of, resolve_kernel
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
@@ -137,9 +138,12 @@ def prefill(model: Any, input_ids: Tensor) -> tuple[Tensor, DecodingState]:
     return logits[:, 0], state_from_prefill(model, states, int(input_ids.shape[1]))
 
 
-def decode_step(model: Any, state: DecodingState, ids_B1: Tensor) -> tuple[Tensor, DecodingState]:
+def decode_step(
+    model: Any, state: DecodingState, ids_B1: Tensor, *, gdn_kernel: str = "auto"
+) -> tuple[Tensor, DecodingState]:
     """One token per row ``[B, 1]`` at position ``state.length`` -> (its logits ``[B, V]``, the
-    state after it)."""
+    state after it). ``gdn_kernel``: the GDN layers' step, ``"auto"``, ``"fla"`` (fla's fused
+    recurrent kernel) or ``"native"`` (:func:`~hyperpar_gdn.ops.gdn.kernels.resolve_kernel`)."""
     check_step_ids(ids_B1)
     blocks = lm_parts(model).blocks
     if len(state.layers) != len(blocks):
@@ -153,7 +157,9 @@ def decode_step(model: Any, state: DecodingState, ids_B1: Tensor) -> tuple[Tenso
         return causal_attention(xp, q, *kv[i], q_offset=state.length)
 
     gdn = {i: pair for i, pair in enumerate(state.layers) if blocks[i].layer_type == "linear_attention"}
-    logits, gdn = step_blocks(model, ids_B1, position=state.length, gdn=gdn, attend=attend)
+    logits, gdn = step_blocks(
+        model, ids_B1, position=state.length, gdn=gdn, attend=attend, gdn_kernel=gdn_kernel
+    )
     layers = tuple(gdn[i] if i in gdn else kv[i] for i in range(len(blocks)))
     return logits, DecodingState(layers=layers, length=state.length + 1)
 
@@ -165,22 +171,26 @@ def step_blocks(
     position: int,
     gdn: Mapping[int, tuple[Tensor, Tensor]],
     attend: Callable[[int, Tensor, Tensor, Tensor], Tensor],
+    gdn_kernel: str = "auto",
 ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
     """One token per row ``[B, 1]`` at ``position`` through one of our LMs: GDN block i steps
     from ``gdn[i]`` (conv ``[B, C, W]``, S ``[B, H, K, V]``); attention block i projects the
     token and ``attend(i, q [B, H, 1, D], k [B, Hkv, 1, D], v)`` returns its output
     ``[B, 1, H*D]`` (and keeps k and v where the caller's cache lives) -> (logits ``[B, V]``,
-    the GDN states after the token)."""
+    the GDN states after the token). ``gdn_kernel``: as in :func:`decode_step`."""
     parts = lm_parts(model)
     new_gdn = {}
     with inference_mode(model):
         x = parts.embed(ids_B1)
         xp = ops_for(x)
+        kernel = resolve_kernel(gdn_kernel, platform=platform_of(x)).name
         for i, block in enumerate(parts.blocks):
             h = block.input_layernorm(x)
             mixer = block.mixer
             if block.layer_type == "linear_attention":
-                out, conv, s = gdn_decode_step(xp, LayerWeights.of(mixer), LayerDims.of(mixer), h, *gdn[i])
+                out, conv, s = gdn_decode_step(
+                    xp, LayerWeights.of(mixer), LayerDims.of(mixer), h, *gdn[i], kernel=kernel
+                )
                 new_gdn[i] = (conv, s)
             else:
                 q, k, v, gate = mixer.project(h, position_offset=position)
@@ -191,13 +201,16 @@ def step_blocks(
     return logits[:, 0], new_gdn
 
 
-def greedy_continue(model: Any, logits_BV: Tensor, state: DecodingState, *, max_new_tokens: int) -> Tensor:
+def greedy_continue(
+    model: Any, logits_BV: Tensor, state: DecodingState, *, max_new_tokens: int, gdn_kernel: str = "auto"
+) -> Tensor:
     """Greedy continuation from the logits of the last token read and the state after it ->
-    the ``max_new_tokens`` new tokens ``[B, N]`` (int64, on the logits' device)."""
+    the ``max_new_tokens`` new tokens ``[B, N]`` (int64, on the logits' device); ``gdn_kernel`` as
+    in :func:`decode_step`."""
     current = [state]
 
     def step(ids_B1: Tensor) -> Tensor:
-        logits, current[0] = decode_step(model, current[0], ids_B1)
+        logits, current[0] = decode_step(model, current[0], ids_B1, gdn_kernel=gdn_kernel)
         return logits
 
     return greedy_tokens(logits_BV, step, max_new_tokens=max_new_tokens)

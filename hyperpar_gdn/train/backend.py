@@ -18,6 +18,7 @@ labelled token of the global batch.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -49,7 +50,7 @@ def apply_cp_mode(backend: Any, config: TrainConfig, model: Any, cp_mesh: Device
         plan = CPPlan(mode=config.cp_mode, layout=layout, inner_size=config.cp_inner_size)
         backend.cp_plan = None
     backend.cp_mode = plan.mode
-    apply_context_parallel(model, cp_mesh, plan=plan)
+    apply_context_parallel(model, cp_mesh, plan=dataclasses.replace(plan, kernel=config.gdn_kernel))
 
 
 class TrainBackend(ABC):

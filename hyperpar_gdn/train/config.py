@@ -17,6 +17,7 @@ from hyperpar_gdn.cli import option
 from hyperpar_gdn.distributed.layout import LAYOUTS
 from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, TWO_LEVEL_MODES
 from hyperpar_gdn.models.config import HybridLMConfig
+from hyperpar_gdn.ops.gdn.kernels import KERNELS
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
 
 CP_MODES = MODE_CHOICES
@@ -52,6 +53,12 @@ class TrainConfig:
         None,
         help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node; "
         "the CP group is then the whole world and --cp-layout contiguous (default: none, one level)",
+    )
+    gdn_kernel: str = option(
+        "auto",
+        choices=KERNELS,
+        help="the GDN layers' local kernel under CP: auto (fla's Triton kernels on CUDA and Ascend where "
+        "they import, else ours), fla or native; named with its reason in the run header",
     )
     steps: int = option(60, help="optimizer steps to reach (a resumed run continues up to this step)")
     seq_len: int = option(128, help="tokens per sequence (the whole sequence), before the CP split")
@@ -159,6 +166,10 @@ class TrainConfig:
             )
         if self.cp_inner_size is not None and self.cp_layout != "contiguous":
             raise ValueError(f"--cp-mode {self.cp_mode} needs --cp-layout contiguous; got {self.cp_layout}")
+        if self.gdn_kernel not in KERNELS:
+            raise ValueError(
+                f"--gdn-kernel {self.gdn_kernel!r} is not a kernel; choose one of {', '.join(KERNELS)}"
+            )
         if self.cp_layout is not None and self.cp_layout not in LAYOUTS:
             raise ValueError(
                 f"--cp-layout {self.cp_layout!r} is not a token layout; choose one of {', '.join(LAYOUTS)}"

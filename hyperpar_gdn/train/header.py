@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyperpar_gdn.distributed.payoff import cp_advice
+from hyperpar_gdn.ops.gdn.kernels import resolve_kernel
 from hyperpar_gdn.train.config import TrainConfig
 
 
@@ -21,7 +22,7 @@ def run_header(
     model_config: dict[str, Any],
 ) -> list[str]:
     """The header lines: platform, ranks as dp x cp with the CP options (or "no context
-    parallelism" at cp=1), model, dtype, tokens per step, steps; then :func:`cp_advice`'s note.
+    parallelism" at cp=1), model, dtype, tokens per step, steps, the GDN kernel under CP and why; then :func:`cp_advice`'s note.
     ``cp_mode``: the mode ``--cp-mode auto`` chose (shown as ``auto: <mode>``), else None;
     ``model_config``: the model's config dict (its GDN sizes price the note)."""
     flags = "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name))
@@ -36,6 +37,9 @@ def run_header(
         f"model {config.model_name}: {parameters:,} parameters, --dtype {config.dtype}, "
         f"{config.batch_size * config.seq_len} tokens per step, steps {first_step}..{config.steps}"
     ]
+    if cp > 1:  # under CP the GDN layers run the kernel of --gdn-kernel (at cp 1 the model's own layers)
+        kernel = resolve_kernel(config.gdn_kernel, platform=platform)
+        lines[0] += f"; GDN kernel {kernel.name} ({kernel.reason})"
     if config.batch_size % world_size == 0:
         fewer = f"--cp-size 1 ({world_size} data-parallel replicas, whole sequences per rank)"
     else:

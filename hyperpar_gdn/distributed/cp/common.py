@@ -43,11 +43,13 @@ class CPGroup:
 
 @dataclass(frozen=True)
 class LayerCall:
-    """One forward call of a GDN layer on the local shard."""
+    """One forward call of a GDN layer on the local shard; ``kernel``: the local kernel of the
+    rule, ``"native"`` or ``"fla"`` (:mod:`hyperpar_gdn.ops.gdn.kernels`)."""
 
     weights: LayerWeights
     dims: LayerDims
     chunk_size: int
+    kernel: str = "native"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hyperpar_gdn.distributed.cp.common import CPGroup
-from hyperpar_gdn.ops.gdn.chunk import chunk_gated_delta_rule
+from hyperpar_gdn.ops.gdn.kernels import gdn_rule
 from hyperpar_gdn.ops.prefill_states import conv_state_of
 from hyperpar_gdn.platform import Tensor
 
@@ -81,6 +81,7 @@ def doc_final_states(
     s_in: Tensor,
     *,
     chunk_size: int,
+    kernel: str = "native",
 ) -> Tensor:
     """The recurrent state after every prompt's last token ``[N, H, K, V]`` (compute dtype), the
     same on every rank.
@@ -89,21 +90,22 @@ def doc_final_states(
         q, k ``[1, T_r, Hk, K]``, v ``[1, T_r, H, V]``, g and beta ``[1, T_r, H]``: this shard's
             inputs to the rule (after the conv; q and k not yet normalized).
         s_in: ``[1, H, K, V]``, the state entering the shard (the CP mode's).
+        kernel: the local kernel, ``"native"`` or ``"fla"`` (:mod:`hyperpar_gdn.ops.gdn.kernels`).
     """
     xp = cp.xp
     initial = [xp.zeros(tuple(s_in.shape[1:]), like=s_in) for _ in pieces.docs]
     if pieces.continues:
         initial[0] = s_in[0]
-    _, finals = chunk_gated_delta_rule(
+    _, finals = gdn_rule(
         q,
         k,
         v,
         g,
         beta,
+        kernel=kernel,
         chunk_size=chunk_size,
         initial_state=xp.stack(initial, 0),
         output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
         cu_seqlens=pieces.cu,
     )  # [P, H, K, V]
     rows = [finals[i] for i in range(len(pieces.docs))]

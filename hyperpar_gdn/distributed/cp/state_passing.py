@@ -35,9 +35,8 @@ from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, co
 from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_final_states
 from hyperpar_gdn.distributed.cp.scan import ScanExchange
 from hyperpar_gdn.distributed.layout import TokenLayout
-from hyperpar_gdn.ops import prepare_chunks
+from hyperpar_gdn.ops.gdn.kernels import shard_rule
 from hyperpar_gdn.ops.gdn.layer import finish, gates, head_dims, mask_padding, project, split_heads
-from hyperpar_gdn.ops.gdn.onepass import shard_outputs
 from hyperpar_gdn.platform import Tensor
 
 
@@ -246,25 +245,28 @@ def state_passing_forward(
     mixed, z, b, a = project(xp, w, x)
     q, k, v = split_heads(xp, conv_with_halo(cp, mixed, w.conv, docs), **head_dims(dims))
     g, beta = gates(xp, b, a, w.a_log, w.dt_bias)
-    prep = prepare_chunks(
+    exchange = EXCHANGES[mode](cp, keep_final=final_state)
+    o = shard_rule(
         q,
         k,
         v,
         g,
         beta,
+        exchange,
+        kernel=call.kernel,
         chunk_size=call.chunk_size,
-        use_qk_l2norm_in_kernel=True,
+        widened=cp.rank > 0,
         doc_starts=None if docs is None else docs.local,
     )
-    exchange = EXCHANGES[mode](cp, keep_final=final_state)
-    o = xp.cast(shard_outputs(prep, exchange, widened=cp.rank > 0), prep.out_dtype)
     y = finish(xp, w, dims, o, z)
     if not final_state:
         return y
     if pieces is None:
         return y, exchange.final_state()
     s_in = exchange.entering_state()
-    return y, doc_final_states(cp, pieces, q, k, v, g, beta, s_in, chunk_size=call.chunk_size)
+    return y, doc_final_states(
+        cp, pieces, q, k, v, g, beta, s_in, chunk_size=call.chunk_size, kernel=call.kernel
+    )
 
 
 def _fragments_forward(
@@ -293,17 +295,18 @@ def _fragments_forward(
 
     q, k, v = split_heads(xp, xp.cat(convs, 0), **head_dims(dims))
     g, beta = gates(xp, rows(b), rows(a), w.a_log, w.dt_bias)
-    prep = prepare_chunks(
+    exchange = EXCHANGES[mode](cp, layout, keep_final=final_state)
+    o = shard_rule(
         q,
         k,
         v,
         g,
         beta,
+        exchange,
+        kernel=call.kernel,
         chunk_size=call.chunk_size,
-        use_qk_l2norm_in_kernel=True,
+        widened=True,
         doc_starts=None if docs is None else np.stack([d.local for d in docs]),  # [n, P] (B = 1)
     )
-    exchange = EXCHANGES[mode](cp, layout, keep_final=final_state)
-    o = xp.cast(shard_outputs(prep, exchange, widened=True), prep.out_dtype)
     y = finish(xp, w, dims, xp.cat(xp.split(o, [o.shape[0] // n] * n, 0), 1), z)
     return (y, exchange.final_state()) if final_state else y

@@ -36,8 +36,7 @@ from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, co
 from hyperpar_gdn.distributed.cp.state_passing import EXCHANGES
 from hyperpar_gdn.distributed.cp.ulysses import HeadsIn, heads_in, heads_out, local_heads
 from hyperpar_gdn.distributed.layout import TokenLayout
-from hyperpar_gdn.ops import prepare_chunks
-from hyperpar_gdn.ops.gdn.onepass import shard_outputs
+from hyperpar_gdn.ops.gdn.kernels import shard_rule
 from hyperpar_gdn.platform import Tensor
 
 
@@ -111,18 +110,19 @@ def two_level_forward(
     q, k, v, g, beta = local_heads(
         xp, call, mine, hin.full, lambda conv_in, weight: conv_with_halo(outer, conv_in, weight, docs)
     )
-    prep = prepare_chunks(
+    exchange = EXCHANGES[state_mode](outer)
+    o = shard_rule(
         q,
         k,
         v,
         g,
         beta,
+        exchange,
+        kernel=call.kernel,
         chunk_size=call.chunk_size,
-        use_qk_l2norm_in_kernel=True,
+        widened=outer.rank > 0,
         doc_starts=None if docs is None else docs.local,
     )
-    exchange = EXCHANGES[state_mode](outer)
-    o = xp.cast(shard_outputs(prep, exchange, widened=outer.rank > 0), prep.out_dtype)
     bsz = o.shape[0]
     return heads_out(inner, call, hin, o.reshape(bsz, sum(node), mine.v_count * call.dims.head_v_dim), node)
 
@@ -161,14 +161,15 @@ def _head_tail(
     def rows(y: Tensor) -> Tensor:  # [B, 2S, ...] -> [2B, S, ...], segment-major
         return xp.cat(xp.split(y, sizes, 1), 0)
 
-    prep = prepare_chunks(
+    exchange = EXCHANGES[state_mode](outer, across)
+    o = shard_rule(  # [2B, S, hv, Dv]
         *(rows(y) for y in (q, k, v, g, beta)),
+        exchange,
+        kernel=call.kernel,
         chunk_size=call.chunk_size,
-        use_qk_l2norm_in_kernel=True,
+        widened=True,
         doc_starts=None if docs is None else np.stack([d.local for d in docs]),
     )
-    exchange = EXCHANGES[state_mode](outer, across)
-    o = xp.cast(shard_outputs(prep, exchange, widened=True), prep.out_dtype)  # [2B, S, hv, Dv]
     bsz = o.shape[0] // len(segments)
     o = xp.cat(xp.split(o, [bsz] * len(segments), 0), 1).reshape(
         bsz, sum(node), mine.v_count * call.dims.head_v_dim

@@ -33,7 +33,7 @@ import numpy as np
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.plan import head_split_error
-from hyperpar_gdn.ops import chunk_gated_delta_rule, outputs_from, prepare_chunks
+from hyperpar_gdn.ops.gdn.kernels import gdn_rule
 from hyperpar_gdn.ops.gdn.layer import (
     LayerDims,
     conv_silu,
@@ -286,16 +286,18 @@ def heads_whole_sequence(
     q, k, v, g, beta = local_heads(
         xp, call, mine, full, lambda conv_in, weight: conv_silu(xp, conv_in, weight, doc_starts=whole)
     )
-    rule = {"chunk_size": call.chunk_size, "use_qk_l2norm_in_kernel": True}
-    if whole is None:
-        return chunk_gated_delta_rule(q, k, v, g, beta, **rule, output_final_state=final_state)
-    if final_state:  # a packed prefill: fla's cu_seqlens form gives every document's last state
-        cu_seqlens = np.unique(np.concatenate([[0], np.flatnonzero(whole), [len(whole)]]))
-        return chunk_gated_delta_rule(
-            q, k, v, g, beta, **rule, output_final_state=True, cu_seqlens=cu_seqlens
-        )
-    o, _ = outputs_from(prepare_chunks(q, k, v, g, beta, **rule, doc_starts=whole), None)
-    return o, None
+    # one call of the local kernel; a packed prefill gives every document's last state
+    return gdn_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        kernel=call.kernel,
+        chunk_size=call.chunk_size,
+        doc_starts=whole,
+        output_final_state=final_state,
+    )
 
 
 def gather_head_states(cp: CPGroup, dims: LayerDims, s_mine: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ Legend: B batch rows, T whole sequence, T/cp a rank's shard, V vocabulary, C hid
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -41,6 +42,7 @@ from hyperpar_gdn.distributed.planner import choose_plan
 from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
 from hyperpar_gdn.integrations.transformers.notices import hide_expected_notices, one_line_if_uncaught
 from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_trainer_setup
+from hyperpar_gdn.ops.gdn.kernels import check_kernel, platform_of, resolve_kernel
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 
 __all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
@@ -66,6 +68,8 @@ class ContextParallelMixin:
     - ``cp_layout``: ``"head_tail"`` or ``"contiguous"``; None: head_tail when the model has
       softmax-attention layers (equal attention work per rank), else contiguous.
     - ``cp_chunk_size``: chunk of the gated delta rule (64).
+    - ``gdn_kernel``: the GDN layers' local kernel, ``"auto"`` (fla's Triton kernels on CUDA and
+      Ascend where they import, else ours), ``"fla"`` or ``"native"`` (docs/backends.md).
 
     Batches ``[B, T]`` need T divisible by cp (2*cp for head_tail): pad with the collator's
     ``pad_to_multiple_of``. Packed rows (``position_ids`` restarting per document, B = 1) train as
@@ -81,8 +85,10 @@ class ContextParallelMixin:
         cp_chunk_size: int = 64,
         cp_inner_size: int | None = None,
         cp_seq_len: int | None = None,
+        gdn_kernel: str = "auto",
         **kwargs: Any,
     ) -> None:
+        check_kernel(gdn_kernel)
         model = kwargs.get("model", args[0] if args else None)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         try:
@@ -121,6 +127,7 @@ class ContextParallelMixin:
                 dtype="bfloat16" if self.args.bf16 else "float32",
                 chunk_size=setup.chunk_size,
             )
+            self.cp_plan = dataclasses.replace(self.cp_plan, kernel=gdn_kernel)
             apply_context_parallel(self.model, self.cp_mesh["cp"], plan=self.cp_plan)
         except _REFUSALS as error:
             one_line_if_uncaught(error, name=type(self).__name__)
@@ -138,13 +145,15 @@ class ContextParallelMixin:
 
     def cp_header(self) -> str:
         """What runs where, in one line: ``context parallelism: cp 2 x dp 1 (2 processes, cpu),
-        mode p2p, layout head_tail, kernel native`` (``mode auto: <its choice>`` for auto)."""
+        mode p2p, layout head_tail, kernel native (...why)`` (``mode auto: <its choice>`` for auto)."""
         setup, plan = self.cp_setup, self.cp_plan
+        kernel = resolve_kernel(plan.kernel, platform=platform_of(next(self.model.parameters())))
         mode = plan.mode if setup.plan is not None else f"auto: {plan.mode}"
         inner = "" if plan.inner_size is None else f", inner size {plan.inner_size}"
         return (
             f"context parallelism: cp {setup.cp} x dp {setup.dp} ({setup.world} processes, "
-            f"{self.args.device.type}), mode {mode}{inner}, layout {plan.layout}, kernel native"
+            f"{self.args.device.type}), mode {mode}{inner}, layout {plan.layout}, kernel {kernel.name} "
+            f"({kernel.reason})"
         )
 
     # --- data ------------------------------------------------------------------------------------

@@ -18,18 +18,27 @@ Legend: B batch, C conv channels, W conv width, H value heads, K/V head dims.
 
 from __future__ import annotations
 
+from hyperpar_gdn.ops.gdn.kernels import decode_rule
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, finish, gates, head_dims, project, split_heads
-from hyperpar_gdn.ops.gdn.naive import recurrent_gated_delta_rule
 from hyperpar_gdn.platform import Tensor, TensorOps
 
 __all__ = ["gdn_decode_step"]
 
 
 def gdn_decode_step(
-    xp: TensorOps, w: LayerWeights, dims: LayerDims, x: Tensor, conv_BCW: Tensor, state_BHKV: Tensor
+    xp: TensorOps,
+    w: LayerWeights,
+    dims: LayerDims,
+    x: Tensor,
+    conv_BCW: Tensor,
+    state_BHKV: Tensor,
+    *,
+    kernel: str = "native",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x ``[B, 1, hidden]`` (the next token's input), conv state ``[B, C, W]``, recurrent state
-    ``[B, H, K, V]`` -> (output ``[B, 1, hidden]``, new conv state, new recurrent state)."""
+    ``[B, H, K, V]`` -> (output ``[B, 1, hidden]``, new conv state, new recurrent state).
+    ``kernel``: ``"native"`` (step 3 above) or ``"fla"`` (fla's fused recurrent kernel,
+    :mod:`hyperpar_gdn.ops.gdn.kernels`)."""
     b, t, _ = x.shape
     if t != 1:
         raise ValueError(
@@ -46,7 +55,5 @@ def gdn_decode_step(
     conv_out = xp.silu(xp.sum(window * weight, -1, keepdim=True))  # [B, C, 1]
     q, k, v = split_heads(xp, xp.cast(xp.swapaxes(conv_out, 1, 2), xp.dtype(x)), **head_dims(dims))
     g, beta = gates(xp, beta_logits, decay_logits, w.a_log, w.dt_bias)
-    o, state = recurrent_gated_delta_rule(
-        q, k, v, g, beta, initial_state=state_BHKV, output_final_state=True, use_qk_l2norm_in_kernel=True
-    )
+    o, state = decode_rule(q, k, v, g, beta, state_BHKV, kernel=kernel)
     return finish(xp, w, dims, xp.cast(o, xp.dtype(x)), z), window, state

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.ops.gdn.chunk import chunk_gated_delta_rule, outputs_from, prepare_chunks
+from hyperpar_gdn.ops.gdn.kernels import gdn_rule
 from hyperpar_gdn.ops.gdn.varlen import check_doc_starts, conv_tap_masks, packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates, conv_state_of
 from hyperpar_gdn.ops.rms_norm_vjp import written_gated_rms_norm
@@ -362,8 +362,10 @@ def gdn_layer_forward(
     chunk_size: int = 64,
     doc_starts: Any = None,
     output_final_state: bool = False,
+    kernel: str = "native",
 ) -> Any:
-    """The whole layer on one device: x ``[B, T, hidden]`` -> ``[B, T, hidden]``.
+    """The whole layer on one device: x ``[B, T, hidden]`` -> ``[B, T, hidden]``; ``kernel``: the
+    local kernel of the rule, ``"native"`` or ``"fla"`` (:mod:`hyperpar_gdn.ops.gdn.kernels`).
 
     ``doc_starts`` (bool ``[T]``, B = 1): packed documents; the conv and the state restart at
     every True (token 0 starts the first document whatever it says).
@@ -377,22 +379,17 @@ def gdn_layer_forward(
     mixed, z, b, a = project(xp, w, x)
     q, k, v = split_heads(xp, conv_silu(xp, mixed, w.conv, doc_starts=doc_starts), **head_dims(dims))
     g, beta = gates(xp, b, a, w.a_log, w.dt_bias)
-    if doc_starts is None:
-        o, s = chunk_gated_delta_rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            chunk_size=chunk_size,
-            use_qk_l2norm_in_kernel=True,
-            output_final_state=output_final_state,
-        )
-    else:
-        prep = prepare_chunks(
-            q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=True, doc_starts=doc_starts
-        )
-        o, _ = outputs_from(prep, None)
+    o, s = gdn_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        kernel=kernel,
+        chunk_size=chunk_size,
+        doc_starts=doc_starts,
+        output_final_state=output_final_state,
+    )
     y = finish(xp, w, dims, o, z)
     if output_final_state:
         return y, (conv_state_of(xp, mixed, dims.conv_kernel_size), s)

@@ -1,8 +1,9 @@
 """Tensor parallelism of whole models (real gloo ranks): logits and every parameter gradient equal
 the one-process model.
 
-- tp = 2 alone: transformers' Qwen3.5 (dense and MoE) and our HybridLM on a batch of 2; the bytes
-  of every TP all-reduce equal docs/tensor_parallel.md's formula; per-rank parameters ~0.5x.
+- tp = 2 alone: transformers' Qwen3.5 (dense and MoE, with and without activation checkpointing)
+  and our HybridLM on a batch of 2; the bytes of every TP all-reduce equal docs/tensor_parallel.md's
+  formula; per-rank parameters ~0.5x; the whole state in the single-device layout.
 - tp = 2 x cp = 2 (4 ranks, mesh (cp, tp)): every one-level CP mode in both layouts and three
   two-level runs on packed documents against each document alone on one process (dense model),
   a mode per layout for MoE and HybridLM; the multimodal model's language model.
@@ -71,6 +72,13 @@ def _tp_worker(rank: int, world: int, kind: str) -> dict[str, float]:
         errors[name] = _rel(grads[name], p.grad)
     state = canonical_state_dict(model)
     errors["state_dict"] = max(_rel(state[n], v) for n, v in base.state_dict().items())
+    if kind != "hybrid":  # activation checkpointing: each block's forward (and all-reduce) runs again
+        recomputed = apply_tensor_parallel(copy.deepcopy(base), mesh["tp"])
+        recomputed.gradient_checkpointing_enable()
+        recomputed.train()
+        (_logits(recomputed, ids) * weight).sum().backward()
+        again = canonical_grads(recomputed)
+        errors["checkpointed"] = max(_rel(again[n], p.grad) for n, p in ref.named_parameters())
     blocks = 2 * len(base.model.layers if hasattr(base, "model") else base.layers)
     activation = ids.numel() * base.config.hidden_size * 8  # [B, T, hidden] fp64
     replicated = sum(

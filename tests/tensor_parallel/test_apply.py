@@ -8,7 +8,8 @@ the one-process model.
   two-level runs on packed documents against each document alone on one process (dense model),
   a mode per layout for MoE and HybridLM; the multimodal model's language model.
 - dp 2 x cp 2 x tp 2 (8 ranks, torch mesh): FSDP2 over the flattened (dp, cp) axis, TP, CP.
-- tp = 4 over 2 K/V heads (whole K/V projections); wrong set-ups: every rank raises the same
+- tp = 4 over 2 K/V heads (whole K/V projections); a DCP checkpoint saved at tp 2, loaded at
+  tp 4; wrong set-ups: every rank raises the same
   one-line error before any communication, the model as it was.
 Tolerances as in test_models_varlen (transformers' GDN gates are fp32 in an fp64 model)."""
 
@@ -245,13 +246,36 @@ CASES = {  # config overrides, the error's words
 }
 
 
+def _hybrid_tp4_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = HybridLMConfig(vocab_size=61, hidden_size=32, num_layers=4, linear_num_key_heads=4)
+    return HybridLM(config).double()
+
+
+def _dcp_across_tp(rank: int, world: int, directory: str) -> float:
+    """A DCP checkpoint of a tp = 2 model (2 replicas) loaded into a tp = 4 model of other weights:
+    the whole state then equals the saved model's (the fused rows' order does not depend on tp)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = _hybrid_tp4_model(0)
+    expected = {n: v.clone() for n, v in saved.state_dict().items()}
+    apply_tensor_parallel(saved, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"])
+    dcp.save(saved.state_dict(), checkpoint_id=directory)
+    loaded = apply_tensor_parallel(
+        _hybrid_tp4_model(1), init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    )
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=directory)
+    loaded.load_state_dict(state)
+    whole = canonical_state_dict(loaded)
+    return max(_rel(whole[n], v) for n, v in expected.items())
+
+
 def _tp4_whole_kv(rank: int, world: int) -> float:
     """HybridLM at tp = 4 with 2 K/V heads: each rank uses the K/V head of its query heads from
     whole K/V projections (their gradients summed); logits and gradients against one process."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    torch.manual_seed(0)
-    config = HybridLMConfig(vocab_size=61, hidden_size=32, num_layers=4, linear_num_key_heads=4)
-    base = HybridLM(config).double()
+    base = _hybrid_tp4_model(0)
     ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(4))
     ref = copy.deepcopy(base)
     ref_logits = ref(ids)
@@ -266,19 +290,22 @@ def _tp4_whole_kv(rank: int, world: int) -> float:
     )
 
 
-def _errors_worker(rank: int, world: int) -> dict[str, object]:
+def _errors_worker(rank: int, world: int, directory: str) -> dict[str, object]:
     return {
         "tp4": _tp4_whole_kv(rank, world),
+        "dcp": _dcp_across_tp(rank, world, directory),
         **{case: _error_worker(rank, world, case) for case in CASES},
     }
 
 
-def test_tp4_whole_kv_heads_and_wrong_setups() -> None:
-    """4 ranks: tp = 4 over 2 K/V heads equals one process; each wrong set-up fails on every rank
-    with the same one-line error before any communication, the model as it was."""
-    outcomes = run_ranks(_errors_worker, 4, timeout_s=240)
+def test_tp4_whole_kv_heads_dcp_and_wrong_setups(tmp_path) -> None:
+    """4 ranks: tp = 4 over 2 K/V heads equals one process; a DCP checkpoint saved at tp = 2 loads
+    at tp = 4; each wrong set-up fails on every rank with the same one-line error before any
+    communication, the model as it was."""
+    outcomes = run_ranks(_errors_worker, 4, str(tmp_path / "dcp"), timeout_s=240)
     for rank, outcome in enumerate(outcomes):
         assert outcome.pop("tp4") <= TOL, f"rank {rank}: tp = 4 differs from one process"
+        assert outcome.pop("dcp") == 0, f"rank {rank}: the state loaded at tp = 4 is not the saved one"
     for case, (_, words) in CASES.items():
         seen = {o[case] for o in outcomes}
         assert len(seen) == 1, f"{case}: {seen}"  # the same on every rank

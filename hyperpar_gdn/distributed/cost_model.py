@@ -22,7 +22,13 @@ ulysses+<state mode>    ulysses over k = inner ranks on     then the state mode 
                         the node's T k/cp tokens            for H/k heads
 ======================  ==================================  =====================================
 
-The state modes also move the conv halo (2 B (W-1) conv_dim e) and run a widened pass on every
+The bytes are the worst rank's; :func:`rank_bytes_sent` gives every rank's, as this implementation
+sends them (checked against a trace of the collectives of a cp = 8 step, tests/distributed/
+test_fake_cuda_trace.py): scan's first windows send states only (S, not [S | M]); in the head_tail
+layout a rank owns two fragments of the chain, so p2p passes two states each way and all_gather
+moves two summaries per rank. The state modes also move the conv halo (contiguous: 2 B (W-1)
+conv_dim e; head_tail: every rank all-gathers its two fragments' halos, 4 (cp-1) B (W-1) conv_dim e
+with the backward's reduce-scatter) and run a widened pass on every
 shard but the first: about B T/cp H (6 K^2 + 2 C K + 2 K V) FLOPs more than the plain pass (the
 K extra state columns and Q_eff forward, Q_eff^T dO backward; C = 64), about a quarter of the
 rule's own work (measured: +33%, 244 ms against 184 ms for a T=4096, H=4, K=V=128 shard). The shard's
@@ -49,7 +55,7 @@ from dataclasses import dataclass, replace
 from hyperpar_gdn.distributed.cp.scan import scan_rounds
 from hyperpar_gdn.distributed.plan import HEAD_MODES
 
-__all__ = ["MACHINES", "Geometry", "Link", "Machine", "ModeCost", "mode_cost"]
+__all__ = ["MACHINES", "Geometry", "Link", "Machine", "ModeCost", "mode_cost", "rank_bytes_sent"]
 
 SHARED_FLOPS_PER_UNIT = 16.6  # rule fwd+bwd FLOPs per token, head and (K V + C (K + V))
 CHUNK = 64  # C, the chunk size
@@ -157,7 +163,22 @@ class Geometry:
         return 2 * self.hk * self.k + self.h * self.v
 
     def halo_bytes(self) -> float:
+        """The conv halo's two messages on the critical path (forward, and its gradient back)."""
         return 2 * self.b * (self.w - 1) * self.conv_dim * self.e
+
+    def halo_rank_bytes(self, rank: int) -> float:
+        """The conv halo bytes rank ``rank`` sends. Contiguous: its last W-1 rows to the next rank,
+        and the gradient of the previous rank's rows back to it (the first and the last rank send
+        one of the two). head_tail: an all-gather of its two fragments' halos, and the backward's
+        reduce-scatter."""
+        one = self.b * (self.w - 1) * self.conv_dim * self.e
+        if self.head_tail:
+            return 2 * 2 * one * (self.cp - 1)
+        return one * ((rank < self.cp - 1) + (rank > 0))
+
+    def chain_owners(self) -> list[int]:
+        """The rank owning each fragment of the chain, in global order."""
+        return list(range(self.cp)) + (list(reversed(range(self.cp))) if self.head_tail else [])
 
     def widened_flops(self) -> float:
         # forward: K more state columns (4 K^2) and Q_eff (2 K^2 + 2 C K); backward: Q_eff^T dO (2 K V)
@@ -207,6 +228,57 @@ def _ulysses_sent(g: Geometry) -> float:
     return g.b * elements * g.e
 
 
+def _ulysses_rank_sent(g: Geometry, rank: int) -> float:
+    """Bytes rank ``rank`` sends in ulysses' all-to-alls, forward and backward (as
+    :func:`_ulysses_sent`, with its own width w_r in place of the widest)."""
+    per_rank = round(g.h) // g.cp
+    group = max(round(g.h) // max(round(g.hk), 1), 1)
+    kc = [len({i // group for i in range(j * per_rank, (j + 1) * per_rank)}) for j in range(g.cp)]
+    w = [2 * g.k * c + per_rank * (g.v + 2) for c in kc]
+    elements = g.t / g.cp * (sum(w) + (g.cp - 2) * w[rank] + 2 * (g.cp - 1) * per_rank * g.v)
+    return g.b * elements * g.e
+
+
+def _state_rank_sent(mode: str, g: Geometry, rank: int) -> float:
+    """Bytes rank ``rank`` sends in p2p, all_gather or scan, forward and backward, halo included."""
+    state, summary = g.b * g.h * g.k * g.v * 4, g.summary()
+    owners = g.chain_owners()
+    n = len(owners)
+    if mode == "p2p":  # forward along the chain, the gradients back along it
+        hops = sum(owners[i] == rank != owners[i + 1] for i in range(n - 1))
+        hops += sum(owners[i] == rank != owners[i - 1] for i in range(1, n))
+        sent = hops * state
+    elif mode == "all_gather":  # the packed summaries of its fragments, and their gradients
+        sent = 2 * (g.cp - 1) * (n // g.cp) * summary
+    else:  # scan: Hillis-Steele over the fragments, forward then over the reversed chain
+        sent = 0.0
+        for order in (owners, owners[::-1]):
+            d = 1
+            while d < n:
+                for i in range(n - d):
+                    if order[i] == rank != order[i + d]:
+                        sent += state if i < d else summary  # a window from the start sends S only
+                d *= 2
+    return sent + g.halo_rank_bytes(rank)
+
+
+def rank_bytes_sent(mode: str, g: Geometry, rank: int, *, inner_size: int | None = None) -> float:
+    """The bytes CP rank ``rank`` sends to other ranks for one GDN layer, forward and backward, in
+    ``mode`` (the convention of :mod:`hyperpar_gdn.platform.torch_collectives`); the layer's heads
+    must suit the mode (see :func:`mode_cost`)."""
+    if mode == "ulysses_hidden":
+        return 4 * g.b * g.t / g.cp * g.hidden * (g.cp - 1) * g.e
+    if mode == "ulysses":
+        return _ulysses_rank_sent(g, rank)
+    if "+" not in mode:
+        return _state_rank_sent(mode, g, rank)
+    k = inner_size
+    inner_g = Geometry(g.t * k / g.cp, k, g.hk, g.h, g.k, g.v, g.w, g.b, g.e)
+    outer_g = Geometry(g.t, g.cp // k, g.hk / k, g.h / k, g.k, g.v, g.w, g.b, g.e, head_tail=g.head_tail)
+    outer = 0.0 if g.cp == k else _state_rank_sent(mode.split("+")[1], outer_g, rank // k)
+    return _ulysses_rank_sent(inner_g, rank % k) + outer
+
+
 def _ulysses(g: Geometry, span: Span, m: Machine, *, hidden: bool = False) -> tuple[float, float, float]:
     """(bytes sent, messages, seconds) of the two all-to-alls each way; ``hidden``: those of
     ulysses_hidden (the layer's input to every other rank, the output's partial sums back)."""
@@ -227,9 +299,11 @@ def _chain_hops(g: Geometry, span: Span) -> tuple[int, int]:
 
 
 def _state_mode(mode: str, g: Geometry, span: Span, m: Machine) -> tuple[float, float, float, float, float]:
-    """(bytes sent, messages, seconds, extra FLOPs, summary memory) of p2p, all_gather or scan."""
+    """(bytes sent, messages, seconds, extra FLOPs, summary memory) of p2p, all_gather or scan;
+    the bytes are the worst rank's (:func:`rank_bytes_sent`)."""
     halo = g.halo_bytes()
     rate = m.rate(g.b * g.h)  # every rank runs all of the group's heads
+    worst = max(_state_rank_sent(mode, g, r) for r in range(g.cp))
     link = _link(m, span.crosses())
     seconds = 2 * link.latency + halo / link.bandwidth  # the halo's two messages
     if mode == "p2p":
@@ -239,16 +313,16 @@ def _state_mode(mode: str, g: Geometry, span: Span, m: Machine) -> tuple[float, 
         flops = g.widened_flops() + 2 * (near + far) * step
         for count, hop in ((near, m.intra), (far, m.inter)):
             seconds += 2 * count * (hop.latency + state / hop.bandwidth)
-        return 2 * state + halo, 2 * (near + far) + 2, seconds + flops / rate, flops, 2 * state
+        return worst, 2 * (near + far) + 2, seconds + flops / rate, flops, 2 * state
     if mode == "all_gather":
-        sent = 2 * (g.cp - 1) * g.summary()
+        sent = 2 * (g.cp - 1) * (g.n // g.cp) * g.summary()
         flops = g.widened_flops() + 4 * (g.n - 1) * g.b * g.h * g.k**2 * g.v
         seconds += 2 * (g.cp - 1) * link.latency + sent / link.bandwidth + flops / rate
-        return sent + halo, 2 * (g.cp - 1) + 2, seconds, flops, g.cp * g.summary()
+        return worst, 2 * (g.cp - 1) + 2, seconds, flops, g.n * g.summary()
     rounds = 2 * scan_rounds(g.n)
     flops = g.widened_flops() + rounds * 4 * g.b * g.h * g.k**2 * (g.k + g.v)
     seconds += rounds * (link.latency + g.summary() / link.bandwidth) + flops / rate
-    return rounds * g.summary() + halo, rounds + 2, seconds, flops, 3 * g.summary()
+    return worst, rounds + 2, seconds, flops, 3 * g.summary()
 
 
 def mode_cost(mode: str, g: Geometry, m: Machine, *, inner_size: int | None = None) -> ModeCost:
@@ -286,17 +360,17 @@ def _mode_cost(
     # ulysses inside each group of k ranks on the group's T k/cp tokens, then the state mode over
     # the cp/k groups (ranks k apart) for H/k heads and their conv channels
     inner_g = Geometry(g.t * k / g.cp, k, g.hk, g.h, g.k, g.v, g.w, g.b, g.e)
-    sent_u, messages_u, seconds_u = _ulysses(inner_g, Span(k, 1, m.devices_per_node), m)
+    _, messages_u, seconds_u = _ulysses(inner_g, Span(k, 1, m.devices_per_node), m)
     outer_g = Geometry(g.t, outer, g.hk / k, g.h / k, g.k, g.v, g.w, g.b, g.e, head_tail=g.head_tail)
     outer_span = Span(outer, k, m.devices_per_node)
     if outer == 1:
-        sent_s = messages_s = seconds_s = flops = memory = 0.0
+        messages_s = seconds_s = flops = memory = 0.0
     else:
-        sent_s, messages_s, seconds_s, flops, memory = _state_mode(mode.split("+")[1], outer_g, outer_span, m)
+        _, messages_s, seconds_s, flops, memory = _state_mode(mode.split("+")[1], outer_g, outer_span, m)
     return ModeCost(
         mode,
         True,
-        sent_u + sent_s,
+        max(rank_bytes_sent(mode, g, r, inner_size=k) for r in range(g.cp)),
         messages_u + messages_s,
         flops,
         memory,

@@ -41,6 +41,7 @@ from hyperpar_gdn.platform.base import (
     Tensor,
     TensorOps,
 )
+from hyperpar_gdn.platform.device_trace import traced, traced_instance
 
 PLATFORMS = ("cpu", "cuda", "npu", "mindspore")
 
@@ -93,6 +94,10 @@ _MINDSPORE_TARGETS = {"cpu": "CPU", "npu": "Ascend"}
 
 
 def _make_platform(name: str, device_target: str | None = None) -> Platform:
+    if traced(name):  # a trace without the device (device_trace.py): its own instance
+        from hyperpar_gdn.platform.torch_platform import TorchPlatform
+
+        return traced_instance(name, lambda: TorchPlatform(name))
     platform = _INSTANCES.get(name)
     if platform is None:
         if name == "mindspore":

@@ -51,7 +51,9 @@ class TorchOps(TensorOps):
         return torch.eye(n, dtype=like.dtype, device=like.device)
 
     def scalar(self, value: float, like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(value, dtype=like.dtype, device=like.device)
+        # filled on the device: torch.tensor(value, device=...) would copy from the host (on CUDA a
+        # blocking copy); the same value in the same dtype
+        return torch.full((), value, dtype=like.dtype, device=like.device)
 
     def constant(self, array: Any, like: torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(array, device=like.device).to(like.dtype)

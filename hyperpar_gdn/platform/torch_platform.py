@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hyperpar_gdn.platform.base import Group, Platform, PlatformUnavailableError
+from hyperpar_gdn.platform.device_trace import traced
 from hyperpar_gdn.platform.torch_collectives import TorchCollectives
 from hyperpar_gdn.platform.torch_ops import TorchOps
 
@@ -97,13 +98,16 @@ class TorchPlatform(Platform):
                 raise PlatformUnavailableError(
                     "platform 'npu' needs torch_npu (and Ascend CANN); importing it failed: " + str(err)
                 ) from err
-        elif name == "cuda" and not torch.cuda.is_available():
+        elif name == "cuda" and not torch.cuda.is_available() and not traced(name):
             raise PlatformUnavailableError(
                 "platform 'cuda' (HP_PLATFORM=cuda or device 'cuda') needs a CUDA device, but "
                 "torch.cuda.is_available() is False on this machine; use the CPU (HP_PLATFORM=cpu, --device cpu)"
             )
         self.ops = TorchOps()
         self.collectives = TorchCollectives()
+        # the collectives' own tensors (all_gather_int) go to this process's device, also when
+        # another library joined the process group (NCCL and HCCL refuse CPU tensors)
+        self.collectives.device = self.device
 
     def __repr__(self) -> str:
         return f"TorchPlatform({self.name!r})"
@@ -121,6 +125,8 @@ class TorchPlatform(Platform):
         return torch.device(self.name, self.local_rank)
 
     def _set_device(self) -> None:
+        if traced(self.name):  # a trace without the device (device_trace.py): nothing to select
+            return
         if self.name == "cuda":
             torch.cuda.set_device(self.local_rank)
         elif self.name == "npu":
@@ -140,7 +146,7 @@ class TorchPlatform(Platform):
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         if dist.is_initialized():
             current = dist.get_backend()
-            if current != self.backend:
+            if current != self.backend and not traced(self.name):
                 raise RuntimeError(
                     f"a default process group with backend {current!r} already exists; "
                     f"platform {self.name!r} needs {self.backend!r}"

@@ -171,7 +171,10 @@ def _global_sequence(
     by_rank = xp.to_numpy(whole)  # the ranks' pieces one after the other
     _warn_if_whole_sequence_everywhere(by_rank, lengths)
     whole = tokens_layout.to_global(xp, whole, 2)  # global order (head_tail: pieces reordered)
-    on_host = by_rank if tokens_layout.is_contiguous else xp.to_numpy(whole)
+    on_host = by_rank  # the same reorder on the host: one copy to the host per forward, not two
+    if not tokens_layout.is_contiguous:
+        on_host = np.empty_like(by_rank)
+        on_host[..., np.concatenate([tokens_layout.positions(r) for r in range(len(lengths))])] = by_rank
     padded = bool((on_host[1] == 0).any())  # the same choice on every rank
     cu = _packed_cu_seqlens(arguments, on_host[0], on_host[1] != 0)
     count = _labelled_tokens(by_rank[3], lengths) if count_labels else None

@@ -52,3 +52,22 @@ def test_a_config_without_gdn_sizes_is_refused() -> None:
     with pytest.raises(ValueError, match="no linear_num_key_heads"):
         cp_payoff(model_config={"hidden_size": 64}, seq_len=128, cp=2, mode="p2p", layout="contiguous",
                   device="cpu")  # fmt: skip
+
+
+def test_the_readme_names_the_first_runs_break_even() -> None:
+    """README.md's first run: the length from which the cost model expects a gain is the one its
+    header's note gives (the default run's model, mode, layout and length)."""
+    import re
+    from pathlib import Path
+
+    from hyperpar_gdn.train.config import TrainConfig
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    said = re.search(r"\(about ([\d,]+) tokens per sequence for this model", readme)
+    assert said, "README.md no longer says where the first run's CP starts to pay"
+    config = TrainConfig()
+    payoff = cp_payoff(
+        model_config=config.model.to_dict(), seq_len=config.seq_len, cp=2, mode=config.cp_mode,
+        layout=config.token_layout(), device="cpu",
+    )  # fmt: skip
+    assert payoff.speedup < 1 and int(said[1].replace(",", "")) == payoff.break_even

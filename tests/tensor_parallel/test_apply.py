@@ -4,7 +4,7 @@ the one-process model.
 - tp = 2 alone: transformers' Qwen3.5 (dense and MoE, with and without activation checkpointing)
   and our HybridLM on a batch of 2; the bytes of every TP all-reduce equal docs/tensor_parallel.md's
   formula; per-rank parameters ~0.5x; the whole state in the single-device layout.
-- tp = 2 x cp = 2 (4 ranks, mesh (cp, tp)): every one-level CP mode in both layouts and three
+- tp = 2 x cp = 2 (4 ranks, mesh (cp, tp)): every one-level CP mode in both layouts and five
   two-level runs on packed documents against each document alone on one process (dense model),
   a mode per layout for MoE and HybridLM; the multimodal model's language model.
 - dp 2 x cp 2 x tp 2 (8 ranks, torch mesh): FSDP2 over the flattened (dp, cp) axis, TP, CP.
@@ -159,13 +159,15 @@ def _tp_cp_worker(
     return errors
 
 
-# (mode, layout, inner_size): every one-level mode in both layouts; two levels (contiguous only)
-# with ulysses over both CP ranks (inner 2) or over one (inner 1, the state mode across both)
+# (mode, layout, inner_size): every one-level mode in both layouts; two levels with ulysses over
+# both CP ranks (inner 2) or over one (inner 1, the state mode across both), in both layouts
 DENSE_RUNS = (
     *((mode, layout, None) for layout in ("contiguous", "head_tail") for mode in CP_MODES),
     ("ulysses+p2p", "contiguous", 2),
     ("ulysses+scan", "contiguous", 1),
     ("ulysses+all_gather", "contiguous", 2),
+    ("ulysses+p2p", "head_tail", 1),
+    ("ulysses+scan", "head_tail", 2),
 )
 MOE_RUNS = (("p2p", "contiguous", None), ("ulysses", "head_tail", None))
 HYBRID_RUNS = (("ulysses_hidden", "contiguous", None), ("scan", "head_tail", None))

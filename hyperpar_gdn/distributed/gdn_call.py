@@ -50,33 +50,35 @@ def signature_binder(forward: Callable) -> Callable[..., CallArgs]:
             cu_seqlens=cu if cu is not None else cu_q,
             position_ids=bound.pop("position_ids", None),
         )
+        if any(isinstance(v, GlobalSequence) for v in (call.attention_mask, call.cu_seqlens)):
+            raise TypeError(
+                f"{owner}: the whole sequence's description goes in cp_context=, not in another argument"
+            )
         refuse_unhandled(owner, bound)
         return call
 
     return bind
 
 
-def whole_sequence(call: CallArgs, layout: str) -> tuple[GlobalSequence | None, Any]:
-    """The :class:`GlobalSequence` a whole model's forward built once for all its layers (passed
-    as ``attention_mask``, transformers, or ``cu_seqlens``, HybridLM), or None; and the
-    attention_mask argument when it is not that object."""
-    given = [v for v in (call.attention_mask, call.cu_seqlens) if isinstance(v, GlobalSequence)]
-    if not given:
-        return None, call.attention_mask
-    seq = given[0]
+def check_context(seq: GlobalSequence, call: CallArgs, layout: str) -> None:
+    """Check the per-forward context a whole model passed (``cp_context=``) against this layer's
+    layout and call: the context describes the padding and the documents, so the call carries
+    neither ``attention_mask`` nor ``cu_seqlens``."""
+    if not isinstance(seq, GlobalSequence):
+        raise TypeError(
+            f"cp_context must be a GlobalSequence (built by the model's forward); got {type(seq).__name__}"
+        )
     if seq.layout != layout:
         raise ValueError(
             f"the model's forward passed a sequence in layout={seq.layout!r} to a GDN "
             f"layer parallelized with layout={layout!r}"
         )
-    others = {"attention_mask": call.attention_mask, "cu_seqlens": call.cu_seqlens}
-    extra = sorted(k for k, v in others.items() if v is not None and not isinstance(v, GlobalSequence))
-    if extra or len(given) > 1:
+    extra = sorted(k for k in ("attention_mask", "cu_seqlens") if getattr(call, k) is not None)
+    if extra:
         raise ValueError(
-            f"the model's forward describes the whole sequence (its padding and documents) once; "
-            f"the layer got {', '.join(extra) or 'it twice'} as well"
+            f"the model's forward describes the whole sequence (its padding and documents) once, in "
+            f"cp_context; the layer got {', '.join(extra)} as well"
         )
-    return seq, None
 
 
 def from_global_sequence(seq: GlobalSequence, rank: int) -> tuple[list[int], Tensor | None]:

@@ -20,13 +20,13 @@ from hyperpar_gdn.distributed.cp.ulysses_hidden import ulysses_hidden_forward
 from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.gdn_call import (
     CallArgs,
+    check_context,
     check_known,
     check_lengths,
     from_global_sequence,
     packing_error,
     shard_error,
     signature_binder,
-    whole_sequence,
 )
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
@@ -40,6 +40,7 @@ from hyperpar_gdn.distributed.plan import (
     first,
     plan_errors,
 )
+from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence
 from hyperpar_gdn.ops.gdn.kernels import GDNKernel, kernel_for_inputs, platform_of, resolve_kernel
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
 from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens, packed_doc_starts
@@ -175,35 +176,50 @@ class LinearAttentionContextParallel(ParallelStyle):
         levels = make_levels(cp_mesh.platform, group, list(ranks), self.inner_size, replicas=replicas)
         self._levels_by_ranks[ranks] = levels
 
-    def install(self, module: Any, cp_mesh: DeviceMesh) -> Any:
+    def install(self, module: Any, cp_mesh: DeviceMesh, *, holder: ContextHolder | None = None) -> Any:
         """Install the CP forward on ``module`` (checked and agreed on by :meth:`apply` or
-        :func:`~hyperpar_gdn.apply_context_parallel`)."""
+        :func:`~hyperpar_gdn.apply_context_parallel`). ``holder``: where a transformers model's
+        forward leaves its per-forward context (its decoder layers pass the GDN layer no keyword)."""
         group = CPGroup.of(cp_mesh)
 
         def make_forward(original: Callable) -> Callable:
             bind = signature_binder(original)
 
             def forward(
-                hidden_states: Any, *args: Any, prefill_states: PrefillStates | None = None, **kwargs: Any
+                hidden_states: Any,
+                *args: Any,
+                prefill_states: PrefillStates | None = None,
+                cp_context: GlobalSequence | None = None,
+                **kwargs: Any,
             ) -> Any:
                 call_args = bind(hidden_states, *args, **kwargs)
-                return self._forward(module, group, hidden_states, call_args, prefill_states)
+                if cp_context is None and holder is not None:
+                    cp_context = holder.current
+                return self._forward(module, group, hidden_states, call_args, prefill_states, cp_context)
 
             return forward
 
         return self._install(module, make_forward, layout=self.layout)
 
     def _forward(
-        self, module: Any, cp: CPGroup, x: Any, call_args: CallArgs, states: PrefillStates | None
+        self,
+        module: Any,
+        cp: CPGroup,
+        x: Any,
+        call_args: CallArgs,
+        states: PrefillStates | None,
+        seq: GlobalSequence | None,
     ) -> Any:
         """The CP forward of one call; ``states``: an inference prefill's record, handed the
-        layer's decoding state of the whole sequence on every rank (any mode, any layout)."""
+        layer's decoding state of the whole sequence on every rank (any mode, any layout);
+        ``seq``: the model's per-forward context, or None (a layer called on its own)."""
         owner = type(self).__name__
         x, wrap = as_sequence_shard(x, owner=owner, layout=self.layout)
-        seq, attention_mask = whole_sequence(call_args, self.layout)
+        attention_mask = call_args.attention_mask
         known = None  # the shard lengths, when the model's forward already exchanged them
         cu_seqlens = call_args.cu_seqlens
         if seq is not None:
+            check_context(seq, call_args, self.layout)
             known, attention_mask = from_global_sequence(seq, cp.rank)
             cu_seqlens = seq.cu_seqlens  # host ints: no copy to the host in this layer
         attention_mask, _ = as_sequence_shard(attention_mask, owner=owner, layout=self.layout)

@@ -29,7 +29,7 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers, is_parallelized
 from hyperpar_gdn.distributed.plan import CPPlan, agree_on_plan, check_mode, first
 from hyperpar_gdn.distributed.planner import choose_plan
-from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths
+from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence, exchange_lengths
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
 
 __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
@@ -113,21 +113,20 @@ def apply_context_parallel(
     agree_on_plan(cp_mesh, plan, shapes, first(errors))
     linear_style.make_groups(cp_mesh)  # two levels: collective, before anything changes
     softmax_style = SoftmaxAttentionContextParallel(layout=plan.layout)
+    holder = ContextHolder() if from_transformers(text_model) else None  # HybridLM: cp_context=
     done: list[Any] = []
     try:
         if from_transformers(text_model):
             from hyperpar_gdn.integrations.transformers.hooks import install_hooks
 
-            installed = install_hooks(model, outer, text_model, cp_mesh, plan.layout)
+            installed = install_hooks(model, outer, text_model, cp_mesh, plan.layout, holder)
         else:
             installed = False
         if not installed:  # HybridLM: its forward takes cp_layout= and checks it
             ParallelStyle._install(model, lambda original: _per_forward(original, cp_mesh, plan.layout))
         for kind, module in mixers:
-            if kind == "linear_attn":
-                linear_style.install(module, cp_mesh)
-            else:
-                softmax_style.install(module, cp_mesh)
+            style = linear_style if kind == "linear_attn" else softmax_style
+            style.install(module, cp_mesh, holder=holder)
             done.append(module)
     except BaseException:  # leave the model as it was
         for module in done:
@@ -210,7 +209,8 @@ def _per_forward(original: Any, mesh: DeviceMesh, layout: str) -> Any:
     """HybridLM's forward under context parallelism: it takes a ``cp_layout`` keyword (refused when
     it is not the model's) and describes the whole sequence once per forward for every mixer: one
     exchange of the shard lengths (every rank stops on any rank's bad input) and one host copy of
-    ``cu_seqlens``, in a :class:`GlobalSequence` passed to the blocks as their ``cu_seqlens``."""
+    ``cu_seqlens``, in a :class:`GlobalSequence` passed to the blocks as ``cp_context=`` (which
+    then carries the documents: ``cu_seqlens`` goes on as None)."""
     signature = inspect.signature(original)
 
     def forward(*args: Any, cp_layout: str | None = None, **kwargs: Any) -> Any:
@@ -222,7 +222,8 @@ def _per_forward(original: Any, mesh: DeviceMesh, layout: str) -> Any:
         if error is None and cu_seqlens is not None and input_ids.shape[0] != 1:
             error = f"packed documents (cu_seqlens) need batch size B=1; got B={input_ids.shape[0]}"
         lengths = exchange_lengths(mesh, None if error else input_ids.shape[1], error)
-        bound.arguments["cu_seqlens"] = GlobalSequence.build(lengths, layout=layout, cu_seqlens=cu_seqlens)
+        bound.arguments["cu_seqlens"] = None
+        bound.arguments["cp_context"] = GlobalSequence.build(lengths, layout=layout, cu_seqlens=cu_seqlens)
         return original(*bound.args, **bound.kwargs)
 
     return forward

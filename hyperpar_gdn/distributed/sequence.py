@@ -1,11 +1,14 @@
-"""The whole sequence as the softmax-attention layers under context parallelism see it.
+"""The per-forward context of a model under context parallelism: the whole sequence as its mixers see it.
 
 Rank r holds the r-th contiguous piece of every row (``lengths[r]`` tokens; pieces may differ),
 or, in the head_tail layout, pieces r and 2cp-1-r of 2*cp (:mod:`.layout`).
 An attention layer needs, besides its own queries, the keys of every earlier piece, where the
 padding is and, for packed documents, which document each key belongs to. A model computes this
 :class:`GlobalSequence` once per forward (one exchange of lengths, one small all-gather) and
-hands it to every mixer. It also carries every host-side description of the sequence (the
+hands it to every mixer explicitly: as the ``cp_context=`` keyword where this library owns the
+signatures (HybridLM, its blocks, the styles' forwards), and for transformers models through a
+:class:`ContextHolder` that the model's forward pre-hook fills and the mixers read (transformers'
+decoder layers pass no extra keyword to their GDN layer). It also carries every host-side description of the sequence (the
 piece lengths, the padding mask and the packed documents' boundaries as numpy arrays), so that no
 layer copies a device tensor to the host: on a GPU or NPU each such copy is a synchronisation
 that stalls the launch queue, and it would be paid once per layer.
@@ -84,6 +87,29 @@ class GlobalSequence:
         if self.cu_seqlens is None:
             return None
         return np.repeat(np.arange(len(self.cu_seqlens) - 1), np.diff(self.cu_seqlens))
+
+
+class ContextHolder:
+    """Where a transformers model's forward pre-hook leaves the :class:`GlobalSequence` of the
+    current forward for its mixers (one holder per model, made by
+    :func:`~hyperpar_gdn.apply_context_parallel`).
+
+    The context stays until the next forward replaces it, so a layer recomputed under activation
+    checkpointing in the backward reads its own forward's context, provided each backward runs
+    before the next forward (as every training loop does); a recomputation after another forward
+    of other lengths stops with the lengths' error (:func:`~.gdn_call.check_known`)."""
+
+    def __init__(self) -> None:
+        self.current: GlobalSequence | None = None
+
+    def get(self, owner: str) -> GlobalSequence:
+        """The current forward's context; an error naming ``owner`` when no model forward set one."""
+        if self.current is None:
+            raise NotImplementedError(
+                f"{owner} under context parallelism reads the whole sequence's description from its "
+                "model's forward (apply_context_parallel(model, ...)): call the whole model, not the layer alone"
+            )
+        return self.current
 
 
 def gather_pieces(

@@ -15,7 +15,7 @@ from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.layout import check_layout
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
-from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths
+from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence, exchange_lengths
 from hyperpar_gdn.distributed.softmax_attention import attention_forward, shard_error
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
@@ -90,31 +90,45 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
             )
         return None
 
-    def install(self, module: Any, cp_mesh: Any) -> Any:
+    def install(self, module: Any, cp_mesh: Any, *, holder: ContextHolder | None = None) -> Any:
         """Install the CP forward on ``module`` (checked by :meth:`apply` or
-        :func:`~hyperpar_gdn.apply_context_parallel`)."""
+        :func:`~hyperpar_gdn.apply_context_parallel`); ``holder``: where a transformers model's
+        forward leaves its per-forward context."""
         if from_transformers(module):
             from hyperpar_gdn.integrations.transformers.attention import transformers_attention_forward
 
             return self._install(
                 module,
-                lambda original: transformers_attention_forward(module, cp_mesh, self.layout),
+                lambda original: transformers_attention_forward(
+                    module, cp_mesh, self.layout, holder or ContextHolder()
+                ),
                 layout=self.layout,
             )
         adapter = OwnAttention(module)
 
         def forward(
-            hidden_states: Any, *, cu_seqlens: Any = None, prefill_states: PrefillStates | None = None
+            hidden_states: Any,
+            *,
+            cu_seqlens: Any = None,
+            prefill_states: PrefillStates | None = None,
+            cp_context: GlobalSequence | None = None,
         ) -> Any:
             x_BTC, wrap = as_sequence_shard(hidden_states, owner=type(self).__name__, layout=self.layout)
-            if isinstance(cu_seqlens, GlobalSequence):  # a whole model's forward built it once
+            if isinstance(cu_seqlens, GlobalSequence):
+                raise TypeError("the whole sequence's description goes in cp_context=, not in cu_seqlens=")
+            if cp_context is not None:  # a whole model's forward built it once
+                if cu_seqlens is not None:
+                    raise ValueError(
+                        "the model's forward describes the documents once, in cp_context; the layer got "
+                        "cu_seqlens as well"
+                    )
                 return wrap(
                     attention_forward(
                         adapter,
                         cp_mesh,
                         x_BTC,
                         _checked(
-                            cu_seqlens, self.layout, x_BTC, module.hidden_size, cp_mesh.get_local_rank()
+                            cp_context, self.layout, x_BTC, module.hidden_size, cp_mesh.get_local_rank()
                         ),
                         prefill_states=prefill_states,
                     )

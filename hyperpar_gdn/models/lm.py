@@ -84,18 +84,25 @@ class HybridLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(
-        self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, return_hidden: bool = False
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        cp_context: Any = None,
     ) -> torch.Tensor:
         """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents; every mixer restarts at each
         (under context parallelism: the global boundaries, the same tensor on every rank).
         ``return_hidden``: return the final hidden states ``[B, T, C]`` (after the final norm)
         instead of the logits, for a loss that applies the head itself
-        (:func:`hyperpar_gdn.context_parallel_lm_loss` with ``embed_tokens.weight``)."""
+        (:func:`hyperpar_gdn.context_parallel_lm_loss` with ``embed_tokens.weight``).
+        ``cp_context``: set by :func:`~hyperpar_gdn.apply_context_parallel`'s wrapper of this
+        forward (the whole sequence's description, built once per forward for every mixer)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T]; got shape {tuple(input_ids.shape)}")
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
-            x_BTC = block(x_BTC, cu_seqlens=cu_seqlens)
+            x_BTC = block(x_BTC, cu_seqlens=cu_seqlens, cp_context=cp_context)
         if return_hidden:
             return self.norm(x_BTC)
         return lm_logits(_TORCH, self.norm(x_BTC), self.embed_tokens.weight)

@@ -228,8 +228,10 @@ class DecoderBlockShell:
     ``linear_attn`` (GDN) or ``self_attn`` (softmax), built from a model config's block-building
     interface (:class:`~hyperpar_gdn.models.block_config.DecoderSizes`).
 
-    forward(x ``[B, T, C]``, cu_seqlens=None) -> ``[B, T, C]``; ``cu_seqlens`` (packed documents)
-    goes to the mixer."""
+    forward(x ``[B, T, C]``, cu_seqlens=None, cp_context=None) -> ``[B, T, C]``; ``cu_seqlens``
+    (packed documents) goes to the mixer, and so does ``cp_context`` (the model's per-forward
+    context under context parallelism, :class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`,
+    which then carries the documents)."""
 
     def __init__(self, config: Any, layer_type: str) -> None:
         super().__init__()
@@ -246,10 +248,16 @@ class DecoderBlockShell:
     def mixer(self) -> Any:
         return self.linear_attn if self.layer_type == LINEAR else self.self_attn
 
-    def forward(self, x_BTC: Any, cu_seqlens: Any = None) -> Any:
+    def forward(self, x_BTC: Any, cu_seqlens: Any = None, cp_context: Any = None) -> Any:
+        if cp_context is not None:  # under context parallelism: the model's per-forward context
+            mixer = lambda h: self.mixer(h, cp_context=cp_context)  # noqa: E731
+        elif cu_seqlens is not None:
+            mixer = lambda h: self.mixer(h, cu_seqlens=cu_seqlens)  # noqa: E731
+        else:
+            mixer = self.mixer
         return decoder_block(
             x_BTC,
-            mixer=self.mixer if cu_seqlens is None else lambda h: self.mixer(h, cu_seqlens=cu_seqlens),
+            mixer=mixer,
             mlp=self.mlp,
             input_norm=self.input_layernorm,
             post_norm=self.post_attention_layernorm,

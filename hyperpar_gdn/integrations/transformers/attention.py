@@ -12,7 +12,7 @@ from typing import Any
 
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
-from hyperpar_gdn.distributed.sequence import GlobalSequence
+from hyperpar_gdn.distributed.sequence import ContextHolder
 from hyperpar_gdn.distributed.softmax_attention import attention_forward, shard_error
 from hyperpar_gdn.ops.attention.softmax import finish_attention, project_attention
 from hyperpar_gdn.ops.prefill_states import PrefillStates
@@ -49,7 +49,9 @@ class TransformersAttention:
         return finish_attention(ops_for(o_BTX), o_BTX, gate_BTX, self.module.o_proj)
 
 
-def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str) -> Any:
+def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str, holder: ContextHolder) -> Any:
+    """The CP forward of a transformers Qwen3.5 attention layer; the whole sequence's description
+    comes from ``holder``, filled by the model's forward pre-hook."""
     adapter = TransformersAttention(module)
     hidden_size = module.config.hidden_size
 
@@ -69,15 +71,16 @@ def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str) -
                 f"{type(module).__name__}: attention_dropout={module.attention_dropout} is not supported "
                 "under context parallelism; set config.attention_dropout = 0"
             )
-        if not isinstance(attention_mask, GlobalSequence):
+        if attention_mask is not None:
             raise NotImplementedError(
-                f"{type(module).__name__} under context parallelism needs the whole sequence's layout, "
-                f"which apply_context_parallel(model, ...) passes as its attention_mask; got "
-                f"{type(attention_mask).__name__}: call the whole model, not the layer alone"
+                f"{type(module).__name__} under context parallelism takes the padding from the model's "
+                f"per-forward context, not attention_mask= (got {type(attention_mask).__name__}): call the "
+                "whole model, not the layer alone"
             )
-        if attention_mask.layout != layout:
+        seq = holder.get(type(module).__name__)
+        if seq.layout != layout:
             raise ValueError(
-                f"the model's forward passed a sequence in layout={attention_mask.layout!r} to an attention "
+                f"the model's forward passed a sequence in layout={seq.layout!r} to an attention "
                 f"layer parallelized with layout={layout!r}"
             )
         error = shard_error(hidden_states, hidden_size)
@@ -87,7 +90,7 @@ def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str) -
             adapter,
             mesh,
             hidden_states,
-            attention_mask,
+            seq,
             cos_sin=position_embeddings,
             prefill_states=prefill_states,
         ), None

@@ -116,18 +116,21 @@ class HybridLM(nn.Cell):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         init_normal(self, config.initializer_range)
 
-    def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+    def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None, cp_context: Any = None) -> ms.Tensor:
         """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents (under context parallelism: the
-        global boundaries, the same on every rank)."""
-        hidden_BTC = self.final_hidden_states(input_ids, cu_seqlens)
+        global boundaries, the same on every rank); ``cp_context``: the per-forward context that
+        :func:`~hyperpar_gdn.apply_context_parallel`'s wrapper of this method passes."""
+        hidden_BTC = self.final_hidden_states(input_ids, cu_seqlens, cp_context)
         return lm_logits(ops_for(hidden_BTC), hidden_BTC, self.embed_tokens.weight)
 
-    def final_hidden_states(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+    def final_hidden_states(
+        self, input_ids: ms.Tensor, cu_seqlens: Any = None, cp_context: Any = None
+    ) -> ms.Tensor:
         """``[B, T, C]`` after the final norm: what the tied head (``head_weight``) multiplies."""
         check_input_ids(input_ids)
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
-            x_BTC = block(x_BTC, cu_seqlens)
+            x_BTC = block(x_BTC, cu_seqlens, cp_context)
         return self.norm(x_BTC)
 
     @property

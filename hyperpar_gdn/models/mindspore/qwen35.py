@@ -54,11 +54,11 @@ class Qwen35TextModel(nn.Cell):
         self.layers = nn.CellList([DecoderBlock(config, kind) for kind in config.layer_types])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centred=True)
 
-    def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+    def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None, cp_context: Any = None) -> ms.Tensor:
         check_input_ids(input_ids)
         x_BTC = self.embed_tokens(input_ids)
         for block in self.layers:
-            x_BTC = block(x_BTC, cu_seqlens)
+            x_BTC = block(x_BTC, cu_seqlens, cp_context)
         return self.norm(x_BTC)
 
 
@@ -89,15 +89,18 @@ class Qwen3_5ForCausalLM(nn.Cell):
         """``[V, C]``: ``lm_head.weight``, or the embedding's when tied."""
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+    def construct(self, input_ids: ms.Tensor, cu_seqlens: Any = None, cp_context: Any = None) -> ms.Tensor:
         """``cu_seqlens`` (int ``[N+1]``, B = 1): packed documents (under context parallelism: the
-        global boundaries, the same on every rank)."""
-        hidden_BTC = self.final_hidden_states(input_ids, cu_seqlens)
+        global boundaries, the same on every rank); ``cp_context``: the per-forward context that
+        :func:`~hyperpar_gdn.apply_context_parallel`'s wrapper of this method passes."""
+        hidden_BTC = self.final_hidden_states(input_ids, cu_seqlens, cp_context)
         return lm_logits(ops_for(hidden_BTC), hidden_BTC, self.head_weight)
 
-    def final_hidden_states(self, input_ids: ms.Tensor, cu_seqlens: Any = None) -> ms.Tensor:
+    def final_hidden_states(
+        self, input_ids: ms.Tensor, cu_seqlens: Any = None, cp_context: Any = None
+    ) -> ms.Tensor:
         """``[B, T, C]`` after the final norm: what ``head_weight`` multiplies."""
-        return self.model(input_ids, cu_seqlens)
+        return self.model(input_ids, cu_seqlens, cp_context)
 
     def num_parameters(self) -> int:
         return sum(int(np.prod(p.shape)) for p in self.get_parameters())

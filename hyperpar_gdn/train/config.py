@@ -52,7 +52,7 @@ class TrainConfig:
     cp_inner_size: int | None = option(
         None,
         help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node; "
-        "the CP group is then the whole world and --cp-layout contiguous (default: none, one level)",
+        "it divides --cp-size and the GDN value heads; needs --cp-layout contiguous (default: none, one level)",
     )
     gdn_kernel: str = option(
         "auto",

@@ -79,3 +79,30 @@ def test_decode_steps_on_fla_equal_ours() -> None:
             assert rel_err(out["fla"], out["native"]) < 1e-5, (step, rel_err(out["fla"], out["native"]))
             assert rel_err(states["fla"][1], states["native"][1]) < 1e-5
     assert FLA_CALLS == {"recurrent": 3}
+
+
+def test_model_decode_steps_on_fla_equal_ours() -> None:
+    """Our HybridLM (GDN heads of K = V = 32) after a prompt: decode steps with gdn_kernel="fla"
+    give ours' logits (1e-5) and greedy tokens, one fla recurrent call per GDN layer and step."""
+    from hyperpar_gdn.inference.decoding import decode_step, prefill
+    from hyperpar_gdn.models import HybridLM, HybridLMConfig
+
+    torch.manual_seed(0)
+    config = HybridLMConfig(
+        num_layers=4, vocab_size=61, initializer_range=0.3, linear_key_head_dim=32, linear_value_head_dim=32
+    )
+    model = HybridLM(config).eval()
+    ids = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(1))
+    logits, state = prefill(model, ids)
+    states = {"fla": state, "native": state}
+    token = logits.argmax(-1, keepdim=True)
+    FLA_CALLS.clear()
+    for step in range(3):
+        out = {}
+        for kernel in states:
+            out[kernel], states[kernel] = decode_step(model, states[kernel], token, gdn_kernel=kernel)
+        assert rel_err(out["fla"], out["native"]) < 1e-5, (step, rel_err(out["fla"], out["native"]))
+        assert torch.equal(out["fla"].argmax(-1), out["native"].argmax(-1))
+        token = out["native"].argmax(-1, keepdim=True)
+    gdn_layers = sum(block.layer_type == "linear_attention" for block in model.layers)
+    assert FLA_CALLS == {"recurrent": 3 * gdn_layers}

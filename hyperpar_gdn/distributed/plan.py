@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyperpar_gdn.distributed.layout import LAYOUTS, check_layout
-from hyperpar_gdn.ops.gdn.kernels import check_kernel
+from hyperpar_gdn.ops.gdn.kernels import KERNELS, check_kernel
 
 __all__ = [
     "HEAD_MODES",
@@ -230,8 +230,8 @@ def plan_errors(plan: CPPlan, gdn_dims: Sequence[tuple[int, Any]], *, cp: int, r
 # --- the ranks agree ---------------------------------------------------------------------------------
 # One int64 per rank: the plan's fields and the model's shapes packed into bit fields, so that a
 # difference can be named (which field, which value on which ranks). -1: this rank refused its set-up.
-_FIELDS = (("mode", 4), ("layout", 2), ("inner_size", 8), ("chunk_size", 12), ("GDN layers", 8),
-           ("layer shapes", 26))  # fmt: skip
+_FIELDS = (("mode", 4), ("layout", 2), ("kernel", 2), ("inner_size", 8), ("chunk_size", 12),
+           ("GDN layers", 8), ("layer shapes", 24))  # fmt: skip
 
 
 def _fingerprint(plan: CPPlan, layers: Sequence[tuple[str, tuple]]) -> list[int]:
@@ -239,6 +239,7 @@ def _fingerprint(plan: CPPlan, layers: Sequence[tuple[str, tuple]]) -> list[int]
     return [
         MODES.index(plan.mode) if plan.mode in MODES else len(MODES) + TWO_LEVEL_MODES.index(plan.mode),
         LAYOUTS.index(plan.layout),
+        KERNELS.index(plan.kernel),
         plan.inner_size or 0,
         plan.chunk_size,
         sum(1 for kind, _ in layers if kind == "linear_attn"),
@@ -266,8 +267,9 @@ def _shown(name: str, value: int) -> str:
     if name == "mode":
         both = MODES + TWO_LEVEL_MODES
         return repr(both[value]) if value < len(both) else str(value)
-    if name == "layout":
-        return repr(LAYOUTS[value]) if value < len(LAYOUTS) else str(value)
+    for key, names in (("layout", LAYOUTS), ("kernel", KERNELS)):
+        if name == key:
+            return repr(names[value]) if value < len(names) else str(value)
     return f"{value:07x}" if name == "layer shapes" else str(value)
 
 
@@ -310,7 +312,7 @@ def agree_on_plan(
     if differences:
         raise ValueError(
             "the CP ranks were given different set-ups: " + "; ".join(differences)
-            + ": launch every rank of a CP group with the same mode, layout, inner size, chunk size and model"
+            + ": launch every rank of a CP group with the same mode, layout, kernel, inner size, chunk size and model"
         )  # fmt: skip
 
 

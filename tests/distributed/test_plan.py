@@ -136,6 +136,7 @@ def _disagreeing_worker(rank: int, world: int) -> dict[str, str]:
         "mode": {"mode": ("p2p", "all_gather")[rank]},
         "layout": {"mode": "p2p", "layout": ("contiguous", "head_tail")[rank]},
         "layers": {"mode": "scan"},
+        "kernel": {"mode": "p2p", "kernel": ("auto", "native")[rank]},
         "inner": {"mode": "ulysses+p2p", "inner_size": (1, 2)[rank]},
     }
     out = {}
@@ -158,5 +159,8 @@ def test_ranks_given_different_plans_stop_together() -> None:
     assert "mode ('p2p' on ranks [0], 'all_gather' on ranks [1])" in out["mode"], out
     assert "layout ('contiguous' on ranks [0], 'head_tail' on ranks [1])" in out["layout"], out
     assert "GDN layers (2 on ranks [0], 3 on ranks [1])" in out["layers"], out
+    assert "kernel ('auto' on ranks [0], 'native' on ranks [1])" in out["kernel"], out
     assert "inner_size (1 on ranks [0], 2 on ranks [1])" in out["inner"], out
-    assert all(out[name + " untouched"] == "True" for name in ("mode", "layout", "layers", "inner")), out
+    assert all(
+        out[name + " untouched"] == "True" for name in ("mode", "layout", "layers", "kernel", "inner")
+    ), out

@@ -141,6 +141,28 @@ def run_msrun(
         raise ValueError(f"world_size={world_size} must be >= 1")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be positive")
+    for _ in range(2):  # a second time only when the scheduler's port was taken meanwhile
+        outcome = _run_once(script, world_size, args, timeout_s=timeout_s, env=env, log_lines=log_lines)
+        if outcome is not None:
+            return outcome
+    raise RuntimeError(f"msrun's scheduler could not bind a free port twice in a row ({script})")
+
+
+_PORT_TAKEN = "Failed to create the TCP server"  # MindSpore's scheduler log when its port is in use
+
+
+def _run_once(
+    script: str | os.PathLike[str],
+    world_size: int,
+    args: Sequence[str],
+    *,
+    timeout_s: float,
+    env: Mapping[str, str] | None,
+    log_lines: int,
+) -> MsrunOutcome | None:
+    """One msrun job (see :func:`run_msrun`); None when its scheduler could not bind the port that
+    :func:`free_port` picked (another process took it in between): the job is stopped at once
+    instead of its workers waiting for a scheduler until the deadline."""
     work = Path(tempfile.mkdtemp(prefix="hp-msrun-"))
     out_dir, log_dir = work / "results", work / "logs"
     out_dir.mkdir()
@@ -172,17 +194,17 @@ def run_msrun(
         *args,
     ]
     msrun_log = work / "msrun.log"
-    timed_out = False
     try:
         with open(msrun_log, "w") as log:
             proc = subprocess.Popen(
                 command, env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-            try:
-                proc.wait(timeout=timeout_s + 5)  # workers stop themselves at the deadline
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            state = _wait(proc, log_dir / "scheduler.log", timeout_s + 5)  # workers stop at the deadline
+            if state != "exited":
                 _stop(proc)
+            if state == "port taken":
+                return None
+            timed_out = state == "timed out"
         results = [_read_result(out_dir / f"rank{rank}.json") for rank in range(world_size)]
         logs = {"msrun": _tail(msrun_log, log_lines)}
         for path in sorted(log_dir.glob("*.log")) if log_dir.exists() else []:
@@ -200,6 +222,21 @@ def run_msrun(
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _wait(proc: subprocess.Popen[bytes], scheduler_log: Path, timeout_s: float) -> str:
+    """Wait for msrun: "exited", "timed out", or "port taken" (its scheduler could not listen)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            proc.wait(timeout=1.0)
+            return "exited"
+        except subprocess.TimeoutExpired:
+            pass
+        if scheduler_log.exists() and _PORT_TAKEN in scheduler_log.read_text(errors="replace"):
+            return "port taken"
+        if time.monotonic() > end:
+            return "timed out"
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

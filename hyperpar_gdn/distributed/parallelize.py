@@ -54,18 +54,18 @@ def apply_context_parallel(
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
     GDN mixers (``linear_attn``) get :class:`LinearAttentionContextParallel` with the ``plan``;
-    softmax mixers (``self_attn``) get :class:`SoftmaxAttentionContextParallel` (all-gathered K
-    and V, whatever the mode) in the plan's layout. Call it on every rank of the mesh: the ranks
-    check the plan against every layer and the mesh, then compare their plans and layer shapes
-    (one all-gather of an int), and only then change anything; a rank given another mode, layout,
-    kernel or model stops every rank with one line naming the difference. Rank r of the mesh holds
-    its tokens of every sequence in the plan's layout, as
+    softmax mixers (``self_attn``) get :class:`SoftmaxAttentionContextParallel` (all-gathered K and
+    V, whatever the mode) in the plan's layout. Call it on every rank of the mesh: the ranks check
+    the plan against every layer and the mesh, then compare their plans and layer shapes (one
+    all-gather of an int), and only then change anything; a rank given another mode, layout, kernel
+    or model stops every rank with one line naming the difference. Rank r of the mesh holds its
+    tokens of every sequence in the plan's layout, as
     :func:`~hyperpar_gdn.shard_for_context_parallel` cuts them (contiguous: the r-th of cp pieces,
-    usually ``[r*T/cp, (r+1)*T/cp)``, lengths may differ: each forward exchanges them; head_tail: pieces r and 2cp-1-r of 2*cp). Each rank passes
-    only its own tokens: the whole sequence on every rank computes wrong results (a transformers
-    model warns when every rank got the same tokens). On a transformers causal LM, ``labels=`` are
-    this rank's shifted labels (``shard.labels``) and ``.loss`` is this rank's term of the global
-    mean loss.
+    usually ``[r*T/cp, (r+1)*T/cp)``, lengths may differ: each forward exchanges them; head_tail:
+    pieces r and 2cp-1-r of 2*cp). Each rank passes only its own tokens: the whole sequence on every
+    rank computes wrong results (a transformers model warns when every rank got the same tokens). On
+    a transformers causal LM, ``labels=`` are this rank's shifted labels (``shard.labels``) and
+    ``.loss`` is this rank's term of the global mean loss.
 
     Args:
         model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.

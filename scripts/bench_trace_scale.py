@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from benchkit.fake_trace import FakeCudaTrace
 from benchkit.output import write_json
+from hyperpar_gdn.cli import HelpFormatter
 from hyperpar_gdn.distributed.cost_model import Geometry, rank_bytes_sent
 from hyperpar_gdn.distributed.plan import STATE_MODES
 from hyperpar_gdn.platform.device_trace import trace_without_device
@@ -79,9 +80,13 @@ def trace_rank(cp: int, rank: int, modes: tuple[str, ...]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cps", type=int, nargs="+", default=[128, 256, 1024])
-    parser.add_argument("--out", type=Path, default=Path("bench_trace_scale"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--cps", type=int, nargs="+", default=[128, 256, 1024], help="CP sizes to trace (ranks 0, cp/2, cp-1)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench_trace_scale"), help="folder for trace_scale.json"
+    )
     args = parser.parse_args()
     rows: list[dict] = []
     for cp in args.cps:

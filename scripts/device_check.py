@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hyperpar_gdn.cli import HelpFormatter
+
 SECTIONS = ("parity", "layer", "widened", "modes")
 FULL = {"parity_t": (4096, 32768), "layer_t": (8192, 32768, 131072), "widened_t": 8192, "modes_t": 16384,
         "hidden": 2048, "k_heads": 16, "v_heads": 32, "head_dim": 128, "cps": (2, 4, 8), "repeats": 3,
@@ -277,7 +279,7 @@ def rank_step(cfg: dict, device: torch.device, kernel: str, mode: str, inner: in
 
     def step() -> None:
         xi = x.detach().requires_grad_(True)
-        layer(xi, attention_mask=seq).float().sum().backward()
+        layer(xi, cp_context=seq).float().sum().backward()
 
     return step
 
@@ -326,15 +328,17 @@ def mode_times(cfg: dict, device: torch.device, kernels: dict, deadline: float) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write (required)")
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes, native kernel, CPU (checks the script runs)"
     )
     parser.add_argument(
         "--budget-s", type=float, default=270.0, help="stop starting new measurements after this"
     )
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="the parts to run"
+    )
     args = parser.parse_args(argv)
     cfg = SMOKE if args.smoke else FULL
     if args.smoke:

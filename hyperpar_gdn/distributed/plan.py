@@ -211,16 +211,13 @@ def plan_errors(plan: CPPlan, gdn_dims: Sequence[tuple[int, Any]], *, cp: int, r
                     f"ranks {list(ranks)}"
                 )
             )
+    splitter = "ulysses" if plan.spec.two_level else plan.mode  # the mode that splits the heads
     for index, dims in gdn_dims:
-        error = (
-            None
-            if over is None
-            else head_split_error(dims.num_v_heads, dims.num_k_heads, over, "ulysses", tp=dims.tp)
-        )
+        if over is None:
+            break
+        error = head_split_error(dims.num_v_heads, dims.num_k_heads, over, splitter, tp=dims.tp)
         if error is not None and plan.spec.two_level:
             error = f"mode={plan.mode!r} runs ulysses over inner_size={over} ranks: {error}"
-        elif error is not None:
-            error = head_split_error(dims.num_v_heads, dims.num_k_heads, over, plan.mode, tp=dims.tp)
         if error is not None:
             errors.append(ValueError(f"layer {index}: {error}"))
             break  # every GDN layer of a model has the same heads: one line says it

@@ -57,6 +57,7 @@ CP_WORKER_SECTIONS = {
         "prefill",
         "cpu_share",
     ),
+    8: ("two_level_head_tail",),
 }
 
 

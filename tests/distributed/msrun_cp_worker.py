@@ -36,6 +36,8 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``cpu_share`` (tests/platform/test_mindspore_cpu_share.py, after the sections that ran
   kernels): what the platform set for this worker's CPU share, and the cores every thread of the
   process (MindSpore's kernel pool included) may run on;
+- ``two_level_head_tail`` (8 workers, tests/distributed/test_context_parallel_two_level_mindspore.py,
+  :mod:`msrun_two_level_sections`): the two-level modes in the head_tail layout (float32);
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
   within the communication timeout with a ``CollectiveError``.
 
@@ -60,6 +62,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for msrun_harness
 
 from msrun_harness import start_watchdog, write_result  # noqa: E402
+from msrun_two_level_sections import section_two_level_head_tail  # noqa: E402
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh  # noqa: E402
 from hyperpar_gdn.distributed.plan import HEAD_MODES  # noqa: E402
@@ -80,6 +83,7 @@ SECTIONS = (
     "cp_decoding",
     "scan",
     "cpu_share",
+    "two_level_head_tail",
     "stall",
 )
 HIDDEN = 32
@@ -967,6 +971,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "scan": section_scan,
     "cp_decoding": section_cp_decoding,
     "cpu_share": section_cpu_share,
+    "two_level_head_tail": section_two_level_head_tail,
 }
 
 

@@ -1,7 +1,7 @@
 """The memory plan: what one training step holds per rank, estimated before anything is allocated.
 
-Framework-free arithmetic over the model's sizes (:class:`~.model_shape.ModelShape`) and the step's options
-(:class:`StepOptions`); :func:`estimate` returns the terms in bytes for one rank
+Framework-free arithmetic over the model's sizes (:class:`~.model_shape.ModelShape`; under tensor
+parallelism one TP rank's, :func:`~.rank_shape.tp_shape`) and the step's options (:class:`StepOptions`); :func:`estimate` returns the terms in bytes for one rank
 (:class:`Estimate`), :func:`longest_seq_len` the longest sequence within a budget. The peak is
 
     runtime + parameters + gradients + optimizer + max(step phase, gradient-sync phase)
@@ -10,30 +10,37 @@ Framework-free arithmetic over the model's sizes (:class:`~.model_shape.ModelSha
   that imported torch and built a tiny model, its libraries' code mapped as a fresh install maps it
   (:data:`FRESH_INSTALL_CODE_BYTES`); 0 on an accelerator, whose allocator counts tensors);
 - parameters, gradients: fp32 (master weights under bf16 too); optimizer: AdamW's two fp32
-  moments; under FSDP all three divided over every rank, plus the gathered weights of the root
-  and two decoder layers (the one computing and the one prefetched);
+  moments; under FSDP all three divided over the dp x cp ranks, plus the gathered weights of the
+  root and two decoder layers (the one computing and the one prefetched); at tp > 1 each rank
+  holds its share of the layers' matrices and whole embedding, norms, LM head (and the whole K/V
+  projections when tp exceeds the K/V heads);
 - step phase: the tensors autograd saves in the forward (:func:`saved_per_token`, counted from
   the code of each stage: the norms, the SwiGLU MLP or the routed MoE, the GDN layer's
   projections, conv and the chunk rule's hand-written forward, the attention projections, RoPE,
   the kernel's inputs and outputs and the gathered K/V), plus whichever is larger of the loss's
   transient (two ``[n, V]`` fp32 chunks of the chunked loss, or one beside two ``[V, C]``
   temporaries in its backward; or the whole ``[N, V]`` logits, their log-softmax and gradient)
-  and one layer's backward (its gradients, as large as what it saved);
+  and one layer's backward (its gradients, as large as what it saved); at tp > 1 the mixers'
+  and MLPs' tensors are the local heads' and columns' (the norms' and the block inputs stay
+  whole), and in fp32 the backward keeps the reordered local weights a TP forward builds
+  (:meth:`~.rank_shape.RankShape.weight_copies`);
   under activation checkpointing only each layer's input is kept and one layer at a time is
   recomputed; bf16 adds the autocast copies of the weights and of the head;
 - heap holes (:func:`heap_holes`): on the CPU, where freed memory stays in the heap, the blocks
   of the loss's forward that its backward cannot reuse;
 - communication: per GDN layer the mode's buffers (p2p's states, all_gather's cp maps, scan's
-  rounds, ulysses' all-to-all of activations); after the backward, the flat all-reduce buffer of
+  rounds, ulysses' all-to-all of activations, for the local heads at tp > 1), and TP's
+  all-reduce copy of a block's output ``[N, C]``; after the backward, the flat all-reduce buffer of
   the gradients (one per dtype, the size of the gradients) when there is more than one rank and
   no FSDP, or the optimizer's temporaries (two of the largest parameter's size).
 
-Ranks differ where the work does: with contiguous shards the last rank's attention reads every
-key; under ``--check-parity`` rank 0 also holds a whole copy of the model with its optimizer and
+Ranks differ where the work does: with contiguous shards the last CP rank's attention reads every
+key (global rank ``(cp - 1) x tp``: tp is the innermost axis); under ``--check-parity`` rank 0 also holds a whole copy of the model with its optimizer and
 runs the whole batch with full logits. :func:`estimate` takes the rank.
 
 Legend: T tokens of a sequence, N tokens of this rank (rows x T / cp), C hidden size, V
-vocabulary, H / Hk value / key heads of the GDN layers (dims K, V_d), c the rule's chunk (64).
+vocabulary, H / Hk value / key heads of the GDN layers (dims K, V_d), c the rule's chunk (64),
+tp the ranks of a TP group.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from dataclasses import dataclass
 from hyperpar_gdn.ops.lm_loss import default_chunk_tokens
 from hyperpar_gdn.platform.host_memory import MMAP_THRESHOLD
 from hyperpar_gdn.train.model_shape import FULL, LINEAR, ModelShape
+from hyperpar_gdn.train.rank_shape import tp_shape
 
 __all__ = [
     "FRESH_INSTALL_CODE_BYTES",
@@ -98,7 +106,8 @@ class StepOptions:
     Attributes:
         seq_len: T of a sequence; rows: sequences per DP replica (packed into one row with
             document boundaries: the same tokens).
-        cp: ranks of a CP group; world_size: all ranks (FSDP shards over all of them).
+        cp: ranks of a CP group; tp: ranks of a TP group (tensor parallelism, the innermost axis);
+            world_size: all ranks, dp x cp x tp (FSDP shards over the dp x cp of them).
         cp_mode: the GDN layers' mode; layout: "contiguous" or "head_tail".
         ac, dtype ("fp32" / "bf16"), fsdp, check_parity: as ``scripts/train.py``'s options.
         packed: documents restart inside a row (the conv keeps its padded input too).
@@ -113,6 +122,7 @@ class StepOptions:
     seq_len: int
     rows: int = 1
     cp: int = 1
+    tp: int = 1
     world_size: int = 1
     cp_mode: str = "p2p"
     layout: str = "contiguous"
@@ -127,15 +137,17 @@ class StepOptions:
     kept_heap: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "rows", "cp", "world_size"):
+        for name in ("seq_len", "rows", "cp", "tp", "world_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StepOptions.{name} must be >= 1; got {getattr(self, name)}")
         if self.dtype not in ("fp32", "bf16") or self.loss not in ("chunked", "logits"):
             raise ValueError(
                 f"StepOptions: dtype {self.dtype!r} (fp32, bf16), loss {self.loss!r} (chunked, logits)"
             )
-        if self.world_size % self.cp:
-            raise ValueError(f"StepOptions: cp={self.cp} must divide world_size={self.world_size}")
+        if self.world_size % (self.cp * self.tp):
+            raise ValueError(
+                f"StepOptions: cp x tp = {self.cp} x {self.tp} must divide world_size={self.world_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -217,7 +229,7 @@ def _keys(opts: StepOptions, rank: int) -> int:
     """Keys the attention of ``rank`` reads (contiguous shards: those before its shard's end)."""
     if opts.cp == 1 or opts.layout == "head_tail":
         return opts.rows * opts.seq_len
-    cp_rank = rank % opts.cp
+    cp_rank = (rank // opts.tp) % opts.cp
     return opts.rows * opts.seq_len * (cp_rank + 1) // opts.cp
 
 
@@ -252,9 +264,17 @@ def heap_holes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
 
 
 def _comm_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
-    """The largest per-layer buffer of the GDN mode (one layer's exchange at a time)."""
+    """The largest per-layer buffer of the GDN mode (one layer's exchange at a time), and TP's
+    copy of a block's output (``shape`` is one TP rank's)."""
+    width = 2 if opts.dtype == "bf16" else 4
+    tp_copy = tokens * shape.hidden_size * width if opts.tp > 1 else 0
     if opts.cp == 1 or LINEAR not in shape.layer_types:
-        return 0
+        return tp_copy
+    return tp_copy + _cp_bytes(shape, opts, tokens)
+
+
+def _cp_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
+    """The largest per-layer buffer of the GDN mode."""
     h, dk, dv = shape.linear_num_value_heads, shape.linear_key_head_dim, shape.linear_value_head_dim
     state = opts.rows * h * dk * (dk + dv) * 4
     moved = 0
@@ -274,7 +294,8 @@ def _comm_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
 
 
 def _step_terms(shape: ModelShape, opts: StepOptions, rank: int) -> dict[str, int]:
-    """The step phase of one model on ``rank``: activations, loss, backward, communication."""
+    """The step phase of one model on ``rank``: activations, loss, backward, communication
+    (``shape`` is one TP rank's)."""
     tokens = opts.rows * opts.seq_len // opts.cp
     keys = _keys(opts, rank)
     layers = [_layer_bytes(shape, kind, opts, tokens, keys) for kind in shape.layer_types]
@@ -287,6 +308,9 @@ def _step_terms(shape: ModelShape, opts: StepOptions, rank: int) -> dict[str, in
         activations = sum(layers) + final
     if opts.dtype == "bf16":  # autocast's copies of the layers' weights live until the backward
         activations += 2 * sum(shape.layer_parameters(kind) for kind in shape.layer_types)
+    elif opts.tp > 1:  # the reordered local weights the fp32 backward keeps
+        copies = [4 * shape.weight_copies(kind) for kind in shape.layer_types]
+        activations += max(copies, default=0) if opts.ac else sum(copies)
     return {
         "activations": activations,
         "loss": _loss_bytes(shape, opts, tokens),
@@ -297,9 +321,11 @@ def _step_terms(shape: ModelShape, opts: StepOptions, rank: int) -> dict[str, in
 
 
 def estimate(shape: ModelShape, opts: StepOptions, *, rank: int = 0) -> Estimate:
-    """The memory of ``rank`` during a training step with ``opts`` (see the module docstring)."""
+    """The memory of ``rank`` during a training step with ``opts`` (see the module docstring);
+    ``shape`` is the whole model's (``ValueError`` when ``opts.tp`` does not split it)."""
+    whole, shape = shape, tp_shape(shape, opts.tp)
     params = shape.num_parameters()
-    shards = opts.world_size if opts.fsdp else 1
+    shards = opts.world_size // opts.tp if opts.fsdp else 1
     terms = dict.fromkeys(TERMS, 0)
     terms["runtime"] = opts.runtime_bytes
     terms["parameters"] = params * 4 // shards
@@ -315,16 +341,15 @@ def estimate(shape: ModelShape, opts: StepOptions, *, rank: int = 0) -> Estimate
     # AdamW on the CPU (one tensor at a time): sqrt(v) and its quotient by the bias correction, two
     # temporaries of the largest parameter at once
     optimizer_temporaries = 2 * shape.largest_parameter() * 4 // shards
-    flat = params * 4 if opts.world_size > 1 and not opts.fsdp else 0
+    flat = params * 4 if opts.world_size > opts.tp and not opts.fsdp else 0  # over dp x cp
     terms["gradient sync"] = max(flat, optimizer_temporaries)
     if opts.check_parity and rank == 0:  # a whole copy trained on the whole batch, full logits
-        whole = dataclasses.replace(
-            opts, cp=1, world_size=1, rows=opts.rows * (opts.world_size // opts.cp), loss="logits"
-        )
-        ref = _step_terms(shape, whole, 0)
-        terms["parameters"] += params * 4
-        terms["gradients"] += params * 4
-        terms["optimizer"] += 2 * params * 4
+        dp = opts.world_size // (opts.cp * opts.tp)
+        one = dataclasses.replace(opts, cp=1, tp=1, world_size=1, rows=opts.rows * dp, loss="logits")
+        ref = _step_terms(whole, one, 0)
+        terms["parameters"] += whole.num_parameters() * 4
+        terms["gradients"] += whole.num_parameters() * 4
+        terms["optimizer"] += 2 * whole.num_parameters() * 4
         for name in ("activations", "loss", "backward", "communication"):
             terms[name] = max(terms[name], ref[name])
     return Estimate(rank, terms)
@@ -332,7 +357,7 @@ def estimate(shape: ModelShape, opts: StepOptions, *, rank: int = 0) -> Estimate
 
 def largest_rank(shape: ModelShape, opts: StepOptions) -> Estimate:
     """The rank with the largest estimate (the last CP rank, or rank 0 under check_parity)."""
-    candidates = {0, opts.cp - 1}
+    candidates = {0, (opts.cp - 1) * opts.tp}
     return max((estimate(shape, opts, rank=r) for r in sorted(candidates)), key=lambda e: e.total)
 
 

@@ -1,6 +1,7 @@
 """The memory plan's arithmetic against the code it describes: parameter counts against built
 models, the activation count against what autograd really saves (a saved-tensor hook on one
-decoder block), and the longest sequence against the estimate it is derived from."""
+decoder block), both at tp = 2 against the tensor-parallel model on 2 gloo ranks, and the longest
+sequence against the estimate it is derived from."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from distributed_harness import run_ranks
 
 from hyperpar_gdn.models.lm import DecoderBlock, HybridLM
 from hyperpar_gdn.models.qwen35_config import Qwen35Config
@@ -24,6 +26,7 @@ from hyperpar_gdn.train.memory_plan import (
     saved_per_token,
 )
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
+from hyperpar_gdn.train.rank_shape import tp_shape
 
 
 @pytest.mark.parametrize("size", ["tiny", "small"])
@@ -96,8 +99,13 @@ def test_the_moe_count_matches_what_autograd_saves() -> None:
     assert abs(tokens * 4 * (lin + f32) / measured - 1) < 0.15, (tokens * 4 * (lin + f32), measured)
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in one forward of ``block``."""
+    """Bytes of the distinct storages autograd saves in one forward of ``block`` (its parameters'
+    local shards excluded)."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +115,7 @@ def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x).sum()
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    params = {_local(p).untyped_storage().data_ptr() for p in block.parameters()}
     return sum(n for ptr, n in storages.items() if ptr not in params)
 
 
@@ -173,3 +181,66 @@ def test_a_bad_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="--max-memory-gb must be > 0; got 0.0"):
         TrainConfig(max_memory_gb=0.0)
     assert model_shape(TrainConfig(model_size="small")) == ModelShape.of(MODEL_SIZES["small"])
+
+
+def _tp_worker(rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """(counted, held) per model at tp = 2: the plan's parameters of one rank against the local
+    shards the TP model holds (transformers' dense and MoE with one K/V head, whole at tp 2; the
+    small preset with its K/V heads split); then the elements autograd saves for one TP block of
+    the small preset (T = 1024 fp32) against the plan's per-token count and weight copies."""
+    import transformers
+
+    from hyperpar_gdn import apply_tensor_parallel, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    out = {}
+    for name, config in (("dense", _qwen35_config(False)), ("moe", _qwen35_config(True))):
+        cls = transformers.Qwen3_5MoeForCausalLM if name == "moe" else transformers.Qwen3_5ForCausalLM
+        model = apply_tensor_parallel(cls(config), mesh["tp"])
+        held = sum(_local(p).numel() for p in model.parameters())
+        out[name] = (tp_shape(ModelShape.of(config), world).num_parameters(), held)
+    small = MODEL_SIZES["small"]
+    model = apply_tensor_parallel(HybridLM(small), mesh["tp"])
+    local = tp_shape(ModelShape.of(small), world)
+    out["small"] = (local.num_parameters(), sum(_local(p).numel() for p in model.parameters()))
+    tokens = 1024
+    for i, kind in ((0, "linear_attention"), (3, "full_attention")):
+        x = torch.randn(1, tokens, small.hidden_size, requires_grad=True)
+        lin, f32 = saved_per_token(local, kind, bf16=False, cp=1, packed=False)
+        counted = tokens * 4 * (lin + f32) + 4 * local.weight_copies(kind)
+        if kind == "full_attention":  # this rank's K/V heads of the whole sequence
+            counted += 2 * tokens * local.num_key_value_heads * local.head_dim * 4
+        out[kind] = (counted, _saved_bytes(model.layers[i], x))
+    return out
+
+
+def test_tp2_plan_matches_the_tensor_parallel_model() -> None:
+    """Parameters exactly; saved activations within 15% (as at tp 1); about half of tp 1's."""
+    for rank, counts in enumerate(run_ranks(_tp_worker, 2, timeout_s=120)):
+        for name in ("dense", "moe", "small"):
+            counted, held = counts[name]
+            assert counted == held, f"rank {rank} {name}: plan {counted} parameters, model holds {held}"
+        for kind in ("linear_attention", "full_attention"):
+            counted, measured = counts[kind]
+            assert abs(counted / measured - 1) < 0.15, (rank, kind, counted, measured)
+    whole = ModelShape.of(MODEL_SIZES["small"])
+    assert 0.49 < tp_shape(whole, 2).num_parameters() / whole.num_parameters() < 0.52
+
+
+def test_tp_terms_and_refusals() -> None:
+    """At tp 2 the matrices, their gradients and optimizer state halve, the loss (whole vocabulary)
+    does not; a tp that does not split the heads, or a world it does not fill, is refused."""
+    shape = ModelShape.of(MODEL_SIZES["small"])
+    one = estimate(shape, _options(cp=1, world_size=1))
+    two = estimate(shape, _options(cp=1, tp=2, world_size=2))
+    assert two.terms["optimizer"] == 2 * tp_shape(shape, 2).num_parameters() * 4
+    assert two.terms["activations"] < 0.7 * one.terms["activations"]
+    assert two.terms["loss"] == one.terms["loss"]
+    assert two.terms["gradient sync"] < one.terms["parameters"]  # no dp x cp all-reduce at dp = cp = 1
+    # (dp 1, cp 2, tp 2): the last CP rank is rank 2
+    assert largest_rank(shape, _options(tp=2, world_size=4)).rank == 2
+    with pytest.raises(ValueError, match="tp=8 does not split linear_num_key_heads=4"):
+        estimate(shape, _options(cp=1, tp=8, world_size=8))
+    with pytest.raises(ValueError, match="cp x tp = 2 x 2 must divide world_size=2"):
+        _options(tp=2)

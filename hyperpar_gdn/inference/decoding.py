@@ -195,10 +195,21 @@ def step_blocks(
             else:
                 q, k, v, gate = mixer.project(h, position_offset=position)
                 out = mixer.finish(attend(i, q, k, v), gate)
-            x = x + out
+            x = x + _summed_over_tp(mixer, out)
             x = x + block.mlp(block.post_attention_layernorm(x))
         logits = lm_logits(xp, parts.norm(x), parts.head)
     return logits[:, 0], new_gdn
+
+
+def _summed_over_tp(mixer: Any, out: Tensor) -> Tensor:
+    """A tensor-parallel mixer's share of the output ``[B, 1, hidden]`` summed over its TP group
+    (its parts were called here, not through the module and its hooks); others' as they are."""
+    group = getattr(mixer, "_hyperpar_tp_group", None)
+    if group is None:
+        return out
+    from hyperpar_gdn.tensor_parallel.comm import reduce_from_tp
+
+    return reduce_from_tp(out, group)
 
 
 def greedy_continue(

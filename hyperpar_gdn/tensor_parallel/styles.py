@@ -152,15 +152,13 @@ def _first_arg(names: Sequence[str]) -> Callable:
 
 
 def _block_hooks(module: nn.Module, group: Any, input_names: Sequence[str]) -> None:
-    """Sum the block's output over the TP group (and its input's gradient); refuse a prefill's
-    record (a decoding state of local heads)."""
+    """Sum the block's output over the TP group (and its input's gradient). A prefill's record
+    passes to the block: a token mixer keeps the decoding state of its local heads. The group is
+    kept as ``_hyperpar_tp_group`` (decoding calls a mixer's parts and sums its output itself)."""
     rewrite = _first_arg(input_names)
+    module._hyperpar_tp_group = group
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs.get("prefill_states") is not None:
-            raise NotImplementedError(
-                f"{type(mod).__name__} under tensor parallelism does not record prefill states"
-            )
         return rewrite(args, kwargs, lambda x: copy_to_tp(x, group))
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -219,7 +217,9 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
 
 
 def _transformers_gdn_forward(module: nn.Module) -> Callable:
-    """transformers' GDN call signature over :func:`layer_forward` (no cache)."""
+    """transformers' GDN call signature over :func:`layer_forward` on the local heads; with a
+    ``DynamicCache`` (``generate``, a decoding step) the cache holds the local heads' states
+    (:func:`~hyperpar_gdn.integrations.transformers.cache.gdn_forward_with_cache`)."""
 
     def forward(
         hidden_states: torch.Tensor,
@@ -227,10 +227,21 @@ def _transformers_gdn_forward(module: nn.Module) -> Callable:
         cache: Any = None,
         cache_params: Any = None,
         cu_seq_lens_q: Any = None,
+        prefill_states: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        refuse_unhandled(type(module).__name__, {"cache": cache, "cache_params": cache_params, **kwargs})
-        return layer_forward(module, hidden_states, attention_mask, cu_seqlens=cu_seq_lens_q)
+        kwargs.pop("use_cache", None)  # generate's: the cache given is what counts
+        refuse_unhandled(type(module).__name__, kwargs)
+        cache = cache if cache is not None else cache_params
+        if cache is not None:
+            from hyperpar_gdn.integrations.transformers.cache import gdn_forward_with_cache
+
+            return gdn_forward_with_cache(
+                module, hidden_states, attention_mask, cache, cu_seqlens=cu_seq_lens_q
+            )
+        return layer_forward(
+            module, hidden_states, attention_mask, cu_seqlens=cu_seq_lens_q, prefill_states=prefill_states
+        )
 
     return forward
 

@@ -13,7 +13,7 @@ from hyperpar_gdn.integrations.transformers.discovery import CAUSAL_LMS
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
-__all__ = ["check_causal_lm", "dynamic_cache", "dynamic_caches", "prefill_hidden"]
+__all__ = ["check_causal_lm", "dynamic_cache", "dynamic_caches", "gdn_forward_with_cache", "prefill_hidden"]
 
 
 def check_causal_lm(model: Any) -> None:
@@ -90,3 +90,48 @@ def _filled_cache(
                 k, v = (x[:, :, prompt[1] : prompt[2]].contiguous() for x in (k, v))
             cache.update(k, v, i)
     return cache
+
+
+def gdn_forward_with_cache(
+    module: Any, hidden_states: Tensor, attention_mask: Tensor | None, cache: Any, *, cu_seqlens: Any = None
+) -> Tensor:
+    """A transformers GDN layer's call with its ``DynamicCache``, computed by our layer maths on the
+    layer's weights as :class:`~hyperpar_gdn.ops.gdn.layer.LayerWeights` gives them (under tensor
+    parallelism this rank's heads, whose states the cache then holds): a prompt
+    ``[B, T, hidden]`` with no state yet fills the layer's conv and recurrent states; one token
+    ``[B, 1, hidden]`` after them steps from them (updated in place), as transformers' own cached
+    forward does. Returns the layer's output ``[B, T, hidden]`` (this rank's share under TP)."""
+    from hyperpar_gdn.ops.gdn.decode import gdn_decode_step
+    from hyperpar_gdn.ops.gdn.kernels import platform_of, resolve_kernel
+    from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, layer_forward, mask_padding
+
+    i, t = module.layer_idx, hidden_states.shape[1]
+    conv = cache.get_conv_state(i)
+    if conv is None:  # a prompt: read it whole, keep the states it leaves
+        if cache.is_recording_past(i):
+            raise NotImplementedError(f"{type(module).__name__} layer {i}: a cache recording past states")
+        states = PrefillStates()
+        y = layer_forward(module, hidden_states, attention_mask, cu_seqlens=cu_seqlens, prefill_states=states)
+        conv, s = states.gdn[id(module)]
+        cache.update_conv_state(conv.to(hidden_states.dtype), i, conv_kernel_size=conv.shape[-1])
+        cache.update_recurrent_state(s, i)
+        return y
+    if t != 1 or cu_seqlens is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} layer {i}: after its prompt the cache steps one token at a time; "
+            f"got {t} tokens{' packed' if cu_seqlens is not None else ''}"
+        )
+    xp = ops_for(hidden_states)
+    kernel = resolve_kernel("auto", platform=platform_of(hidden_states)).name
+    y, new_conv, s = gdn_decode_step(
+        xp,
+        LayerWeights.of(module),
+        LayerDims.of(module),
+        mask_padding(xp, hidden_states, attention_mask),
+        conv,
+        cache.get_recurrent_state(i),
+        kernel=kernel,
+    )
+    conv.copy_(new_conv)
+    cache.update_recurrent_state(s, i)
+    return y

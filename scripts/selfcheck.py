@@ -3,6 +3,7 @@
 Launch with one process per device, on any platform:
 
     torchrun --nproc-per-node 4 scripts/selfcheck.py              # HP_PLATFORM picks cpu/cuda/npu
+    torchrun --nproc-per-node 4 scripts/selfcheck.py --tp 2       # cp 2 x tp 2 (torch)
     HP_PLATFORM=mindspore msrun --worker_num=4 --local_worker_num=4 scripts/selfcheck.py
 
 Every rank builds the same layer and input, runs the whole sequence on its own device (the
@@ -16,6 +17,11 @@ Rank 0 prints a table, one row per mode (a skipped mode says why) and, last,
 ``selfcheck: <ok>/<total> ok, <n> skipped``; the exit code is 0 only if every mode that
 applies passed (the head-parallel modes need the value heads divisible by the ranks they split
 them over; the two-level modes need at least 4 ranks).
+
+``--tp N`` (torch): the world is a mesh (cp, tp), tp innermost; the layer is split by heads over
+the TP ranks (:mod:`hyperpar_gdn.tensor_parallel`) before each mode runs over the cp = W / N ranks
+on its TP rank's heads, and its gradients are made whole over tp before the comparison. The
+head-parallel modes then need the value heads divisible by tp x cp; the two-level ones cp >= 4.
 """
 
 from __future__ import annotations
@@ -46,22 +52,61 @@ def build_layer(platform: Platform, args: argparse.Namespace) -> Any:
     return layer.to(platform.device) if hasattr(layer, "to") else layer
 
 
-def inner_size_for(world: int, v_heads: int, asked: int | None) -> tuple[int | None, str]:
+def inner_size_for(world: int, v_heads: int, asked: int | None, *, tp: int = 1) -> tuple[int | None, str]:
     """(ranks per inner group of the two-level modes, or None, and why none): ``asked``, else the
-    ranks per node (torchrun's ``LOCAL_WORLD_SIZE``) when the world spans nodes, else the smallest
-    group of 2 or more ranks that leaves 2 or more groups; it divides the world and the value heads."""
+    ranks per node (torchrun's ``LOCAL_WORLD_SIZE``, over ``tp``) when the world spans nodes, else
+    the smallest group of 2 or more ranks that leaves 2 or more groups; it divides the world (the CP
+    ranks) and the value heads (a TP rank's)."""
     if world < 4:
-        return None, f"two levels need 4 or more ranks (2 or more groups of 2 or more); {world} launched"
+        launched = f"{world} launched" if tp == 1 else f"cp={world} (tp={tp})"
+        return None, f"two levels need 4 or more ranks (2 or more groups of 2 or more); {launched}"
     if asked is not None:
         candidates = [asked]
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) // tp
         candidates = ([local] if 1 < local < world else []) + list(range(2, world // 2 + 1))
     for inner in candidates:
         if world % inner == 0 and world // inner > 1 and inner > 1 and v_heads % inner == 0:
             return inner, ""
     what = f"--inner-size {asked}" if asked is not None else "no inner group size"
     return None, f"{what} divides the {world} ranks into 2 or more groups and the {v_heads} value heads"
+
+
+def check_tp(args: argparse.Namespace, platform: str) -> int:
+    """``--tp``, checked from the options alone (every rank alike, before the process group)."""
+    tp = args.tp
+    if tp < 1:
+        raise ValueError(f"--tp {tp} must be at least 1")
+    if tp > 1 and platform == "mindspore":
+        raise ValueError(f"--tp {tp}: tensor parallelism runs on torch; run MindSpore with --tp 1")
+    if tp > 1 and (args.k_heads % tp or args.v_heads % args.k_heads):
+        raise ValueError(
+            f"--tp {tp} gives every TP rank whole q/k heads with their value heads: --k-heads {args.k_heads} "
+            f"must be divisible by tp (and --v-heads {args.v_heads} by --k-heads)"
+        )
+    return tp
+
+
+def world_error(args: argparse.Namespace, world: int, tp: int) -> str | None:
+    """Why the launched ``world`` does not fit ``--tp`` and ``--seq-len``, or None."""
+    if world % tp:
+        return f"--tp {tp} must divide the {world} launched ranks (the mesh is cp x tp)"
+    cp = world // tp
+    if args.seq_len % cp:
+        ranks = f"the {world} ranks" if tp == 1 else f"the cp={cp} ranks (world {world} / tp {tp})"
+        return f"--seq-len {args.seq_len} must be divisible by {ranks}"
+    return None
+
+
+def split_heads(layer: Any, tp_mesh: Any) -> None:
+    """Split the GDN layer by heads over the TP axis (torch's ``parallelize_module`` with the
+    library's GDN style)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hyperpar_gdn.tensor_parallel.apply import as_tp_mesh
+    from hyperpar_gdn.tensor_parallel.styles import GatedDeltaNetTensorParallel
+
+    parallelize_module(layer, as_tp_mesh(tp_mesh), GatedDeltaNetTensorParallel())
 
 
 def main() -> int:
@@ -90,6 +135,12 @@ def _main() -> int:
         help="ranks per inner group of the two-level modes (default: the ranks per node across nodes, "
         "else the smallest group that leaves 2 or more groups)",
     )
+    add(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (torch): the world is cp x tp, the layer split by heads over tp",
+    )
     add("--seed", type=int, default=0, help="weights and input")
     add("--tolerance", type=float, default=1e-4, help="max error relative to each tensor's scale")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout (seconds)")
@@ -104,34 +155,46 @@ def _main() -> int:
 
     platform = get_platform()
     resolve_kernel(args.gdn_kernel, platform=platform.name)  # an error on every rank alike, before the group
+    tp = check_tp(args, platform.name)
     platform.init_distributed(timeout_s=args.timeout_s)
     rank, world = platform.rank(), platform.world_size()
-    if args.seq_len % world:  # every rank alike, before any collective
+    error = world_error(args, world, tp)
+    if error is not None:  # every rank alike, before any collective
         platform.destroy()
-        raise ValueError(f"--seq-len {args.seq_len} must be divisible by the {world} ranks")
-    mesh = init_device_mesh(platform.name, (world,), mesh_dim_names=("cp",))
+        raise ValueError(error)
+    cp = world // tp
+    if tp == 1:
+        mesh = init_device_mesh(platform.name, (world,), mesh_dim_names=("cp",))
+    else:
+        full = init_device_mesh(platform.name, (cp, tp), mesh_dim_names=("cp", "tp"))
+        mesh, tp_mesh = full["cp"], full["tp"]
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((args.batch_size, args.seq_len, args.hidden))
     cotangent = rng.standard_normal(x.shape)
-    inner, no_inner = inner_size_for(world, args.v_heads, args.inner_size)
+    heads = (args.v_heads // tp, args.k_heads // tp)  # a TP rank's value and key heads
+    inner, no_inner = inner_size_for(cp, heads[0], args.inner_size, tp=tp)
 
     rows, passed = [], {}
     try:
         for mode in MODE_CHOICES:
             if mode == "auto":
-                rows.append(_auto_row(args, platform.name, world, passed))
+                rows.append(_auto_row(args, platform.name, cp, tp, passed))
                 continue
             spec = SPECS[mode]
             if spec.two_level and inner is None:
                 rows.append((mode, f"skipped: {no_inner}", "", ""))
                 continue
-            split = world if spec.head_parallel else inner if spec.two_level else None
-            why = None if split is None else head_split_error(args.v_heads, args.k_heads, split, mode)
+            split = cp if spec.head_parallel else inner if spec.two_level else None
+            why = None if split is None else head_split_error(*heads, split, mode, tp=tp)
             if why is not None:
-                rows.append((mode, f"skipped: {args.v_heads} value heads not divisible by {split}", "", ""))
+                over = f"{split}" if tp == 1 else f"tp x {split} = {tp * split}"
+                rows.append((mode, f"skipped: {args.v_heads} value heads not divisible by {over}", "", ""))
                 continue
             plan = CPPlan(mode=mode, inner_size=inner if spec.two_level else None, kernel=args.gdn_kernel)
-            layer = LinearAttentionContextParallel(plan=plan).apply(build_layer(platform, args), mesh)
+            layer = build_layer(platform, args)
+            if tp > 1:
+                split_heads(layer, tp_mesh)
+            layer = LinearAttentionContextParallel(plan=plan).apply(layer, mesh)
             start = time.perf_counter()
             errors = compare_with_reference(platform, mesh, layer, build_layer(platform, args), x, cotangent)
             elapsed = time.perf_counter() - start
@@ -142,23 +205,23 @@ def _main() -> int:
             rows.append((name, f"{worst:.2e} ({worst_name})", f"{elapsed:.2f}s", result))
     finally:
         if rank == 0:
-            _print_table(platform.name, world, args, rows)
+            _print_table(platform.name, world, tp, args, rows)
         platform.destroy()
     ok, total = sum(passed.values()), len(passed)
     return 0 if ok == total else 1
 
 
 def _auto_row(
-    args: argparse.Namespace, platform: str, world: int, passed: dict[str, bool]
+    args: argparse.Namespace, platform: str, cp: int, tp: int, passed: dict[str, bool]
 ) -> tuple[str, str, str, str]:
-    """The row of ``auto``: the cost model's pick for this layer at T on the platform's device kind
-    (one-level modes, as on one node), and the result of that mode's row."""
+    """The row of ``auto``: the cost model's pick for this layer (a TP rank's heads) at T on the
+    platform's device kind (one-level modes, as on one node), and the result of that mode's row."""
     from hyperpar_gdn.distributed.planner import DEVICE_KINDS, plan_context_parallel
 
-    if world < 2:
-        return ("auto", "skipped: one rank, nothing to choose", "", "")
+    if cp < 2:
+        return ("auto", "skipped: one CP rank, nothing to choose", "", "")
     choice = plan_context_parallel(
-        seq_len=args.seq_len, cp=world, num_k_heads=args.k_heads, num_v_heads=args.v_heads,
+        seq_len=args.seq_len, cp=cp, num_k_heads=args.k_heads // tp, num_v_heads=args.v_heads // tp,
         head_k_dim=args.head_dim, head_v_dim=args.head_dim, hidden_size=args.hidden,
         batch=args.batch_size, dtype="float32", device=DEVICE_KINDS.get(platform, "cpu"),
     ).choice  # fmt: skip
@@ -167,8 +230,9 @@ def _auto_row(
     return ("auto", f"picks {choice} (its row above)", "", "ok" if passed[choice] else "FAIL")
 
 
-def _print_table(platform: str, world: int, args: argparse.Namespace, rows: list[tuple]) -> None:
-    print(f"platform={platform} ranks={world} T={args.seq_len} B={args.batch_size} hidden={args.hidden}")
+def _print_table(platform: str, world: int, tp: int, args: argparse.Namespace, rows: list[tuple]) -> None:
+    ranks = f"ranks={world}" if tp == 1 else f"ranks={world} (cp={world // tp} x tp={tp})"
+    print(f"platform={platform} {ranks} T={args.seq_len} B={args.batch_size} hidden={args.hidden}")
     kernel = resolve_kernel(args.gdn_kernel, platform=platform)
     print(f"GDN kernel: {kernel.name} ({kernel.reason})")
     print(f"{'mode':<30}{'max rel error':<44}{'time':<10}result")

@@ -1,6 +1,8 @@
 """scripts/selfcheck.py checks every mode of the library's own list: on 4 gloo ranks under torchrun
 every one-level and two-level mode passes and auto names its pick; where the world or the heads
-do not allow a mode, its row says why it was skipped."""
+do not allow a mode, its row says why it was skipped. With ``--tp 2`` (cp 2 x tp 2, the layer
+split by heads) every one-level mode passes and the two-level ones say why they are skipped; a
+``--tp`` that does not fit the heads, the world or the framework is one error."""
 
 from __future__ import annotations
 
@@ -49,3 +51,38 @@ def test_skipped_modes_say_why() -> None:
     assert none is None and "3 value heads" in why
     none, why = inner_size_for(8, 8, 3)
     assert none is None and "--inner-size 3" in why
+
+
+@pytest.mark.timeout(300)
+def test_four_ranks_at_tp2_check_every_mode_on_split_heads(tmp_path: Path) -> None:
+    small = ["--seq-len", "64", "--hidden", "64", "--head-dim", "16"]  # 32 tokens per CP rank
+    result = run_script("scripts/selfcheck.py", *small, "--tp", "2", ranks=4, cwd=tmp_path, timeout=280)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "ranks=4 (cp=2 x tp=2)" in out, out
+    for mode in MODES:  # ulysses: the 8 value heads over tp x cp = 4
+        assert re.search(rf"^{re.escape(mode)}\s+\S+ \([\w.]+\)\s+[\d.]+s\s+ok$", out, re.M), out
+    for mode in TWO_LEVEL_MODES:
+        assert re.search(
+            rf"^{re.escape(mode)}\s+skipped: two levels need 4 or more ranks.*cp=2 \(tp=2\)", out, re.M
+        )
+    assert re.search(r"^auto\s+picks (\S+) \(its row above\)\s+ok$", out, re.M), out
+    n = len(MODES)
+    assert out.rstrip().endswith(f"selfcheck: {n}/{n} ok, {len(TWO_LEVEL_MODES)} skipped"), out
+
+
+def test_tp_that_does_not_fit_is_one_error() -> None:
+    import argparse
+
+    script = _script()
+    args = argparse.Namespace(tp=2, k_heads=4, v_heads=8, seq_len=64)
+    assert script.check_tp(args, "cpu") == 2
+    assert script.world_error(args, 4, 2) is None
+    assert "--tp 2 must divide the 3 launched ranks" in script.world_error(args, 3, 2)
+    assert "--seq-len 64 must be divisible by the cp=3 ranks (world 6 / tp 2)" in script.world_error(
+        args, 6, 2
+    )
+    with pytest.raises(ValueError, match="--tp 2: tensor parallelism runs on torch"):
+        script.check_tp(args, "mindspore")
+    with pytest.raises(ValueError, match="--k-heads 3 must be divisible by tp"):
+        script.check_tp(argparse.Namespace(tp=2, k_heads=3, v_heads=6, seq_len=64), "cpu")

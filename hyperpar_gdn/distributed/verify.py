@@ -45,7 +45,8 @@ def compare_with_reference(
     ``x`` ``[B, T, hidden]`` and ``cotangent`` (the output gradient, same shape) are the whole
     sequence, identical on every rank; ``attention_mask`` ``[B, T]``. ``layer`` must already have
     context parallelism applied on ``mesh`` (its CP axis; with one rank, ``mesh`` only needs
-    ``get_local_rank()`` and ``size()``). ``reference_dtype`` (default ``dtype``)
+    ``get_local_rank()`` and ``size()``); a layer split by tensor parallelism as well (torch) has its
+    gradients made whole over its TP ranks first. ``reference_dtype`` (default ``dtype``)
     runs the reference in another precision, e.g. float64 as the truth for a float32 layer.
     ``shard_lengths`` (one per rank, summing to T) gives rank r the r-th contiguous piece of that
     length; default T/cp each. ``layout``: which tokens rank r holds (``"head_tail"``: pieces r and
@@ -75,6 +76,10 @@ def compare_with_reference(
     mask_local = None if attention_mask is None else attention_mask[:, local]
     out, dx, dparams = run(layer, x[:, local], cotangent[:, local], mask_local, dtype)
 
+    if any(type(g).__name__ == "DTensor" for g in dparams.values()):  # a tensor-parallel layer (torch)
+        from hyperpar_gdn.tensor_parallel import canonical_grads
+
+        dparams = canonical_grads(layer, dparams)  # whole, in the reference's layout (collective over tp)
     errors = {
         "output": relative_error(platform.to_numpy(out), platform.to_numpy(ref_out)[:, local]),
         "grad_input": relative_error(platform.to_numpy(dx), platform.to_numpy(ref_dx)[:, local]),

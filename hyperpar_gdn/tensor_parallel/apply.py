@@ -220,14 +220,16 @@ def canonical_state_dict(model: Any) -> dict[str, torch.Tensor]:
     return {name: _canonical(value, reorder) for name, value in model.state_dict(keep_vars=True).items()}
 
 
-def canonical_grads(model: Any) -> dict[str, torch.Tensor]:
+def canonical_grads(model: Any, grads: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The whole gradient of every parameter of a tensor-parallel ``model`` that has one, in the
-    single-device model's layout (collective, as :func:`canonical_state_dict`)."""
+    single-device model's layout (collective, as :func:`canonical_state_dict`); ``grads``: the
+    gradients by parameter name (``torch.autograd.grad``'s) instead of the parameters' ``.grad``."""
     reorder = _reorders(model)
+    found = {name: p.grad if grads is None else grads.get(name) for name, p in model.named_parameters()}
     return {
-        name: _canonical(p.grad, reorder, key=id(p))
+        name: _canonical(found[name], reorder, key=id(p))
         for name, p in model.named_parameters()
-        if p.grad is not None
+        if found[name] is not None
     }
 
 

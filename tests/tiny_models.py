@@ -103,12 +103,13 @@ def tiny_config(
     *,
     moe: bool,
     num_k_heads: int = 2,
+    num_v_heads: int = 4,
     vocab_size: int = 61,
     layer_types: Sequence[str] = (LINEAR, LINEAR, LINEAR, FULL),
     pad_token_id: int | None = None,
 ) -> Any:
-    """A 4-layer transformers Qwen3.5 text config (hidden 32; GDN ``num_k_heads`` key heads and 4
-    value heads of 8; attention 4 heads and 2 K/V heads of 16, half of each rotated), dense
+    """A 4-layer transformers Qwen3.5 text config (hidden 32; GDN ``num_k_heads`` key heads and
+    ``num_v_heads`` value heads of 8; attention 4 heads and 2 K/V heads of 16, half of each rotated), dense
     (intermediate 48) or MoE (4 experts, 2 per token, eager experts: the grouped matmul refuses
     float64)."""
     import transformers
@@ -124,7 +125,7 @@ def tiny_config(
         num_key_value_heads=2,
         head_dim=16,
         linear_num_key_heads=num_k_heads,
-        linear_num_value_heads=4,
+        linear_num_value_heads=num_v_heads,
         linear_key_head_dim=8,
         linear_value_head_dim=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
@@ -152,11 +153,14 @@ def _causal_lm(config: Any) -> torch.nn.Module:
     return cls(config)
 
 
-def tiny_model(*, moe: bool, num_k_heads: int = 2, vocab_size: int = 61) -> torch.nn.Module:
+def tiny_model(
+    *, moe: bool, num_k_heads: int = 2, num_v_heads: int = 4, vocab_size: int = 61
+) -> torch.nn.Module:
     """transformers' causal LM of :func:`tiny_config`, seeded, in float64, moved off its init
     (0.05) with a slow decay."""
     torch.manual_seed(0)
-    model = _causal_lm(tiny_config(moe=moe, num_k_heads=num_k_heads, vocab_size=vocab_size))
+    config = tiny_config(moe=moe, num_k_heads=num_k_heads, num_v_heads=num_v_heads, vocab_size=vocab_size)
+    model = _causal_lm(config)
     model = model.to(torch.float64)
     move_off_init(model, 0.05, dt_bias_shift=-4.0)
     return model

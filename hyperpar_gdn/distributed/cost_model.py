@@ -22,6 +22,9 @@ ulysses+<state mode>    ulysses over k = inner ranks on     then the state mode 
                         the node's T k/cp tokens            for H/k heads
 ======================  ==================================  =====================================
 
+(4: bytes of an fp32 state element; ``Geometry.s`` in general.) The two-level modes' state
+mode moves, across nodes, the states of a rank's H/k value heads and the conv halo of the q/k
+heads they use (every q/k head of them: a whole one even when k does not divide Hk).
 The bytes are the worst rank's; :func:`rank_bytes_sent` gives every rank's, as this implementation
 sends them (checked against a trace of the collectives of a cp = 8 step, tests/distributed/
 test_fake_cuda_trace.py): scan's first windows send states only (S, not [S | M]); in the head_tail
@@ -140,7 +143,8 @@ class ModeCost:
 class Geometry:
     """The layer and the split: ``t`` tokens over ``cp`` ranks, ``b`` rows, ``hk``/``h`` key and
     value heads of dims ``k``/``v``, conv width ``w``, ``e`` bytes per input element, ``head_tail``,
-    ``hidden`` the layer's input width."""
+    ``hidden`` the layer's input width, ``s`` bytes per state element (the states and summaries are
+    computed in fp32 for bf16, fp16 and fp32 inputs, in fp64 for fp64 inputs)."""
 
     t: float
     cp: int
@@ -153,6 +157,7 @@ class Geometry:
     e: int
     head_tail: bool = False
     hidden: int | None = None  # the model's hidden size (ulysses_hidden's exchanges); None: unknown
+    s: int = 4
 
     @property
     def n(self) -> int:  # fragments in the chain
@@ -188,8 +193,11 @@ class Geometry:
         unit = self.k * self.v + CHUNK * (self.k + self.v)
         return SHARED_FLOPS_PER_UNIT * self.b * self.t / self.cp * self.h * unit
 
-    def summary(self) -> float:  # one packed map [S | M], fp32
-        return self.b * self.h * self.k * (self.v + self.k) * 4
+    def state(self) -> float:  # one state S [K, V] per row and head
+        return self.b * self.h * self.k * self.v * self.s
+
+    def summary(self) -> float:  # one packed map [S | M]
+        return self.b * self.h * self.k * (self.v + self.k) * self.s
 
 
 @dataclass(frozen=True)
@@ -215,15 +223,21 @@ def _link(machine: Machine, crosses: bool) -> Link:
     return machine.inter if crosses else machine.intra
 
 
+def _qk_heads(g: Geometry) -> list[int]:
+    """The q/k heads each of the cp ranks holds once ulysses gives it H/cp value heads: every q/k
+    head its value heads use (one q/k head can go to several ranks when cp does not divide Hk)."""
+    per_rank = round(g.h) // g.cp
+    group = max(round(g.h) // max(round(g.hk), 1), 1)  # value heads per q/k head
+    return [len({i // group for i in range(j * per_rank, (j + 1) * per_rank)}) for j in range(g.cp)]
+
+
 def _ulysses_sent(g: Geometry) -> float:
     """Bytes the worst rank sends in ulysses' all-to-alls, forward and backward: rank j takes
     H/cp value heads and the kc_j q/k heads they use, w_j = 2 K kc_j + (H/cp)(V + 2) channels
     per token; the worst rank r sends T/cp [sum_{j != r} w_j + (cp-1) w_r] + 2 (cp-1) T/cp
     (H/cp) V elements (the table's formula when cp divides the q/k heads)."""
     per_rank = round(g.h) // g.cp
-    group = max(round(g.h) // max(round(g.hk), 1), 1)  # value heads per q/k head
-    kc = [len({i // group for i in range(j * per_rank, (j + 1) * per_rank)}) for j in range(g.cp)]
-    w = [2 * g.k * c + per_rank * (g.v + 2) for c in kc]
+    w = [2 * g.k * c + per_rank * (g.v + 2) for c in _qk_heads(g)]
     elements = g.t / g.cp * (sum(w) + (g.cp - 2) * max(w) + 2 * (g.cp - 1) * per_rank * g.v)
     return g.b * elements * g.e
 
@@ -232,16 +246,14 @@ def _ulysses_rank_sent(g: Geometry, rank: int) -> float:
     """Bytes rank ``rank`` sends in ulysses' all-to-alls, forward and backward (as
     :func:`_ulysses_sent`, with its own width w_r in place of the widest)."""
     per_rank = round(g.h) // g.cp
-    group = max(round(g.h) // max(round(g.hk), 1), 1)
-    kc = [len({i // group for i in range(j * per_rank, (j + 1) * per_rank)}) for j in range(g.cp)]
-    w = [2 * g.k * c + per_rank * (g.v + 2) for c in kc]
+    w = [2 * g.k * c + per_rank * (g.v + 2) for c in _qk_heads(g)]
     elements = g.t / g.cp * (sum(w) + (g.cp - 2) * w[rank] + 2 * (g.cp - 1) * per_rank * g.v)
     return g.b * elements * g.e
 
 
 def _state_rank_sent(mode: str, g: Geometry, rank: int) -> float:
     """Bytes rank ``rank`` sends in p2p, all_gather or scan, forward and backward, halo included."""
-    state, summary = g.b * g.h * g.k * g.v * 4, g.summary()
+    state, summary = g.state(), g.summary()
     owners = g.chain_owners()
     n = len(owners)
     if mode == "p2p":  # forward along the chain, the gradients back along it
@@ -274,7 +286,9 @@ def rank_bytes_sent(mode: str, g: Geometry, rank: int, *, inner_size: int | None
         return _state_rank_sent(mode, g, rank)
     k = inner_size
     inner_g = Geometry(g.t * k / g.cp, k, g.hk, g.h, g.k, g.v, g.w, g.b, g.e)
-    outer_g = Geometry(g.t, g.cp // k, g.hk / k, g.h / k, g.k, g.v, g.w, g.b, g.e, head_tail=g.head_tail)
+    # across nodes: the rank's value heads and the q/k heads they use (its conv channels)
+    hk = _qk_heads(inner_g)[rank % k]
+    outer_g = Geometry(g.t, g.cp // k, hk, g.h / k, g.k, g.v, g.w, g.b, g.e, head_tail=g.head_tail, s=g.s)
     outer = 0.0 if g.cp == k else _state_rank_sent(mode.split("+")[1], outer_g, rank // k)
     return _ulysses_rank_sent(inner_g, rank % k) + outer
 
@@ -307,7 +321,7 @@ def _state_mode(mode: str, g: Geometry, span: Span, m: Machine) -> tuple[float, 
     link = _link(m, span.crosses())
     seconds = 2 * link.latency + halo / link.bandwidth  # the halo's two messages
     if mode == "p2p":
-        state = g.b * g.h * g.k * g.v * 4
+        state = g.state()
         step = 2 * g.b * g.h * g.k**2 * g.v
         near, far = _chain_hops(g, span)
         flops = g.widened_flops() + 2 * (near + far) * step
@@ -361,7 +375,8 @@ def _mode_cost(
     # the cp/k groups (ranks k apart) for H/k heads and their conv channels
     inner_g = Geometry(g.t * k / g.cp, k, g.hk, g.h, g.k, g.v, g.w, g.b, g.e)
     _, messages_u, seconds_u = _ulysses(inner_g, Span(k, 1, m.devices_per_node), m)
-    outer_g = Geometry(g.t, outer, g.hk / k, g.h / k, g.k, g.v, g.w, g.b, g.e, head_tail=g.head_tail)
+    hk = max(_qk_heads(inner_g))  # the q/k heads (conv channels) of the rank that holds most
+    outer_g = Geometry(g.t, outer, hk, g.h / k, g.k, g.v, g.w, g.b, g.e, head_tail=g.head_tail, s=g.s)
     outer_span = Span(outer, k, m.devices_per_node)
     if outer == 1:
         messages_s = seconds_s = flops = memory = 0.0

@@ -8,7 +8,9 @@ parallelism: a few lines added to an existing script::
     trainer = CPSFTTrainer(model=model, args=sft_config, train_dataset=ds, cp_size=2)
 
 The launched world of W processes is a mesh ``(dp, cp)``, row-major: each CP group is ``cp``
-consecutive ranks, ``dp = W / cp``. What changes against a plain Trainer:
+consecutive ranks, ``dp = W / cp``; with ``tp_size`` a mesh ``(dp, cp, tp)``, tp innermost, the
+model split by heads over tp before CP (:mod:`.trainer_tp` replaces DDP). What changes against a
+plain Trainer:
 
 - data: the loaders shard over the DP ranks only, so every rank of a CP group reads the same
   batches ``[B, T]``; each rank keeps its tokens in the model's layout (``[B, T/cp]``);
@@ -42,6 +44,7 @@ from hyperpar_gdn.distributed.planner import choose_plan
 from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
 from hyperpar_gdn.integrations.transformers.notices import hide_expected_notices, one_line_if_uncaught
 from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_trainer_setup
+from hyperpar_gdn.integrations.transformers.trainer_tp import clip_grad_norm, prepare_without_ddp, sync_grads
 from hyperpar_gdn.ops.gdn.kernels import check_kernel, platform_of, resolve_kernel
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 
@@ -70,6 +73,9 @@ class ContextParallelMixin:
     - ``cp_chunk_size``: chunk of the gated delta rule (64).
     - ``gdn_kernel``: the GDN layers' local kernel, ``"auto"`` (fla's Triton kernels on CUDA and
       Ascend where they import, else ours), ``"fla"`` or ``"native"`` (docs/backends.md).
+    - ``tp_size``: tensor-parallel ranks (1: none); the world is ``(dp, cp, tp)``, tp innermost, and
+      the model is split by heads and columns (``apply_tensor_parallel``) before CP; the data split
+      over dp only.
 
     Batches ``[B, T]`` need T divisible by cp (2*cp for head_tail): pad with the collator's
     ``pad_to_multiple_of``. Packed rows (``position_ids`` restarting per document, B = 1) train as
@@ -86,6 +92,7 @@ class ContextParallelMixin:
         cp_inner_size: int | None = None,
         cp_seq_len: int | None = None,
         gdn_kernel: str = "auto",
+        tp_size: int = 1,
         **kwargs: Any,
     ) -> None:
         check_kernel(gdn_kernel)
@@ -109,6 +116,7 @@ class ContextParallelMixin:
                 cp_chunk_size=cp_chunk_size,
                 cp_inner_size=cp_inner_size,
                 cp_seq_len=cp_seq_len,
+                tp_size=tp_size,
             )
         except _REFUSALS as error:
             one_line_if_uncaught(error, name=type(self).__name__)
@@ -117,8 +125,16 @@ class ContextParallelMixin:
         setup = self.cp_setup
         device_type = self.args.device.type
         hide_expected_notices(device_type)
-        self.cp_mesh = init_device_mesh(device_type, (setup.dp, setup.cp), mesh_dim_names=("dp", "cp"))
+        if setup.tp == 1:
+            self.cp_mesh = init_device_mesh(device_type, (setup.dp, setup.cp), mesh_dim_names=("dp", "cp"))
+        else:
+            shape = (setup.dp, setup.cp, setup.tp)
+            self.cp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp", "tp"))
         try:
+            if setup.tp > 1:  # heads first, then the sequence on each TP rank's heads
+                from hyperpar_gdn.tensor_parallel import apply_tensor_parallel
+
+                apply_tensor_parallel(self.model, self.cp_mesh["tp"])
             self.cp_plan: CPPlan = setup.plan or choose_plan(  # auto: the cost model's plan
                 self.model,
                 self.cp_mesh["cp"],
@@ -139,6 +155,14 @@ class ContextParallelMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train`` after one header line on rank 0 (:meth:`cp_header`)."""
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if self.cp_setup.tp > 1 and resume:
+            error = NotImplementedError(
+                f"resume_from_checkpoint={resume!r} with tp_size={self.cp_setup.tp}: a checkpoint holds rank "
+                "0's optimizer shard only; resume without tensor parallelism or train from the saved model"
+            )
+            one_line_if_uncaught(error, name=type(self).__name__)
+            raise error
         if self.is_world_process_zero():
             print_line(f"{type(self).__name__}: {self.cp_header()}")
         return super().train(*args, **kwargs)
@@ -150,8 +174,9 @@ class ContextParallelMixin:
         kernel = resolve_kernel(plan.kernel, platform=platform_of(next(self.model.parameters())))
         mode = plan.mode if setup.plan is not None else f"auto: {plan.mode}"
         inner = "" if plan.inner_size is None else f", inner size {plan.inner_size}"
+        tp = "" if setup.tp == 1 else f" x tp {setup.tp}"
         return (
-            f"context parallelism: cp {setup.cp} x dp {setup.dp} ({setup.world} processes, "
+            f"context parallelism: cp {setup.cp}{tp} x dp {setup.dp} ({setup.world} processes, "
             f"{self.args.device.type}), mode {mode}{inner}, layout {plan.layout}, kernel {kernel.name} "
             f"({kernel.reason})"
         )
@@ -223,7 +248,7 @@ class ContextParallelMixin:
                 )
                 one_line_if_uncaught(error, name=type(self).__name__)
                 raise error
-        return (every[:, 0].sum() / self.cp_setup.cp).to(torch.float32)
+        return (every[:, 0].sum() / (self.cp_setup.cp * self.cp_setup.tp)).to(torch.float32)
 
     # --- loss ------------------------------------------------------------------------------------
 
@@ -234,7 +259,7 @@ class ContextParallelMixin:
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """Training: this rank's term, ``sum of its token losses / num_items_in_batch * world``.
+        """Training: this rank's term, ``sum of its token losses / num_items_in_batch * dp * cp``.
         Evaluation (``num_items_in_batch`` None): the whole batch's mean loss, on every CP rank."""
         if inputs.get("labels") is None:
             raise ValueError(f"a batch without labels (keys {sorted(inputs)}): CP training needs labels")
@@ -255,8 +280,48 @@ class ContextParallelMixin:
             if self.cp_setup.cp > 1:
                 loss = cp_mesh.platform.collectives.all_reduce_sum(loss.reshape(1), cp_mesh.get_group())[0]
         else:
-            loss = lm_loss_sum(hidden, head_weight, shard.labels) / num_items_in_batch * self.cp_setup.world
+            scale = self.cp_setup.dp * self.cp_setup.cp  # the world over tp: DDP (or sync_grads) averages
+            loss = lm_loss_sum(hidden, head_weight, shard.labels) / num_items_in_batch * scale
         return (loss, {"loss": loss}) if return_outputs else loss
+
+    # --- tensor parallelism (tp_size > 1): no DDP, the gradients averaged by sync_grads -----------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.cp_setup.tp > 1:
+            prepare_without_ddp(self.accelerator)
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        if self.cp_setup.tp == 1:
+            return super()._clip_grad_norm(model)
+        sync_grads(model, self.cp_mesh)
+        return clip_grad_norm(model.parameters(), self.args.max_grad_norm, self.cp_mesh.get_group("tp"))
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        """The logged norm; under tp, without clipping, the gradients are averaged here (the Trainer
+        calls it before every optimizer step)."""
+        if self.cp_setup.tp > 1 and grad_norm is None:
+            sync_grads(model, self.cp_mesh)
+            grad_norm = clip_grad_norm(model.parameters(), float("inf"), self.cp_mesh.get_group("tp"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's ``save_model``; under tp the whole weights in transformers' layout
+        (gathered on every rank, written by rank 0)."""
+        if self.cp_setup.tp == 1:
+            return super().save_model(output_dir, _internal_call)
+        from hyperpar_gdn.tensor_parallel import canonical_state_dict
+
+        self._whole_state = canonical_state_dict(self.accelerator.unwrap_model(self.model))
+        try:
+            return super().save_model(output_dir, _internal_call)
+        finally:
+            del self._whole_state
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None:
+            state_dict = getattr(self, "_whole_state", None)
+        return super()._save(output_dir, state_dict=state_dict)
 
     def prediction_step(
         self,

@@ -7,6 +7,7 @@ joins a process group.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ class CPSetup:
 
     Attributes:
         world: processes launched.
-        dp: data-parallel replicas (``world / cp``).
+        dp: data-parallel replicas (``world / (cp * tp)``).
         cp: ranks per context-parallel group.
         mode: the GDN layers' CP mode as asked (``"auto"`` included).
         layout: the token layout of every shard.
@@ -58,6 +59,7 @@ class CPSetup:
     chunk_size: int
     plan: CPPlan | None = None
     seq_len: int | None = None
+    tp: int = 1  # tensor-parallel ranks (the innermost axis of the (dp, cp, tp) mesh)
 
 
 def check_trainer_setup(
@@ -71,6 +73,7 @@ def check_trainer_setup(
     cp_chunk_size: int,
     cp_inner_size: int | None = None,
     cp_seq_len: int | None = None,
+    tp_size: int = 1,
 ) -> CPSetup:
     """Check a Trainer's set-up for context parallelism; no communication.
 
@@ -86,16 +89,24 @@ def check_trainer_setup(
         cp_chunk_size: chunk of the gated delta rule.
         cp_inner_size: ranks per inner group (a node) of the two-level modes.
         cp_seq_len: the tokens per sequence that ``cp_mode="auto"`` prices (else ``args.max_length``).
+        tp_size: tensor-parallel ranks (heads and columns split, :mod:`hyperpar_gdn.tensor_parallel`);
+            ``cp_size * tp_size`` must divide ``world``.
 
     Returns the :class:`CPSetup`; raises ``ValueError`` / ``TypeError`` / ``NotImplementedError``
     naming the value and the rule.
     """
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size={cp_size!r} must be a positive int")
+    for name, size in (("cp_size", cp_size), ("tp_size", tp_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}={size!r} must be a positive int")
     if world % cp_size:
         raise ValueError(
             f"cp_size={cp_size} does not divide the {world} launched processes (WORLD_SIZE={world}); "
             f"launch a multiple of {cp_size} processes or choose a cp_size that divides {world}"
+        )
+    if world % (cp_size * tp_size):
+        raise ValueError(
+            f"cp_size={cp_size} x tp_size={tp_size} = {cp_size * tp_size} does not divide the {world} launched "
+            f"processes (WORLD_SIZE={world}): the mesh is (dp, cp, tp); launch a multiple of {cp_size * tp_size}"
         )
     try:
         check_mode(cp_mode, allow_auto=True)
@@ -107,6 +118,8 @@ def check_trainer_setup(
         raise ValueError(f"cp_chunk_size={cp_chunk_size!r} must be a positive int")
     if args is not None:
         _check_args(args)
+        if tp_size > 1:
+            _check_tp_args(args, tp_size)
     seq_len = None
     if cp_mode == "auto":
         seq_len = cp_seq_len if cp_seq_len is not None else getattr(args, "max_length", None)
@@ -118,6 +131,10 @@ def check_trainer_setup(
     elif cp_seq_len is not None:
         raise ValueError(f"cp_seq_len is for cp_mode='auto' only; got cp_mode={cp_mode!r}")
     kinds = _check_model(model)
+    if tp_size > 1:
+        from hyperpar_gdn.tensor_parallel import tensor_parallel_plan
+
+        tensor_parallel_plan(find_decoder(model)[1], tp_size)  # ValueError naming the layer; no change
     two_level = cp_inner_size is not None or "+" in cp_mode
     layout = cp_layout or ("head_tail" if "self_attn" in kinds and not two_level else "contiguous")
     plan = None
@@ -125,9 +142,11 @@ def check_trainer_setup(
         plan = CPPlan(mode=cp_mode, layout=layout, inner_size=cp_inner_size, chunk_size=cp_chunk_size)
         _, text_model = find_decoder(model)
         gdn = [
-            (i, LayerDims.of(m)) for i, (kind, m) in enumerate(mixers_of(text_model)) if kind == "linear_attn"
-        ]
-        errors = plan_errors(plan, gdn, cp=cp_size, ranks=range(cp_size), world=world)
+            (i, _tp_rank_dims(LayerDims.of(m), tp_size))
+            for i, (kind, m) in enumerate(mixers_of(text_model))
+            if kind == "linear_attn"
+        ]  # the CP ranks of a TP rank: tp apart
+        errors = plan_errors(plan, gdn, cp=cp_size, ranks=range(0, cp_size * tp_size, tp_size), world=world)
         if errors:
             raise errors[0]
     elif cp_inner_size is not None:
@@ -137,14 +156,41 @@ def check_trainer_setup(
         )
     return CPSetup(
         world=world,
-        dp=world // cp_size,
+        dp=world // (cp_size * tp_size),
         cp=cp_size,
+        tp=tp_size,
         mode=cp_mode,
         layout=layout,
         chunk_size=cp_chunk_size,
         plan=plan,
         seq_len=seq_len,
     )
+
+
+def _tp_rank_dims(dims: LayerDims, tp: int) -> LayerDims:
+    """A GDN layer's sizes as one of ``tp`` ranks holds them (the CP plan's checks read these)."""
+    if tp == 1:
+        return dims
+    return dataclasses.replace(
+        dims, num_k_heads=dims.num_k_heads // tp, num_v_heads=dims.num_v_heads // tp, tp=tp
+    )
+
+
+def _check_tp_args(args: Any, tp: int) -> None:
+    """Refuse what the tensor-parallel Trainer does not serve (one line naming the value)."""
+    refused = (
+        ("fp16", bool(getattr(args, "fp16", False)), "use bf16=True or fp32"),
+        (
+            "fsdp",
+            bool(getattr(args, "fsdp", None)),
+            "tp_size replaces DDP by its own gradient average; FSDP is not wired",
+        ),
+    )
+    for field, given, what in refused:
+        if given:
+            raise NotImplementedError(
+                f"TrainingArguments {field}={getattr(args, field)!r} is not supported with tp_size={tp}: {what}"
+            )
 
 
 def _check_model(model: Any) -> set[str]:
@@ -178,8 +224,8 @@ def _check_model(model: Any) -> set[str]:
 def _check_args(args: Any) -> None:
     """Refuse TrainingArguments the CP path does not serve (the first one found)."""
     for field, needed, why in _REQUIRED_ARGS:
-        value = getattr(args, field, needed)
         allowed = needed if isinstance(needed, tuple) else (needed,)
+        value = getattr(args, field, allowed[0])  # absent (another Trainer's arguments): fine
         value = getattr(value, "value", value)  # enums
         if value not in allowed and not (field == "deepspeed" and not value):
             raise NotImplementedError(
@@ -200,4 +246,5 @@ def _check_args(args: Any) -> None:
             raise NotImplementedError(
                 f"ParallelismConfig({', '.join(f'{k}={v}' for k, v in busy.items())}) is not supported with "
                 "context parallelism; only data parallelism (DDP or FSDP over the processes) combines with it"
+                + ("; pass tp_size to the trainer for tensor parallelism" if "tp_size" in busy else "")
             )

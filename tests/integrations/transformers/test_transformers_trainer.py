@@ -8,7 +8,9 @@ first steps turn a 1e-7 gradient difference into a sign flip), and evaluates onc
 
 Equal to the one-process run, relative TOL: every logged loss and grad_norm, the learning rates,
 eval_loss and every final weight. Launches: references (1 process), dp1 x cp2 (every mode, both
-layouts, padded and packed, dense and MoE, resume, save_model, TRL, the bad set-ups), dp2 x cp2.
+layouts, padded and packed, dense and MoE, resume, save_model, TRL, the bad set-ups), dp2 x cp2,
+and cp2 x tp2 (``tp_size=2``: the model split by heads; its final weights and ``save_model``'s
+directory whole, in transformers' layout).
 """
 
 from __future__ import annotations
@@ -102,12 +104,18 @@ def _summary(trainer: Any) -> dict[str, Any]:
     """Logged values per step, eval_loss and the final weights of a trained Trainer."""
     logs = [h for h in trainer.state.log_history if "loss" in h]
     model = trainer.accelerator.unwrap_model(trainer.model)
+    if getattr(trainer, "cp_setup", None) is not None and trainer.cp_setup.tp > 1:
+        from hyperpar_gdn.tensor_parallel import canonical_state_dict
+
+        weights = canonical_state_dict(model)  # whole, transformers' row order (collective)
+    else:
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {
         "loss": [h["loss"] for h in logs],
         "grad_norm": [h["grad_norm"] for h in logs],
         "lr": [h["learning_rate"] for h in logs],
         "eval_loss": trainer.evaluate()["eval_loss"],
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": weights,
     }
 
 
@@ -308,6 +316,27 @@ def test_trainer_dp2_cp2_equals_one_process(references: dict, tmp_path: Path) ->
     results = run_ranks(_cp_worker, 4, (case,), str(tmp_path), timeout_s=400, pg_timeout_s=120)
     for rank, result in enumerate(results):
         _assert_same_run(result[case], references["dense"], f"dp2 x cp2 rank {rank}")
+
+
+def _tp_worker(rank: int, world: int, work_dir: str) -> dict[str, Any]:
+    """cp 2 x tp 2 (dp 1): the Trainer's run, and its save_model directory (rank 0 writes it)."""
+    cp = {"cp_size": 2, "cp_mode": "p2p", "cp_layout": "head_tail", "tp_size": 2}
+    trainer = _train("dense", 2, cp, "padded", str(Path(work_dir) / "out"))
+    summary = _summary(trainer)
+    trainer.save_model(str(Path(work_dir) / "model"))
+    summary["header"] = trainer.cp_header()
+    return summary
+
+
+@pytest.mark.timeout(900)
+def test_trainer_cp2_tp2_equals_one_process(references: dict, tmp_path: Path) -> None:
+    results = run_ranks(_tp_worker, 4, str(tmp_path), timeout_s=400, pg_timeout_s=120)
+    for rank, result in enumerate(results):
+        assert "cp 2 x tp 2 x dp 1 (4 processes" in result["header"], result["header"]
+        _assert_same_run(result, references["dense"], f"cp2 x tp2 rank {rank}")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    for name, value in saved.state_dict().items():
+        assert _rel(value, references["dense"]["weights"][name]) <= TOL, f"saved weight {name}"
 
 
 @pytest.mark.timeout(900)

@@ -1,6 +1,8 @@
 """The Trainer's set-up checks without processes: each refusal is one line naming the value and
 what to change (they read only the model, the arguments and WORLD_SIZE, so every rank raises the
-same); TRL's packed-document keys must describe the documents of ``cu_seq_lens_q``."""
+same), ``tp_size`` included (the mesh (dp, cp, tp), the heads, the options tp does not serve; the
+model is left as it was); TRL's packed-document keys must describe the documents of
+``cu_seq_lens_q``."""
 
 from __future__ import annotations
 
@@ -77,3 +79,49 @@ def test_packed_keys_must_describe_the_same_documents() -> None:
         _packed_cu_seqlens({"token_type_ids": cu})
     with pytest.raises(ValueError, match="without cu_seq_lens_q"):
         _packed_cu_seqlens({"seq_idx": seq_idx})
+
+
+def _transformers_model(num_k_heads: int, num_v_heads: int) -> object:
+    import transformers
+    from tiny_models import tiny_config
+
+    config = tiny_config(moe=False, num_k_heads=num_k_heads)
+    config.linear_num_value_heads = num_v_heads
+    return transformers.Qwen3_5ForCausalLM(config)
+
+
+def test_tp_size_sets_the_mesh() -> None:
+    setup = _check(tiny_model(moe=False), world=8, tp_size=2)
+    assert (setup.dp, setup.cp, setup.tp) == (2, 2, 2)
+    assert _check(tiny_model(moe=False), world=4, tp_size=2, cp_mode="ulysses").dp == 1
+
+
+@pytest.mark.parametrize(
+    ("model", "args", "options", "fragment"),
+    [
+        ("tiny", None, {"tp_size": 0}, "tp_size=0 must be a positive int"),
+        (
+            "tiny",
+            None,
+            {"world": 6, "tp_size": 2},
+            "cp_size=2 x tp_size=2 = 4 does not divide the 6 launched",
+        ),
+        ((1, 2), None, {"tp_size": 2}, "layer 0: linear_attn: num_k_heads=1 is not divisible by tp=2"),
+        (
+            (2, 2),
+            None,
+            {"tp_size": 2, "cp_mode": "ulysses"},
+            "num_v_heads=2 is not divisible by tp x cp = 2 x 2",
+        ),
+        ("tiny", SimpleNamespace(fp16=True), {"tp_size": 2}, "fp16=True is not supported with tp_size=2"),
+    ],
+    ids=["tp0", "world", "k_heads", "ulysses", "fp16"],
+)
+def test_bad_tp_setups_are_one_line(model: object, args: object, options: dict, fragment: str) -> None:
+    model = tiny_model(moe=False) if model == "tiny" else _transformers_model(*model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises((ValueError, NotImplementedError)) as error:
+        _check(model, args, **options)
+    assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

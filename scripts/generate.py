@@ -8,6 +8,8 @@
         --join=True --log_dir=msrun_log scripts/generate.py --model tiny-qwen35
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/generate.py --model tiny-qwen35 \\
         --mode scan --layout head_tail --min-prompt-tokens 8192 --decode-on cp-group
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 scripts/generate.py --model tiny-qwen35 --tp 2 \\
+        --decode-on cp-group
 
 Without ``--prompt-file`` the prompt is the first paragraph of the built-in English text. A
 continuation that decodes to whitespace only (the tiny model's random weights often repeat one
@@ -25,7 +27,10 @@ a cache; on MindSpore, ours without any style); ``--min-prompt-tokens`` repeats 
 tokens up to a length (for long-prompt timing). Numbers go to ``--out`` (JSON; draw several with
 ``scripts/plot_generate.py``). ``--decode-on cp-group`` (both frameworks): every rank
 decodes, keeping its share of the attention layers' K/V (:mod:`hyperpar_gdn.inference.cp_decoding`);
-reported: the K/V cache bytes per rank against one device's.
+reported: the K/V cache bytes per rank against one device's. ``--tp N`` (torch): the world is a
+mesh (cp, tp), tp innermost; the model is split by heads over tp (``apply_tensor_parallel``)
+before the prefill over cp; decoding runs on the first CP rank's TP group (``one-device``) or on
+every rank (``cp-group``), each rank keeping its heads' states.
 """
 
 from __future__ import annotations
@@ -109,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--min-prompt-tokens", type=int, default=0, help="repeat the prompt up to this length (0: as written)"
     )
+    add(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (torch): the world is cp x tp, the model split by heads over tp",
+    )
     add("--repeats", type=int, default=1, help="prefill runs timed (median reported)")
     add(
         "--compare-one-device",
@@ -131,10 +142,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from hyperpar_gdn.cli import UsageError
 
     args = build_parser().parse_args(argv)
-    for name in ("max_new_tokens", "repeats"):
+    for name in ("max_new_tokens", "repeats", "tp"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     given = {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None}
+    if args.tp > 1 and args.compare_one_device:
+        raise UsageError(
+            f"--compare-one-device times rank 0 alone; with --tp {args.tp} the model needs its TP group: "
+            "leave out one of them"
+        )
     if given and not args.sample:
         flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in given.items())
         raise UsageError(f"{flags} only apply to sampling; add --sample (without it decoding is greedy)")
@@ -178,19 +194,40 @@ def prompt_text(args: argparse.Namespace) -> str:
     return BUILTIN_CORPUS.split("\n\n")[0]
 
 
-def check_heads(args: argparse.Namespace, cp: int) -> None:
-    """Ulysses splits the GDN value heads over the ranks (key heads may be shared): refuse a model
-    whose value heads do not divide."""
+def check_heads(args: argparse.Namespace, cp: int, tp: int = 1) -> None:
+    """Ulysses splits the GDN value heads over the ranks (key heads may be shared; under --tp a TP
+    rank's heads): refuse a model whose value heads do not divide."""
     from hyperpar_gdn.distributed.plan import HEAD_MODES
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
 
     num_k_heads, num_v_heads, _ = gdn_dims(args.model)
-    if args.mode in HEAD_MODES and cp > 1 and num_v_heads % cp:
+    if args.mode in HEAD_MODES and cp > 1 and num_v_heads % (cp * tp):
+        over = f"cp={cp}" if tp == 1 else f"tp x cp = {tp} x {cp}"
         raise ValueError(
-            f"--mode {args.mode} splits the GDN heads over cp={cp} ranks, but {args.model} has {num_k_heads} key "
+            f"--mode {args.mode} splits the GDN heads over {over} ranks, but {args.model} has {num_k_heads} key "
             f"and {num_v_heads} value heads; use --mode p2p, all_gather or scan, or a number of ranks that "
             "divides the value heads"
         )
+
+
+def check_tp(args: argparse.Namespace, platform: str, world: int) -> int:
+    """The CP ranks ``world / --tp`` (every rank alike, before any communication)."""
+    if args.tp > 1 and platform == "mindspore":
+        raise ValueError(f"--tp {args.tp}: tensor parallelism runs on torch; run MindSpore with --tp 1")
+    if world % args.tp:
+        raise ValueError(f"--tp {args.tp} must divide the {world} launched ranks (the mesh is cp x tp)")
+    return world // args.tp
+
+
+def kv_heads_factor(args: argparse.Namespace) -> int:
+    """One device's attention K/V over a TP rank's: the K/V heads over those a rank keeps (1 when
+    tp is a multiple of them)."""
+    if args.tp == 1:
+        return 1
+    from hyperpar_gdn.integrations.transformers.model_config import text_config
+
+    kv_heads = int(text_config(args.model)["num_key_value_heads"])
+    return kv_heads // max(1, kv_heads // args.tp) if kv_heads % args.tp == 0 else kv_heads
 
 
 def check_prompt_length(args: argparse.Namespace, t: int) -> None:
@@ -364,15 +401,24 @@ def _generate(argv: list[str] | None) -> int:
     owned = not platform.is_initialized()  # a caller's process group (tests) outlives this run
     platform.init_distributed()
     try:  # every check below raises on every rank alike, before the first collective
-        mesh = init_device_mesh(args.device, (platform.world_size(),), mesh_dim_names=("cp",))
-        check_heads(args, platform.world_size())
+        cp = check_tp(args, platform.name, platform.world_size())
+        check_heads(args, cp, args.tp)
+        if args.tp == 1:
+            mesh = init_device_mesh(args.device, (cp,), mesh_dim_names=("cp",))
+        else:
+            full = init_device_mesh(args.device, (cp, args.tp), mesh_dim_names=("cp", "tp"))
+            mesh = full["cp"]
         from hyperpar_gdn.ops.gdn.kernels import resolve_kernel
 
         args.kernel_choice = resolve_kernel(args.gdn_kernel, platform=platform.name)
         ids_np = prompt_ids(args)
         check_prompt_length(args, ids_np.shape[1])
-        args.layout = token_layout(args, ids_np.shape[1], platform.world_size())
+        args.layout = token_layout(args, ids_np.shape[1], cp)
         engine = Engine(platform, args.model, device=args.device)
+        if args.tp > 1:  # heads first (a model the plan cannot split: one ValueError on every rank)
+            from hyperpar_gdn import apply_tensor_parallel
+
+            apply_tensor_parallel(engine.model, full["tp"])
         if args.decode_on == "cp-group":  # a model without a sharded cache: refused on every rank
             from hyperpar_gdn.inference.cp_decoding import check_sharded_decoding
 
@@ -418,7 +464,7 @@ def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids
                 undo_context_parallel(engine.model)
             comm.barrier(group)
     t = ids_np.shape[1]
-    kv = (kv_cache_bytes(state), None)  # one device's, per rank
+    kv = (kv_cache_bytes(state) * kv_heads_factor(args), None)  # one device's, per rank
     if args.decode_on == "cp-group":
         from hyperpar_gdn.inference.cp_decoding import shard_cache
 
@@ -426,7 +472,7 @@ def _run(args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids
         del state
         decoded = decode(args, platform, logits, lambda token: engine.group_step(mesh, sharded, token))
         kv = (kv[0], comm.all_gather_int(sharded.kv_bytes(), group))
-    elif rank == 0:
+    elif mesh.get_local_rank() == 0:  # rank 0 (with its TP group under --tp)
         engine.cache = state
         decoded = decode(args, platform, logits, engine.step)
     if rank == 0:
@@ -453,7 +499,7 @@ def _report(
     from hyperpar_gdn.integrations.transformers.model_dir import load_tokenizer
 
     text = load_tokenizer(args.model).decode(tokens)
-    t, cp = ids_np.shape[1], platform.world_size()
+    t, cp = ids_np.shape[1], platform.world_size() // args.tp
     prefill_s = statistics.median(cp_times)
     steps = args.max_new_tokens - 1  # decoding steps timed (the first token comes from the prefill)
     result = {
@@ -463,6 +509,7 @@ def _report(
         "layout": args.layout,
         "gdn_kernel": args.kernel_choice.name,
         "cp": cp,
+        "tp": args.tp,
         "prompt_tokens": t,
         "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
         "prefill_s": cp_times,
@@ -480,7 +527,8 @@ def _report(
     print(f"--- continuation ({'sampled' if args.sample else 'greedy'}, {len(tokens)} tokens) ---")
     print(shown_text(text, tokens))
     print(
-        f"prefill of {t} tokens at cp={cp} ({args.mode}, {args.layout}): {prefill_s:.3f} s median, "
+        f"prefill of {t} tokens at cp={cp}{f' x tp={args.tp}' if args.tp > 1 else ''} ({args.mode}, "
+        f"{args.layout}): {prefill_s:.3f} s median, "
         f"{t / prefill_s:.1f} tokens/s"
     )
     print(f"GDN kernel: {args.kernel_choice.name} ({args.kernel_choice.reason})")
@@ -509,8 +557,9 @@ def _report(
             f"({result['decode_s_per_token'] * 1e3:.1f} ms per token)"
         )
     if kv[1] is not None:
+        ranks = "per rank" if args.tp == 1 else f"per CP rank (each of tp={args.tp} ranks its heads)"
         print(
-            f"attention K/V cache: {kv[0]} bytes on one device, per rank {kv[1]} "
+            f"attention K/V cache: {kv[0]} bytes on one device, {ranks} {kv[1]} "
             f"({max(kv[1]) / kv[0]:.2f}x of one device on the largest)"
         )
     if args.out is not None:

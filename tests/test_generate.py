@@ -2,7 +2,9 @@
 run in one launch: its greedy continuation equals transformers' one-device ``generate`` in every
 mode (scan included) and layout (``--layout``, and its default), decoding on one device and on the
 CP group (with the K/V cache bytes per rank); the JSON holds the timings; sampling is reproducible
-from its seed; scripts/plot_generate.py draws the JSON; bad options are refused."""
+from its seed; scripts/plot_generate.py draws the JSON; bad options are refused. With ``--tp 2`` on
+4 ranks (cp 2 x tp 2, the model split by heads) the continuation, on the first CP rank's TP group
+and on every rank, equals ``generate`` too."""
 
 from __future__ import annotations
 
@@ -195,10 +197,37 @@ def test_head_tail_needs_2cp_pieces(model_dir: Path, tmp_path: Path) -> None:
         script.check_prompt_length(args, 4097)
 
 
+def test_tp2_continuation_equals_transformers(model_dir: Path, prompt_ids: list[int], tmp_path: Path) -> None:
+    """--tp 2 on 4 ranks: a p2p prefill at cp 2 on each TP rank's heads, decoded on the first CP
+    rank's TP group and (scan, head_tail) on every rank with the K/V sharded by tokens and heads."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT)
+    even = 4 * (len(prompt_ids) // 4 + 1)
+    runs = {
+        "one-device": ["--layout", "contiguous"],
+        "cp-group": ["--mode", "scan", "--layout", "head_tail", "--decode-on", "cp-group"],
+    }
+    common = ["--model", str(model_dir), "--prompt-file", str(prompt), "--tp", "2", "--max-new-tokens", "12"]
+    argvs = [
+        [*common, "--min-prompt-tokens", str(even), *argv, "--out", str(tmp_path / f"{name}.json")]
+        for name, argv in runs.items()
+    ]
+    assert run_ranks(_run_each, 4, argvs, timeout_s=300) == [[0, 0]] * 4
+    expected = _expected(model_dir, _repeated(prompt_ids, even), 12)
+    for name in runs:
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        assert result["new_tokens"] == expected, name
+        assert (result["cp"], result["tp"], result["decode_on"]) == (2, 2, name)
+    result = json.loads((tmp_path / "cp-group.json").read_text())
+    per_rank, one = result["kv_cache_bytes_per_rank"], result["kv_cache_bytes_one_device"]
+    assert sum(per_rank) * 2 == one // even * (even + 11)  # each rank: its K/V heads (half) of its tokens
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1; got 0"),
+        (["--tp", "2", "--compare-one-device"], "--compare-one-device times rank 0 alone; with --tp 2"),
         (["--sample", "--temperature", "0"], "--temperature=0.0 must be > 0"),
         (["--top-k", "3"], "--top-k 3 only apply to sampling; add --sample"),
     ],

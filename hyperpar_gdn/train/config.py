@@ -52,7 +52,7 @@ class TrainConfig:
     cp_inner_size: int | None = option(
         None,
         help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node; "
-        "it divides --cp-size and the GDN value heads; needs --cp-layout contiguous (default: none, one level)",
+        "it divides --cp-size and the GDN value heads (default: none, one level)",
     )
     gdn_kernel: str = option(
         "auto",
@@ -164,8 +164,6 @@ class TrainConfig:
                 f"--cp-inner-size goes with the two-level modes ({', '.join(TWO_LEVEL_MODES)}) and only then; "
                 f"got --cp-mode {self.cp_mode} and --cp-inner-size {self.cp_inner_size}"
             )
-        if self.cp_inner_size is not None and self.cp_layout != "contiguous":
-            raise ValueError(f"--cp-mode {self.cp_mode} needs --cp-layout contiguous; got {self.cp_layout}")
         if self.gdn_kernel not in KERNELS:
             raise ValueError(
                 f"--gdn-kernel {self.gdn_kernel!r} is not a kernel; choose one of {', '.join(KERNELS)}"

@@ -42,6 +42,7 @@ from hyperpar_gdn.distributed.layout import TokenLayout
 TOL, NORM_TOL, HF_TOL, PER_RANK, VOCAB, HEADS = 1e-10, 1e-6, 1e-5, 8, 61, 8
 FP32_NORMS = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")
 INNER = {16: 4, 32: 4, 64: 8}  # two levels: 4 x 4, 8 x 4, 8 x 8
+DEADLINE = {16: 400, 32: 1800, 64: 3400}  # seconds; 32 and 64 ranks are run by hand (see above)
 WORLDS = [16] + [int(w) for w in os.environ.get("HYPERPAR_MANY_RANKS", "").split(",") if w]
 GDN_LAYERS, ATTENTION_LAYER = (0, 1, 2), 3  # tiny_config's layer types
 
@@ -242,13 +243,16 @@ def _state_exchanges(events: list[Event]) -> list[Event]:
     return rest[1:]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
 def test_many_ranks_match_one_device(world: int) -> None:
     start = time.perf_counter()
     base = tiny_model(moe=False, num_v_heads=HEADS)
     refs = run_ranks(_one_device, 1, base, _cases(world), _inputs(world), timeout_s=300)[0]
-    results = run_ranks(_worker, world, base, refs, _transformers(base, world), timeout_s=850)
+    hf_refs = _transformers(base, world)
+    results = run_ranks(
+        _worker, world, base, refs, hf_refs, timeout_s=DEADLINE[world], pg_timeout_s=30 + 4 * (world - 16)
+    )
     wall = time.perf_counter() - start
     summary = {}
     for case in _cases(world):

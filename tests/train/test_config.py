@@ -67,10 +67,6 @@ def rank_batch(
         ),
         ({"cp_mode": "ulysses+scan"}, "--cp-inner-size goes with the two-level modes"),
         ({"cp_mode": "p2p", "cp_inner_size": 2}, "got --cp-mode p2p and --cp-inner-size 2"),
-        (
-            {"cp_mode": "ulysses+p2p", "cp_inner_size": 2},
-            "--cp-mode ulysses+p2p needs --cp-layout contiguous",
-        ),
     ],
 )
 def test_option_errors_name_the_option(options: dict[str, object], message: str) -> None:
@@ -214,6 +210,13 @@ def test_cp_layout_defaults_to_head_tail_with_softmax_layers(tmp_path: Path) -> 
     ):
         (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": layer_types}))
         assert TrainConfig(model_dir=str(tmp_path)).token_layout() == expected
+
+
+def test_two_level_modes_take_either_layout_and_default_as_one_level_modes() -> None:
+    two_level = {"cp_mode": "ulysses+p2p", "cp_inner_size": 2}
+    assert TrainConfig(**two_level).token_layout() == "head_tail"  # softmax layers: as p2p
+    assert TrainConfig(**two_level, cp_layout="head_tail").mesh_shape(8) == (1, 8)
+    assert TrainConfig(**two_level, cp_layout="contiguous").token_layout() == "contiguous"
 
 
 def test_head_tail_gives_rank_r_pieces_r_and_2cp_minus_1_minus_r() -> None:

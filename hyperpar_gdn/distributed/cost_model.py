@@ -127,15 +127,23 @@ class ModeCost:
     shared_seconds: float = 0.0  # the shard's own rule work, the same in every mode
     reason: str = ""  # why not feasible
     inner_size: int | None = None  # the two-level modes' ranks per inner group
+    tp_bytes: float = 0.0  # tensor parallelism's all-reduce payload per rank (.cost_model_tp)
+    tp_seconds: float = 0.0  # and its time, the same in every mode
+
+    @property
+    def layer_seconds(self) -> float:
+        """The layer's predicted step: the mode's cost, the rule work and the TP exchanges."""
+        return self.seconds + self.shared_seconds + self.tp_seconds
 
     def describe(self) -> str:
         name = self.mode if self.inner_size is None else f"{self.mode} (inner_size={self.inner_size})"
         if not self.feasible:
             return f"{name}: not possible ({self.reason})"
+        tp = f", TP all-reduces {self.tp_seconds * 1e3:.3f} ms" if self.tp_bytes else ""
         return (
             f"{name}: {self.seconds * 1e3:.3f} ms/layer (sent {self.bytes_sent / 2**20:.2f} MiB, "
             f"{self.messages:.0f} messages in sequence, {self.extra_flops / 1e9:.2f} GFLOP extra, "
-            f"summaries {self.summary_bytes / 2**20:.2f} MiB)"
+            f"summaries {self.summary_bytes / 2**20:.2f} MiB{tp})"
         )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry, Link, Machine, ModeCost, mode_cost
+from hyperpar_gdn.distributed.cost_model_tp import cp_machine, tp_exchange, tp_rank_geometry
 from hyperpar_gdn.distributed.plan import MODES, TWO_LEVEL_MODES, CPPlan
 
 __all__ = [
@@ -83,6 +84,8 @@ def plan_context_parallel(
     flops: float | None = None,
     inner_size: int | None = None,
     modes: Sequence[str] | None = None,
+    tp: int = 1,
+    num_experts: int = 0,
 ) -> Plan:
     """Rank the CP modes of a GDN layer by the cost model of :mod:`.cost_model`.
 
@@ -91,9 +94,12 @@ def plan_context_parallel(
     its links inside a node, ``inter_bandwidth`` and ``inter_latency`` those between nodes,
     ``devices_per_node`` and ``flops`` the rest. ``inner_size`` (ranks per inner group) adds the
     two-level modes ``ulysses+p2p``, ``ulysses+all_gather``, ``ulysses+scan`` to the ranking;
-    ``modes`` restricts it. Returns a :class:`Plan`: ``plan.choice``,
-    ``plan.inner_size``, ``plan.ranking`` (every mode's :class:`ModeCost`, fastest first,
-    infeasible ones last), ``plan.why()``.
+    ``modes`` restricts it. ``tp`` (tensor parallelism, the innermost mesh axis) prices each
+    mode on a TP rank's Hk/tp q/k and H/tp value heads, CP ranks tp devices apart, and adds TP's
+    all-reduces of the layer and its MLP (``num_experts``: a MoE block's router gradient too) to
+    every mode's ``tp_seconds`` (:mod:`.cost_model_tp`; needs ``hidden_size``). Returns a
+    :class:`Plan`: ``plan.choice``, ``plan.inner_size``, ``plan.ranking`` (every mode's
+    :class:`ModeCost`, fastest first, infeasible ones last), ``plan.why()``.
 
     Example (Qwen3.5-27B's GDN heads, 128K tokens on 128 GPUs, 16 nodes of 8)::
 
@@ -110,8 +116,19 @@ def plan_context_parallel(
         ("num_v_heads", num_v_heads),
         ("head_k_dim", head_k_dim),
         ("head_v_dim", head_v_dim),
+        ("tp", tp),
     ):
         _check(name, value)
+    _check("num_experts", num_experts, minimum=0)
+    if num_k_heads % tp:
+        raise ValueError(
+            f"plan_context_parallel: num_k_heads={num_k_heads} is not divisible by tp={tp} (a TP rank "
+            "takes whole q/k heads with their value heads)"
+        )
+    if tp > 1 and hidden_size is None:
+        raise ValueError(
+            f"plan_context_parallel: tp={tp} needs hidden_size= (TP all-reduces the hidden states)"
+        )
     for name, value in (
         ("devices_per_node", devices_per_node),
         ("inner_size", inner_size),
@@ -140,9 +157,20 @@ def plan_context_parallel(
         seq_len, cp, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, batch,
         DTYPE_BYTES[dtype], head_tail=layout == "head_tail", hidden=hidden_size,
     )  # fmt: skip
-    costs = [mode_cost(m, geometry, machine, inner_size=inner_size) for m in modes]
+    exchange = tp_exchange(geometry, tp, machine, num_experts=num_experts)
+    local, cp_view = tp_rank_geometry(geometry, tp), cp_machine(machine, tp)
+    costs = [
+        replace(mode_cost(m, local, cp_view, inner_size=inner_size), tp_bytes=exchange.payload) for m in modes
+    ]
+    costs = [
+        replace(c, tp_seconds=exchange.seconds)
+        if c.feasible
+        else replace(c, reason=c.reason + (f" (a TP rank's heads at tp={tp})" if tp > 1 else ""))
+        for c in costs
+    ]
     ranking = tuple(sorted(costs, key=lambda c: (not c.feasible, c.seconds)))
     inputs = {"T": seq_len, "cp": cp, "H": num_v_heads, "K": head_k_dim, "V": head_v_dim, "dtype": dtype}
+    inputs |= {"tp": tp} if tp > 1 else {}
     return Plan(ranking=ranking, inputs=inputs | {"device": device})
 
 
@@ -194,8 +222,11 @@ def plan_for_model(
     machine of the mesh's device kind (``machine``: any of ``MACHINE_KEYWORDS``).
 
     The two-level modes are ranked too when ``inner_size`` is given, or else when the CP groups
-    are blocks of consecutive ranks (as they require) and one covers more than one node: then ``inner_size`` is the devices per node (``devices_per_node=``, else torchrun's
-    ``LOCAL_WORLD_SIZE``, else the machine's default)."""
+    are blocks of consecutive ranks (as they require; under tensor parallelism ranks tp apart)
+    and one covers more than one node: then ``inner_size`` is the CP ranks per node (the
+    devices per node over tp; ``devices_per_node=``, else torchrun's ``LOCAL_WORLD_SIZE``, else
+    the machine's default). A model under tensor parallelism is priced at its tp
+    (:func:`plan_context_parallel`'s ``tp``)."""
     from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
     from hyperpar_gdn.distributed.mesh import as_cp_mesh
     from hyperpar_gdn.ops.gdn.layer import LayerDims
@@ -214,18 +245,19 @@ def plan_for_model(
         raise ValueError(f"{type(model).__name__} has no GDN layers: there is no mode to choose")
     dims = LayerDims.of(gdn[0])
     device = DEVICE_KINDS.get(cp_mesh.device_type, "cpu")
-    cp = cp_mesh.size()
+    cp, tp = cp_mesh.size(), dims.tp
     ranks = list(cp_mesh.rank_list)
-    blocks = ranks == list(range(ranks[0], ranks[0] + cp)) and ranks[0] % cp == 0  # what two levels need
+    # what two levels need: a block of cp x tp consecutive ranks, the CP ranks tp apart
+    blocks = ranks == list(range(ranks[0], ranks[0] + cp * tp, tp)) and ranks[0] % (cp * tp) < tp
     if inner_size is None and blocks:
         per_node = int(machine.get("devices_per_node") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
-        per_node = per_node or MACHINES[device].devices_per_node
+        per_node = (per_node or MACHINES[device].devices_per_node) // tp
         inner_size = per_node if 1 < per_node < cp and cp % per_node == 0 else None
     return plan_context_parallel(
         seq_len=seq_len,
         cp=cp,
-        num_k_heads=dims.num_k_heads,
-        num_v_heads=dims.num_v_heads,
+        num_k_heads=dims.num_k_heads * tp,  # under TP the layer's dims are one rank's share
+        num_v_heads=dims.num_v_heads * tp,
         head_k_dim=dims.head_k_dim,
         head_v_dim=dims.head_v_dim,
         conv_kernel_size=dims.conv_kernel_size,
@@ -234,8 +266,16 @@ def plan_for_model(
         layout=layout,
         device=device,
         inner_size=inner_size,
+        tp=tp,
+        num_experts=_num_experts(text_model) if tp > 1 else 0,
         **machine,
     )
+
+
+def _num_experts(text_model: object) -> int:
+    """The routed experts of the model's MoE blocks (0 when dense)."""
+    config = getattr(text_model, "config", None)
+    return int(getattr(config, "num_experts", 0) or 0)
 
 
 def choose_plan(

@@ -13,7 +13,11 @@ Two parts, one JSON (and a PNG of where each mode wins), from :mod:`benchkit.sca
   FLOP rate by timing it);
 - predicted: ``plan_context_parallel`` for Qwen3.5-27B's and Qwen3.5-397B-A17B's GDN heads at cp
   8..256 and T 128K..1M on the ``gpu`` and ``npu`` machines (nodes of 8; two-level modes with a
-  node as the inner group).
+  node as the inner group);
+- splits: the whole models split over 8..64 devices as tp x cp (tensor parallelism inside a
+  node), ranked by ``rank_tp_cp_splits`` at 128K, 256K and 1M tokens with the mode ``auto``
+  picks and the memory per rank (:mod:`benchkit.splits`), and ``splits.png``: the best tp per
+  point.
 
 The predictions alone (no ranks, seconds): ``--predict-only``. Timing claims need a quiet
 machine; on a shared one run it small, to see that it works::
@@ -30,6 +34,7 @@ from benchkit.machine import load_average, machine_info
 from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_ranks
 from benchkit.scale import GEOMETRIES, ONE_LEVEL, TWO_LEVEL, measure_modes, measured_rows, predicted_rows
+from benchkit.splits import MODELS, split_rows
 from hyperpar_gdn.cli import HelpFormatter
 
 
@@ -57,6 +62,41 @@ def print_predictions(rows: list[dict]) -> None:
                 f"{r['model']:<18} {r['device']:<6} {r['seq_len'] // 1024:>5}K {r['cp']:>3} {r['choice']:<14} "
                 f"{r['layer_seconds'] * 1e3:>9.2f} {r['state_mib']:>9.1f}"
             )
+
+
+def best_split_map(rows: list[dict]) -> list[Panel]:
+    """One panel per (model, device): a square per (devices, T) in the colour of the best split's
+    tp, or of "none fits" where no split fits the memory budget."""
+    panels = []
+    for model in MODELS:
+        for device in ("gpu", "npu"):
+            points: dict[str, list[tuple[float, float]]] = {f"tp {t}": [] for t in (1, 2, 4, 8, 16)}
+            points["none fits"] = []
+            for r in rows:
+                if (r["model"], r["device"]) == (model, device):
+                    label = f"tp {r['best']['tp']}" if r["best_fits"] else "none fits"
+                    points[label].append((r["devices"], r["seq_len"] / 1024))
+            title = f"{model}, {device}: fastest tp x cp that fits"
+            panels.append(Panel(title, "devices", "T (K tokens)", points=points, log2_x=True, log2_y=True))
+    return panels
+
+
+def print_splits(rows: list[dict]) -> None:
+    """Per model, device, T and devices: the ranking (tp x cp: ms per GDN layer, GiB per rank;
+    * over the budget), and the best split with the mode auto picks."""
+    print(f"{'model':<18} {'dev':<4} {'T':>6} {'D':>3} {'best':<7} {'auto':<13} ranking (ms/layer, GiB/rank)")
+    for r in rows:
+        ranked = [
+            f"{s['tp']}x{s['cp']} {s['layer_seconds'] * 1e3:.1f}ms {s['memory_gib']:.0f}G{'' if s['fits'] else '*'}"
+            for s in r["ranking"]
+            if s["feasible"]
+        ]
+        best = r["best"]
+        mode = best["mode"] or "none"
+        print(
+            f"{r['model']:<18} {r['device']:<4} {r['seq_len'] // 1024:>5}K {r['devices']:>3} "
+            f"{best['tp']}x{best['cp']:<5} {mode:<13} " + "; ".join(ranked)
+        )
 
 
 def main() -> None:
@@ -98,12 +138,15 @@ def main() -> None:
         "heads": dict(zip(names, args.heads, strict=True)),
     }
     result = {"machine": machine_info(), "job": job, "measured": [], "predicted": predicted_rows()}
+    result["splits"] = split_rows()
     json_path = args.out / "scale.json"
+    save_png(args.out / "splits.png", best_split_map(result["splits"]))
     if args.predict_only:
         write_json(json_path, result)
         save_png(args.out / "scale.png", where_each_mode_wins(result["predicted"]))
         print_predictions(result["predicted"])
-        print(f"wrote {json_path} and scale.png")
+        print_splits(result["splits"])
+        print(f"wrote {json_path}, scale.png and splits.png")
         return
     for cp in args.cps:
         per_rank = on_ranks(measure_modes, cp, job, timeout_s=args.timeout_s)
@@ -126,6 +169,7 @@ def main() -> None:
             f"{r['added_seconds'] * 1e3:>7.1f} {r['predicted_seconds'] * 1e3:>10.1f}"
         )
     print_predictions(result["predicted"])
+    print_splits(result["splits"])
     print(
         f"load average {load_average()[0]:.1f} (timings need a quiet machine); wrote {json_path} and scale.png"
     )

@@ -96,9 +96,7 @@ def rank_tp_cp_splits(
         for split in rank_tp_cp_splits(config, devices=8, seq_len=131072):
             print(split.describe())
     """
-    from hyperpar_gdn.train.memory_plan import ModelShape, StepOptions, largest_rank
-    from hyperpar_gdn.train.model_shape import LINEAR
-    from hyperpar_gdn.train.rank_shape import tp_shape, tp_split_error
+    from hyperpar_gdn.train.memory_plan import LINEAR, ModelShape, StepOptions, largest_rank, tp_shape
 
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
@@ -117,7 +115,10 @@ def rank_tp_cp_splits(
     splits = []
     for tp in (t for t in range(1, devices + 1) if devices % t == 0):
         cp = devices // tp
-        why = tp_split_error(shape, tp)
+        try:
+            local, why = tp_shape(shape, tp), None
+        except ValueError as error:  # the sizes tp does not divide
+            why = str(error)
         if why is None and layout == "head_tail" and cp > 1 and seq_len % (2 * cp):
             why = f"seq_len={seq_len} is not a multiple of 2 cp = {2 * cp} (head_tail)"
         if why is None and seq_len % cp:
@@ -139,7 +140,6 @@ def rank_tp_cp_splits(
             best = plan.ranking[0]
             mode, inner, state = best.mode, best.inner_size, best.summary_bytes
             cp_s, rule_s, tp_s, tp_b = best.seconds, best.shared_seconds, best.tp_seconds, best.tp_bytes
-        local = tp_shape(shape, tp)
         fsdp_s = 0.0
         if fsdp and cp > 1:
             gathered = local.layer_parameters(LINEAR) * DTYPE_BYTES[dtype]

@@ -57,6 +57,7 @@ from hyperpar_gdn.train.rank_shape import tp_shape
 __all__ = [
     "FRESH_INSTALL_CODE_BYTES",
     "GIB",
+    "LINEAR",
     "RUNTIME_BYTES",
     "Estimate",
     "ModelShape",
@@ -66,6 +67,7 @@ __all__ = [
     "longest_seq_len",
     "mlp_saved_per_token",
     "saved_per_token",
+    "tp_shape",
 ]
 
 GIB = 2**30

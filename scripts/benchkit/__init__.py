@@ -18,7 +18,7 @@ Case modules (what one benchmark measures, kept out of its script): :mod:`benchk
 :mod:`benchkit.gdn_ops_mindspore`, :mod:`benchkit.gdn_packed` (``bench_ops``),
 :mod:`benchkit.cp_layer` (``bench_cp``), :mod:`benchkit.memory_step` (``bench_memory``, ``bench_plan``),
 :mod:`benchkit.plan_step` (``bench_plan``),
-:mod:`benchkit.scale` (``bench_scale``), :mod:`benchkit.published` (``bench_published``), :mod:`benchkit.bf16_drift` (``bench_bf16_drift``).
+:mod:`benchkit.scale` and :mod:`benchkit.splits` (``bench_scale``), :mod:`benchkit.tp_memory` (``bench_tp_memory``), :mod:`benchkit.published` (``bench_published``), :mod:`benchkit.bf16_drift` (``bench_bf16_drift``).
 
 A new case (``scripts/bench_<what>.py``; ``python scripts/bench_<what>.py`` puts ``scripts/`` on
 ``sys.path``, and pytest does too, see pyproject.toml)::

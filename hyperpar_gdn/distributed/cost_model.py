@@ -128,12 +128,7 @@ class ModeCost:
     reason: str = ""  # why not feasible
     inner_size: int | None = None  # the two-level modes' ranks per inner group
     tp_bytes: float = 0.0  # tensor parallelism's all-reduce payload per rank (.cost_model_tp)
-    tp_seconds: float = 0.0  # and its time, the same in every mode
-
-    @property
-    def layer_seconds(self) -> float:
-        """The layer's predicted step: the mode's cost, the rule work and the TP exchanges."""
-        return self.seconds + self.shared_seconds + self.tp_seconds
+    tp_seconds: float = 0.0  # and its time, the same in every mode (a layer: + shared_seconds)
 
     def describe(self) -> str:
         name = self.mode if self.inner_size is None else f"{self.mode} (inner_size={self.inner_size})"
@@ -242,12 +237,9 @@ def _qk_heads(g: Geometry) -> list[int]:
 def _ulysses_sent(g: Geometry) -> float:
     """Bytes the worst rank sends in ulysses' all-to-alls, forward and backward: rank j takes
     H/cp value heads and the kc_j q/k heads they use, w_j = 2 K kc_j + (H/cp)(V + 2) channels
-    per token; the worst rank r sends T/cp [sum_{j != r} w_j + (cp-1) w_r] + 2 (cp-1) T/cp
-    (H/cp) V elements (the table's formula when cp divides the q/k heads)."""
-    per_rank = round(g.h) // g.cp
-    w = [2 * g.k * c + per_rank * (g.v + 2) for c in _qk_heads(g)]
-    elements = g.t / g.cp * (sum(w) + (g.cp - 2) * max(w) + 2 * (g.cp - 1) * per_rank * g.v)
-    return g.b * elements * g.e
+    per token; rank r sends T/cp [sum_{j != r} w_j + (cp-1) w_r] + 2 (cp-1) T/cp (H/cp) V
+    elements (:func:`_ulysses_rank_sent`; the table's formula when cp divides the q/k heads)."""
+    return max(_ulysses_rank_sent(g, r) for r in range(g.cp))
 
 
 def _ulysses_rank_sent(g: Geometry, rank: int) -> float:

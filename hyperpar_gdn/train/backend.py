@@ -55,12 +55,13 @@ def apply_cp_mode(backend: Any, config: TrainConfig, model: Any, cp_mesh: Device
 
 class TrainBackend(ABC):
     """A framework's half of a training run. Built by the trainer once the process group and the
-    ``(dp, cp)`` mesh exist, with the framework's global seed set from ``config.seed``.
+    ``(dp, cp)`` mesh (``(dp, cp, tp)`` under ``--tp``) exist, with the framework's global seed set
+    from ``config.seed``.
 
     Args:
         config: the run's options.
         platform: the platform whose process group the run uses.
-        mesh: the 2-D ``(dp, cp)`` mesh.
+        mesh: the ``(dp, cp)`` mesh, or ``(dp, cp, tp)`` when ``config.tp > 1``.
         reference: also build the no-CP copy (``--check-parity``, rank 0 only).
 
     Attributes:
@@ -70,6 +71,7 @@ class TrainBackend(ABC):
     platforms: tuple[str, ...] = ()
     checkpoint_formats: tuple[str, ...] = ("whole",)  # what it saves; the first is the default
     shard_layout: str | None = None  # its sharded checkpoints' state/ (.checkpoint.SHARD_LAYOUTS)
+    tensor_parallel: bool = False  # whether it trains with --tp above 1
     tokenizer: Any = None
 
     @classmethod
@@ -80,7 +82,17 @@ class TrainBackend(ABC):
             raise NotImplementedError(
                 f"{cls.__name__} trains on HP_PLATFORM={' / '.join(cls.platforms)}, not {platform_name}"
             )
+        cls.check_tp_option(config, platform_name)
         cls.check_checkpoint_options(config, platform_name)
+
+    @classmethod
+    def check_tp_option(cls, config: TrainConfig, platform_name: str) -> None:
+        """Refuse ``--tp`` above 1 where this backend has no tensor parallelism."""
+        if config.tp > 1 and not cls.tensor_parallel:
+            raise NotImplementedError(
+                f"--tp {config.tp}: tensor parallelism trains on torch (HP_PLATFORM=cpu / cuda / npu); "
+                f"HP_PLATFORM={platform_name} trains with --tp 1"
+            )
 
     @classmethod
     def check_checkpoint_options(cls, config: TrainConfig, platform_name: str) -> None:
@@ -125,7 +137,13 @@ class TrainBackend(ABC):
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """The ``model`` and ``optimizer`` parts of a checkpoint (``torch.save``-able; collective
-        where parameters are sharded: every rank calls it, rank 0's are the ones written)."""
+        where parameters are sharded: every rank calls it, rank 0's are the ones written), in the
+        single-device row order."""
+
+    def row_orders(self) -> dict[str, Any]:
+        """The tensors this backend's sharded checkpoints hold out of the single-device row order
+        (:mod:`.row_orders`; none by default); its whole checkpoints and exports hold none."""
+        return {}
 
     @abstractmethod
     def load_state_dict(self, path: str, parts: dict[str, Any]) -> None:

@@ -177,4 +177,10 @@ def load_checkpoint(
         from hyperpar_gdn.train.sharded_checkpoint import check_and_load_shards
 
         parts.update(check_and_load_shards(directory, manifest, whole_state=whole_state))
+        if whole_state:  # loaded in the single-device row order (:mod:`.row_orders`)
+            return int(manifest["step"]), parts, _without_row_orders(manifest["meta"])
     return int(manifest["step"]), parts, manifest["meta"]
+
+
+def _without_row_orders(meta: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in meta.items() if key != "row_orders"}

@@ -47,7 +47,13 @@ class TrainConfig:
         "layers, else contiguous)",
     )
     cp_size: int | None = option(
-        None, help="ranks per CP group (default: all ranks); the other ranks do data parallelism"
+        None,
+        help="ranks per CP group (default: all ranks over --tp); the other ranks do data parallelism",
+    )
+    tp: int = option(
+        1,
+        help="tensor parallelism: ranks that split every decoder block by heads and columns (the "
+        "innermost mesh axis: the world is dp x cp x tp); torch only",
     )
     cp_inner_size: int | None = option(
         None,
@@ -191,6 +197,8 @@ class TrainConfig:
         if self.cp_size is not None:
             if self.cp_size < 1:
                 raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1; got {self.tp}")
         if self.on_save_error not in SAVE_ERROR_POLICIES:
             raise ValueError(f"--on-save-error {self.on_save_error!r} is not one of stop, continue")
         if self.max_memory_gb is not None and not self.max_memory_gb > 0:
@@ -259,24 +267,34 @@ class TrainConfig:
         return "full_attention" in self.model.layer_types
 
     def layout(self, world_size: int) -> tuple[int, int]:
-        """Deprecated: :meth:`mesh_shape` (``layout`` also names the token layout)."""
+        """Deprecated: :meth:`mesh_shape` (``layout`` also names the token layout); (dp, cp)."""
         warnings.warn(
             "TrainConfig.layout(world_size) is now TrainConfig.mesh_shape(world_size)",
             DeprecationWarning,
             stacklevel=2,
         )
-        return self.mesh_shape(world_size)
+        return self.mesh_shape(world_size)[:2]
 
-    def mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(dp, cp): the shape of the data-parallel x context-parallel mesh of ``world_size`` ranks;
-        checks the options that depend on the world size."""
-        cp = world_size if self.cp_size is None else self.cp_size
-        if world_size % cp:
+    def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
+        """(dp, cp, tp): the shape of the data-parallel x context-parallel x tensor-parallel mesh of
+        ``world_size`` ranks (tp innermost); checks the options that depend on the world size (the
+        model's heads against ``--tp`` are the tensor-parallel plan's check, when the model is built)."""
+        tp = self.tp
+        if world_size % tp:
+            raise ValueError(
+                f"{world_size} ranks (torchrun --nproc-per-node x --nnodes) cannot be split into TP groups "
+                f"of --tp {tp}: --tp must divide {world_size}"
+            )
+        cp = world_size // tp if self.cp_size is None else self.cp_size
+        if world_size % (cp * tp):
+            rule = f"--cp-size must divide {world_size}"
+            if tp > 1:
+                rule = f"--cp-size x --tp = {cp} x {tp} must divide {world_size}"
             raise ValueError(
                 f"{world_size} ranks (torchrun --nproc-per-node x --nnodes, or msrun --worker_num) cannot "
-                f"be split into CP groups of --cp-size {cp}: --cp-size must divide {world_size}"
+                f"be split into CP groups of --cp-size {cp}: {rule}"
             )
-        dp = world_size // cp
+        dp = world_size // (cp * tp)
         inner = self.cp_inner_size
         if inner is not None and (cp % inner or self.gdn_dims()[1] % inner):
             raise ValueError(
@@ -288,7 +306,7 @@ class TrainConfig:
         if self.batch_size % dp:
             raise ValueError(
                 f"--batch-size {self.batch_size} must be divisible by the {dp} data-parallel replicas "
-                f"({world_size} ranks / --cp-size {cp})"
+                f"({world_size} ranks / --cp-size {cp}{f' / --tp {tp}' if tp > 1 else ''})"
             )
         num_k_heads, num_v_heads, conv_width = self.gdn_dims()
         pieces = 2 * cp if cp > 1 and self.token_layout() == "head_tail" else cp
@@ -305,13 +323,19 @@ class TrainConfig:
                 f"(cp {cp}, --cp-layout {self.token_layout()}), fewer than the conv halo {halo}; use a longer "
                 "--seq-len or a smaller --cp-size"
             )
-        if cp > 1 and self.cp_mode in HEAD_MODES and num_v_heads % cp:
+        if cp > 1 and self.cp_mode in HEAD_MODES and num_v_heads % (cp * tp):
+            if tp > 1:
+                raise ValueError(
+                    f"--cp-mode {self.cp_mode} splits each TP rank's GDN value heads over cp={cp}, but "
+                    f"{self.model_name} has {num_v_heads} value heads, not divisible by tp x cp = {tp} x {cp}; "
+                    "use --cp-mode p2p, all_gather, scan or auto, or a smaller --cp-size or --tp"
+                )
             raise ValueError(
                 f"--cp-mode {self.cp_mode} splits the GDN value heads over cp={cp}, but {self.model_name} has "
                 f"{num_k_heads} key and {num_v_heads} value heads; "
                 "use --cp-mode p2p, all_gather, scan or auto, or a smaller --cp-size"
             )
-        return dp, cp
+        return dp, cp, tp
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -16,13 +16,16 @@ def run_header(
     world_size: int,
     dp: int,
     cp: int,
+    tp: int = 1,
     parameters: int,
     first_step: int,
     cp_mode: str | None = None,
     model_config: dict[str, Any],
 ) -> list[str]:
-    """The header lines: platform, ranks as dp x cp with the CP options (or "no context
-    parallelism" at cp=1), model, dtype, tokens per step, steps, the GDN kernel under CP and why; then :func:`cp_advice`'s note.
+    """The header lines: platform, ranks as dp x cp (x tp under ``--tp``) with the CP options (or
+    "no context parallelism" at cp=1), model, dtype, tokens per step, steps, the GDN kernel under CP
+    and why; then :func:`cp_advice`'s note (at tp 1: the cost model's note does not price tp).
+    ``parameters``: the whole model's (not a TP rank's share).
     ``cp_mode``: the mode ``--cp-mode auto`` chose (shown as ``auto: <mode>``), else None;
     ``model_config``: the model's config dict (its GDN sizes price the note)."""
     flags = "".join(f", --{name}" for name in ("fsdp", "ac") if getattr(config, name))
@@ -32,14 +35,17 @@ def run_header(
         what = f"--cp-mode {shown}, --cp-layout {config.token_layout()}{flags}"
     else:
         what = f"no context parallelism{flags}"
+    mesh = f"dp {dp} x cp {cp}" + (f" x tp {tp}" if tp > 1 else "")
     lines = [
-        f"platform {platform}, {world_size} rank{'s' if world_size > 1 else ''} = dp {dp} x cp {cp} ({what}), "
+        f"platform {platform}, {world_size} rank{'s' if world_size > 1 else ''} = {mesh} ({what}), "
         f"model {config.model_name}: {parameters:,} parameters, --dtype {config.dtype}, "
         f"{config.batch_size * config.seq_len} tokens per step, steps {first_step}..{config.steps}"
     ]
     if cp > 1:  # under CP the GDN layers run the kernel of --gdn-kernel (at cp 1 the model's own layers)
         kernel = resolve_kernel(config.gdn_kernel, platform=platform)
         lines[0] += f"; GDN kernel {kernel.name} ({kernel.reason})"
+    if tp > 1:
+        return lines
     if config.batch_size % world_size == 0:
         fewer = f"--cp-size 1 ({world_size} data-parallel replicas, whole sequences per rank)"
     else:

@@ -1,7 +1,8 @@
 """The training loop: build (process group, mesh, backend, data, resume point), train, close.
 
-Parallelism: the world is a 2-D mesh ``(dp, cp)``. Each DP replica takes ``1/dp`` of the global
-batch's rows; within its CP group every rank holds its shard of each sequence (or of the replica's
+Parallelism: the world is a 2-D mesh ``(dp, cp)``, under ``--tp`` a 3-D mesh ``(dp, cp, tp)``
+whose TP ranks split every decoder block by heads and take the same shard of the batch. Each DP
+replica takes ``1/dp`` of the global batch's rows; within its CP group every rank holds its shard of each sequence (or of the replica's
 packed row, with documents) in the token layout ``--cp-layout``: by default head_tail (pieces r
 and 2cp-1-r of 2cp) when the model has softmax-attention layers, else contiguous. The batch is
 cut by the library's ``shard_for_context_parallel`` (:mod:`.rank_batches`) and the loss is its
@@ -96,9 +97,13 @@ class Trainer:
         config = self.config
         self.rank, self.world_size = self.platform.rank(), self.platform.world_size()
         setup_logging(self.rank)
-        self.dp, self.cp = config.mesh_shape(self.world_size)
-        self.mesh = init_device_mesh(self.platform.name, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+        self.dp, self.cp, self.tp = config.mesh_shape(self.world_size)
+        shape, names = (self.dp, self.cp, self.tp), ("dp", "cp", "tp")
+        if self.tp == 1:  # no TP axis (its groups would be one rank each)
+            shape, names = shape[:2], names[:2]
+        self.mesh = init_device_mesh(self.platform.name, shape, mesh_dim_names=names)
         self.dp_rank = self.mesh.get_local_rank("dp")
+        self.tp_rank = self.mesh.get_local_rank("tp") if self.tp > 1 else 0
         self.solo = DeviceMesh.from_group(self.platform, None, [self.rank], mesh_dim_name="cp")
         torch.manual_seed(config.seed)  # the initial weights, on every platform
         reference = config.check_parity and self.rank == 0
@@ -123,7 +128,9 @@ class Trainer:
         self._timed_out = 0  # roll calls held (each needs its own store keys)
         self.guard = BadStepGuard(max_bad_steps=config.max_bad_steps)
         self.checkpoint_format = config.checkpoint_format or self.backend_class.checkpoint_formats[0]
-        meta = {"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp}
+        meta = {"config": config.to_dict(), "world_size": self.world_size, "cp": self.cp, "tp": self.tp}
+        if self.checkpoint_format == "sharded" and self.backend.row_orders():  # under --tp
+            meta["row_orders"] = self.backend.row_orders()
         self.writer = CheckpointWriter(config, self.backend, fmt=self.checkpoint_format, meta=meta)
         point = find_resume_point(
             config, rank=self.rank, world_size=self.world_size, max_over_ranks=self.backend.max_over_ranks
@@ -253,8 +260,10 @@ class Trainer:
         for callback in self.callbacks:
             scale = callback.loss_scale(self, self.step + 1, scale)
         loss, norm = self.backend.backward(shard, scale=scale)
-        # one reduction: the loss sum (each token is on one rank only) and the ranks gone non-finite
-        loss_sum, bad_ranks = self.backend.sum_over_ranks([loss * mine, float(not is_finite(loss, norm))])
+        # one reduction: the loss sum (each token is on one CP rank, counted on its first TP rank:
+        # every TP rank holds the same loss) and the ranks gone non-finite
+        share = loss * mine if self.tp_rank == 0 else 0.0
+        loss_sum, bad_ranks = self.backend.sum_over_ranks([share, float(not is_finite(loss, norm))])
         if bad_ranks > 0:
             self.backend.discard_step()
         if self.guard.record(step=self.step + 1, bad_ranks=round(bad_ranks)):
@@ -271,6 +280,7 @@ class Trainer:
             world_size=self.world_size,
             dp=self.dp,
             cp=self.cp,
+            tp=self.tp,
             parameters=self.backend.num_parameters(),
             first_step=self.step + 1,
             cp_mode=None if plan is None else self.backend.cp_mode,
@@ -286,6 +296,7 @@ class Trainer:
             "world_size": self.world_size,
             "dp_size": self.dp,
             "cp_size": self.cp,
+            "tp_size": self.tp,
             "num_parameters": self.backend.num_parameters(),
             "config": self.config.to_dict(),
             "model": self.backend.model_config(),

@@ -57,7 +57,7 @@ def model_shape(config: TrainConfig) -> ModelShape:
 
 def step_options(config: TrainConfig, world_size: int, *, platform: str) -> StepOptions:
     """:class:`StepOptions` of this run on ``world_size`` ranks of ``platform``."""
-    dp, cp = config.mesh_shape(world_size)
+    dp, cp, _ = config.mesh_shape(world_size)
     runtime = "torch" if config.model_dir is None else "torch+transformers"
     return StepOptions(
         seq_len=config.seq_len,

@@ -139,6 +139,7 @@ class MindSporeBackend(TrainBackend):
             raise NotImplementedError(
                 "--fsdp is torch's FSDP2; on MindSpore parameters stay replicated (use --ac to save memory)"
             )
+        cls.check_tp_option(config, platform_name)
         cls.check_checkpoint_options(config, platform_name)
 
     def __init__(self, config: TrainConfig, platform: Platform, mesh: DeviceMesh, *, reference: bool) -> None:

@@ -18,9 +18,10 @@ The state is ``{"model": ..., "optimizer": ...}`` as ``get_state_dict`` gives it
 parameter names: under ``--fsdp`` each parameter and its AdamW moments are DTensors and each rank
 writes its own rows; without FSDP the tensors are replicated and DCP writes each once, spread over
 the ranks. No rank gathers the whole state. Loading asks each rank's current layout for its
-pieces and DCP reads them from whichever files hold them, so a checkpoint resumes at any CP or DP
-size, with or without ``--fsdp`` (:func:`load_shards`); :func:`load_whole` reads it whole on one
-host (the converter, tests).
+pieces and DCP reads them from whichever files hold them, so a checkpoint resumes at any CP, DP or
+TP size, with or without ``--fsdp`` (:func:`load_shards`; under ``--tp`` the fused projections'
+rows are in the order of :mod:`.row_orders`, which the manifest names); :func:`load_whole` reads
+it whole on one host (the converter, tests).
 
 The commit is that of the whole format: every rank writes into the hidden ``.step-N.tmp-<pid>``
 directory (rank 0's pid), DCP's last step is a barrier after rank 0 wrote ``.metadata``, then rank
@@ -45,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, TensorStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from hyperpar_gdn.train.checkpoint_dir import (
     DCP_LAYOUT,
@@ -63,6 +65,7 @@ from hyperpar_gdn.train.checkpoint_dir import (
 from hyperpar_gdn.train.errors import CheckpointError
 from hyperpar_gdn.train.replicated_shards import INDEX as REPLICATED_INDEX
 from hyperpar_gdn.train.replicated_shards import load_replicated
+from hyperpar_gdn.train.row_orders import MOMENTS, changed_names, move_rows, reorder_state
 
 __all__ = [
     "STATE_DIR",
@@ -101,12 +104,50 @@ def write_shards(
     return None
 
 
-def load_shards(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_shards(
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    saved_orders: dict[str, Any] | None = None,
+    orders: dict[str, Any] | None = None,
+) -> None:
     """Collective: load the state under ``directory`` into ``model`` and ``optimizer`` in their
-    current layout (any CP/DP size, FSDP or not): each rank reads the pieces it holds."""
+    current layout (any CP/DP/TP size, FSDP or not): each rank reads the pieces it holds.
+
+    ``saved_orders``, ``orders``: the row orders (:mod:`.row_orders`) of the checkpoint and of
+    ``model``. A tensor whose order differs (saved with ``--tp``, loaded without, or back) is read
+    whole on every rank, its rows moved, and this rank's piece of it kept."""
+    saved_orders, orders = saved_orders or {}, orders or {}
     state = sharded_state(model, optimizer)  # initializes AdamW's state: DCP loads in place
+    moved = []  # (dict holding it, key, the state's own tensor, name)
+    for name in changed_names(saved_orders, orders):
+        holders = [state["model"], state["optimizer"].get("state", {}).get(name, {})]
+        for holder in holders:
+            for key in (name,) if holder is state["model"] else MOMENTS:
+                if key in holder:
+                    target = holder[key]
+                    moved.append((holder, key, target, name))
+                    holder[key] = torch.empty(target.shape, dtype=target.dtype)  # whole, on the host
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)))
+    with torch.no_grad():
+        for holder, key, target, name in moved:
+            whole = move_rows(holder[key], saved_orders.get(name), orders.get(name))
+            _copy_piece(target, whole)
+            holder[key] = target
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _copy_piece(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy into ``target`` (a DTensor: its local piece) its rows of ``whole``."""
+    if not isinstance(target, DTensor):
+        target.copy_(whole)
+        return
+    (chunk,) = target.__create_chunk_list__()  # where this rank's piece sits (what DCP reads by)
+    piece = whole
+    for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+        piece = piece.narrow(dim, offset, size)
+    target.to_local().copy_(piece)
 
 
 def load_whole(directory: Path) -> dict[str, Any]:
@@ -210,7 +251,8 @@ def shard_entries(
 
 def check_and_load_shards(directory: Path, manifest: dict[str, Any], *, whole_state: bool) -> dict[str, Any]:
     """For :func:`~hyperpar_gdn.train.checkpoint.load_checkpoint`: every shard file is there with
-    its size; with ``whole_state`` also its sha256, then the state is loaded whole (else ``{}``)."""
+    its size; with ``whole_state`` also its sha256, then the state is loaded whole, in the
+    single-device row order (else ``{}``)."""
     for file, entry in shard_entries(directory, manifest):
         if not file.is_file():
             found = None
@@ -222,10 +264,13 @@ def check_and_load_shards(directory: Path, manifest: dict[str, Any], *, whole_st
     if not whole_state:
         return {}
     try:
-        return load_whole_state(directory / STATE_DIR, shard_layout(manifest))
+        state = load_whole_state(directory / STATE_DIR, shard_layout(manifest))
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(f"checkpoint {directory / STATE_DIR} could not be read: {first}") from err
+    # a --tp run's fused rows, back in the single-device order (:mod:`.row_orders`)
+    reorder_state(state.get("model"), state.get("optimizer"), manifest["meta"].get("row_orders", {}), {})
+    return state
 
 
 def verify_shards(

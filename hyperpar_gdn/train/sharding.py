@@ -1,12 +1,14 @@
 """Parameter sharding (FSDP2), activation checkpointing and full state dicts for the torch trainer.
 
-Order, as torchtitan's: context parallelism first (it replaces the mixers' forwards), then
-activation checkpointing per decoder layer (``checkpoint_wrapper``: the layer's forward,
-collectives included, runs again in the backward), then ``fully_shard`` per decoder layer and
-on the whole model. FSDP shards over every rank of the ``dp x cp`` world as one axis (each CP
-rank holds whole-model gradient shares, just as a DP replica does); its reduce-scatter sums the
-gradients over all ranks and divides by ``dp``: summed over each CP group, averaged over the DP
-replicas, exactly what the trainer's all-reduces do without FSDP.
+Order, as torchtitan's: tensor parallelism (``--tp``) first, then context parallelism (it
+replaces the mixers' forwards), then activation checkpointing per decoder layer
+(``checkpoint_wrapper``: the layer's forward, collectives included, runs again in the backward),
+then ``fully_shard`` per decoder layer and on the whole model. FSDP shards over every rank of the
+``dp x cp`` world as one axis (under ``--tp``, over the flattened ``(dp, cp)`` axes of each TP
+rank's slice of the ``(dp, cp, tp)`` mesh): each CP rank holds whole-model gradient shares, just
+as a DP replica does. Its reduce-scatter sums the gradients over those ranks and divides by
+``dp``: summed over each CP group, averaged over the DP replicas, exactly what the trainer's
+all-reduces do without FSDP.
 
 Checkpoints hold full (gathered) state dicts with parameter names as keys, with or without FSDP
 and activation checkpointing, so a run saved with ``--fsdp`` resumes without it and back.
@@ -49,11 +51,16 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
         layers[i] = checkpoint_wrapper(layer)
 
 
-def apply_fsdp(model: torch.nn.Module, *, device_type: str, dp: int, bf16: bool = False) -> None:
+def apply_fsdp(
+    model: torch.nn.Module, *, device_type: str, dp: int, bf16: bool = False, mesh: Any = None
+) -> None:
     """Shard parameters, gradients and optimizer state over every rank (FSDP2). ``bf16``: the
     gathered parameters are bf16 for compute, the sharded ones (what AdamW updates and
-    checkpoints hold) stay fp32 and gradients are reduced in fp32."""
-    mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    checkpoints hold) stay fp32 and gradients are reduced in fp32. ``mesh``: the 1-D torch mesh to
+    shard over (under tensor parallelism the flattened ``(dp, cp)`` axes of the ``(dp, cp, tp)``
+    mesh whose ``tp`` axis holds the TP shards); default: every rank."""
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     options = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     for layer in text_model_of(model).layers:

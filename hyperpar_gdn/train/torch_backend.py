@@ -1,7 +1,9 @@
 """The torch half of a training run (CPU/gloo, CUDA/NCCL, Ascend/HCCL through torch-npu).
 
 The model is the built-in :class:`~hyperpar_gdn.models.lm.HybridLM` (seeded by the trainer) or a
-transformers Qwen3.5 model read from ``--model DIR``; :func:`apply_context_parallel` makes its
+transformers Qwen3.5 model read from ``--model DIR``; under ``--tp`` :mod:`.tensor_parallel`
+splits its blocks over the TP axis of a torch ``(dp, cp, tp)`` mesh first;
+:func:`apply_context_parallel` makes its
 mixers context parallel (a transformers model gets our layers even without CP: its own would drop
 the packed documents on a CPU), then activation checkpointing and FSDP2 (:mod:`.sharding`) wrap it.
 
@@ -35,9 +37,10 @@ from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, l
 from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
-from hyperpar_gdn.train.checkpoint_dir import DCP_LAYOUT
+from hyperpar_gdn.train.checkpoint_dir import DCP_LAYOUT, read_manifest
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.optim import adamw_step, build_adamw, clip_gradients, torch_optimizer_step
+from hyperpar_gdn.train.row_orders import model_row_orders, reorder_state
 from hyperpar_gdn.train.sharding import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -45,6 +48,7 @@ from hyperpar_gdn.train.sharding import (
     full_state_dicts,
     load_full_state_dicts,
 )
+from hyperpar_gdn.train.tensor_parallel import apply_tp_option, sync_local_grads
 
 __all__ = ["TorchBackend"]
 
@@ -55,6 +59,7 @@ class TorchBackend(TrainBackend):
     platforms = ("cpu", "cuda", "npu")
     checkpoint_formats = ("sharded", "whole")
     shard_layout = DCP_LAYOUT
+    tensor_parallel = True
 
     @classmethod
     def check(cls, config: TrainConfig, platform_name: str) -> None:
@@ -64,6 +69,7 @@ class TorchBackend(TrainBackend):
                 f"is supported, HP_PLATFORM={platform_name} is not (for mindspore use "
                 "hyperpar_gdn.train.mindspore_loop.MindSporeTrainer, which scripts/train.py picks)"
             )
+        cls.check_tp_option(config, platform_name)
         cls.check_checkpoint_options(config, platform_name)
 
     def __init__(self, config: TrainConfig, platform: Platform, mesh: DeviceMesh, *, reference: bool) -> None:
@@ -83,12 +89,25 @@ class TorchBackend(TrainBackend):
             apply_context_parallel(self.reference, solo, mode="p2p")
         self.ref_optimizer = None if self.reference is None else build_adamw(self.reference, config)
         self.cp_mode, self.cp_plan = config.cp_mode, None
+        self.torch_mesh = None  # --tp: torch's (dp, cp, tp) mesh, which TP and FSDP share
+        if config.tp > 1:
+            self.torch_mesh = apply_tp_option(
+                self.model, config, shape=mesh.shape, device_type=self.device.type
+            )
+        self._row_orders = model_row_orders(self.model)  # before AC and FSDP rename nothing yet
         if self.cp_mesh.size() > 1 or self.tokenizer is not None:
             apply_cp_mode(self, config, self.model, self.cp_mesh)
         if config.ac:
             apply_activation_checkpointing(self.model)
         if config.fsdp:
-            apply_fsdp(self.model, device_type=self.device.type, dp=mesh.size(0), bf16=config.dtype == "bf16")
+            data = None if self.torch_mesh is None else self.torch_mesh["dp", "cp"]._flatten("dp_cp")
+            apply_fsdp(
+                self.model,
+                device_type=self.device.type,
+                dp=mesh.size(0),
+                bf16=config.dtype == "bf16",
+                mesh=data,
+            )
         self.optimizer = build_adamw(self.model, config)  # over the sharded parameters under FSDP
         # --async-save: the background writes talk over a gloo group of their own, never the one
         # the training steps use at the same time
@@ -108,7 +127,10 @@ class TorchBackend(TrainBackend):
         loss = context_parallel_lm_loss(hidden, head, shard.labels.to(self.device), self.cp_mesh)
         (loss * scale).backward()
         if self.world_size > 1 and not self.config.fsdp:  # FSDP reduce-scatters them itself
-            sync_context_parallel_grads(self.model, self.mesh, dp_axis="dp")
+            if self.torch_mesh is None:
+                sync_context_parallel_grads(self.model, self.mesh, dp_axis="dp")
+            else:  # TP shards' local gradients (each TP rank its own) beside whole ones
+                sync_local_grads(self.model, self.mesh)
         norm = clip_gradients(self.model, self.config.grad_clip)
         return float(loss.item()), norm
 
@@ -146,8 +168,12 @@ class TorchBackend(TrainBackend):
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     # --- checkpoints and export ----------------------------------------------------------------------
+    def row_orders(self) -> dict[str, Any]:
+        return self._row_orders
+
     def state_dict(self) -> dict[str, Any]:
         model, optimizer = full_state_dicts(self.model, self.optimizer)
+        reorder_state(model, optimizer, self._row_orders, {})  # the single-device order
         return {"model": model, "optimizer": optimizer}
 
     def load_state_dict(self, path: str, parts: dict[str, Any]) -> None:
@@ -157,9 +183,17 @@ class TorchBackend(TrainBackend):
                 f"{parts['optimizer'].get('format')!r}: written on MindSpore?); resume it with "
                 "HP_PLATFORM=mindspore, or load only its model part"
             )
-        for model, optimizer in ((self.model, self.optimizer), (self.reference, self.ref_optimizer)):
-            if model is not None and optimizer is not None:
-                load_full_state_dicts(model, optimizer, parts["model"], parts["optimizer"])
+        model_state, optimizer_state = parts["model"], parts["optimizer"]
+        if self._row_orders:  # the whole format's single-device order -> this --tp model's
+            model_state = dict(model_state)
+            states = {name: dict(moments) for name, moments in optimizer_state.get("state", {}).items()}
+            optimizer_state = {**optimizer_state, "state": states}
+            reorder_state(model_state, optimizer_state, {}, self._row_orders)
+        load_full_state_dicts(self.model, self.optimizer, model_state, optimizer_state)
+        if self.reference is not None and self.ref_optimizer is not None:
+            # its own copy: an optimizer keeps the tensors it loads, and would share them with the model's
+            optimizer_state = copy.deepcopy(parts["optimizer"])
+            load_full_state_dicts(self.reference, self.ref_optimizer, parts["model"], optimizer_state)
 
     def save_shards(self, directory: Path, *, background: bool) -> Future | None:
         from hyperpar_gdn.train.checkpoint import CheckpointError, nonfinite_entries
@@ -181,13 +215,16 @@ class TorchBackend(TrainBackend):
                 "MindSpore's AdamW state, written under HP_PLATFORM=mindspore): resume it there, or "
                 "convert it (python -m hyperpar_gdn.train.convert --to whole) and load only its model part"
             )
-        load_shards(Path(shards), self.model, self.optimizer)
+        saved = read_manifest(Path(shards).parent)["meta"].get("row_orders", {})
+        load_shards(Path(shards), self.model, self.optimizer, saved_orders=saved, orders=self._row_orders)
         if self.reference is not None and self.ref_optimizer is not None:  # rank 0 alone, whole
             whole = load_whole(Path(shards))
+            reorder_state(whole["model"], whole["optimizer"], saved, {})
             load_full_state_dicts(self.reference, self.ref_optimizer, whole["model"], whole["optimizer"])
 
     def exporter(self, out: str) -> Callable[[], None]:
-        state = full_model_state_dict(self.model)  # every rank gathers its shards under FSDP
+        state = full_model_state_dict(self.model)  # every rank gathers its shards under FSDP and TP
+        reorder_state(state, None, self._row_orders, {})  # the single-device order
         return lambda: export_model_dir(self.model, self.tokenizer, out, state_dict=state)
 
     def num_parameters(self) -> int:

@@ -79,6 +79,18 @@ def test_option_errors_name_the_option(options: dict[str, object], message: str)
     [
         ({"cp_size": 3, "seq_len": 129}, 4, "4 ranks (torchrun --nproc-per-node x --nnodes, or msrun"),
         ({"cp_size": 3}, 2, "cannot be split into CP groups of --cp-size 3: --cp-size must divide 2"),
+        ({"tp": 3}, 8, "cannot be split into TP groups of --tp 3: --tp must divide 8"),
+        (
+            {"tp": 2, "cp_size": 3},
+            8,
+            "cannot be split into CP groups of --cp-size 3: --cp-size x --tp = 3 x 2",
+        ),
+        (
+            {"tp": 2, "cp_size": 4, "cp_mode": "ulysses"},
+            8,
+            "--cp-mode ulysses splits each TP rank's GDN value heads over cp=4, but --model-size tiny has "
+            "4 value heads, not divisible by tp x cp = 2 x 4",
+        ),
         ({"seq_len": 100, "cp_size": 3}, 3, "--seq-len 100 must be divisible by the CP size 3"),
         (
             {"cp_size": 1, "batch_size": 3},
@@ -113,10 +125,14 @@ def test_layout_errors_name_the_option(options: dict[str, object], world: int, m
         TrainConfig(**options).mesh_shape(world)
 
 
-def test_layout_splits_the_world_into_dp_and_cp() -> None:
-    assert TrainConfig().mesh_shape(2) == (1, 2)
-    assert TrainConfig(cp_size=2).mesh_shape(8) == (4, 2)
-    assert TrainConfig(cp_size=1).mesh_shape(4) == (4, 1)
+def test_layout_splits_the_world_into_dp_cp_and_tp() -> None:
+    assert TrainConfig().mesh_shape(2) == (1, 2, 1)
+    assert TrainConfig(cp_size=2).mesh_shape(8) == (4, 2, 1)
+    assert TrainConfig(cp_size=1).mesh_shape(4) == (4, 1, 1)
+    assert TrainConfig(tp=2, cp_mode="p2p").mesh_shape(8) == (1, 4, 2)  # CP takes the ranks TP leaves
+    assert TrainConfig(tp=2, cp_size=2).mesh_shape(8) == (2, 2, 2)
+    with pytest.raises(ValueError, match=re.escape("--tp must be >= 1; got 0")):
+        TrainConfig(tp=0)
 
 
 def test_command_line_maps_onto_the_config() -> None:
@@ -255,6 +271,6 @@ def test_documents_pack_the_rows_of_a_replica() -> None:
 def test_two_level_beside_data_parallelism() -> None:
     """--cp-size below the world with a two-level mode: dp replicas of (inner x outer) CP."""
     config = TrainConfig(cp_mode="ulysses+scan", cp_inner_size=2, cp_layout="contiguous", cp_size=4)
-    assert config.mesh_shape(8) == (2, 4)  # 2 replicas of cp 4 = 2 x 2
+    assert config.mesh_shape(8) == (2, 4, 1)  # 2 replicas of cp 4 = 2 x 2
     with pytest.raises(ValueError, match=re.escape("--cp-inner-size 2 must divide cp=3")):
         TrainConfig(cp_mode="ulysses+scan", cp_inner_size=2, cp_layout="contiguous", cp_size=3).mesh_shape(6)

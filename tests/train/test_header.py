@@ -51,3 +51,23 @@ def test_the_note_goes_at_the_cost_models_break_even() -> None:
     assert len(_header(TrainConfig(seq_len=payoff.break_even // 2))) == 2
     # every platform is priced (its device kind's figures): a cuda run of 128 tokens gets the note too
     assert "the cost model (gpu:" in _header(config, platform="cuda")[1]
+
+
+def test_tensor_parallelism_is_shown() -> None:
+    """--tp: the ranks as dp x cp x tp, and no note from the cost model, which does not price tp."""
+    config = TrainConfig(cp_mode="p2p", tp=2, cp_size=2)
+    lines = run_header(
+        config,
+        platform="cpu",
+        world_size=8,
+        dp=2,
+        cp=2,
+        tp=2,
+        parameters=1234,
+        first_step=1,
+        model_config=config.model.to_dict(),
+    )
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        "platform cpu, 8 ranks = dp 2 x cp 2 x tp 2 (--cp-mode p2p, --cp-layout head_tail)"
+    )

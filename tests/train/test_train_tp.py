@@ -1,0 +1,184 @@
+"""``--tp`` in the trainer (real gloo ranks, a tiny transformers Qwen3.5 directory made offline):
+
+- dp 2 x cp 2 x tp 2 (8 ranks) with ``--fsdp``: 10 steps with the losses of one process (the
+  ``--check-parity`` copy, which rank 0 trains alone on the whole batch; the gradient clipping is
+  active, so the global norm over TP shards, FSDP shards and whole tensors is checked too); the
+  ``--export`` directory loads in transformers with the one-process model's weights and logits;
+  wrong set-ups (a world the mesh does not fill, heads not divisible by ``--tp``) are one line on
+  every rank.
+- checkpoints: a sharded checkpoint saved at (dp 1, cp 2, tp 2) resumes at (dp 1, cp 4, tp 1)
+  and at (dp 2, cp 1, tp 2) with the uninterrupted run's losses; the converter turns it into the
+  single-device layout (a tp 2 run resumes from that, its parity copy too); a whole checkpoint
+  written by a tp 2 run holds the single-device layout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed_harness import run_ranks
+
+from hyperpar_gdn.train import TrainConfig, Trainer
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5  # relative, per step (fp32)
+BASE = {"seq_len": 32, "batch_size": 4, "cp_mode": "p2p", "lr": 3e-3, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny dense Qwen3.5 directory (2 GDN q/k heads, 4 value heads, 4 attention heads over 2
+    K/V heads): it splits at tp 2, not at tp 4."""
+    from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35
+
+    return write_tiny_qwen35(tmp_path_factory.mktemp("model") / "dense")
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def _run(options: dict[str, Any]) -> tuple[Trainer, Any]:
+    trainer = Trainer(TrainConfig(**BASE, **options))
+    try:
+        return trainer, trainer.train()
+    finally:
+        trainer.close()
+
+
+def _error(options: dict[str, Any]) -> str:
+    try:
+        _run(options)
+    except (ValueError, NotImplementedError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _fsdp_worker(rank: int, world: int, model: str, export: str, probe: torch.Tensor) -> dict[str, Any]:
+    errors = {
+        "world": _error({"model_dir": model, "tp": 2, "cp_size": 3}),
+        "heads": _error({"model_dir": model, "tp": 4, "cp_size": 2}),
+    }
+    options = {"model_dir": model, "tp": 2, "cp_size": 2, "fsdp": True, "steps": 10}
+    trainer, result = _run({**options, "check_parity": True, "export": export})
+    out: dict[str, Any] = {"errors": errors, "losses": result.losses}
+    if rank == 0:  # the one-process copy: its losses, weights and logits
+        reference = trainer.backend.reference.eval()
+        out["reference"] = [r.reference_loss for r in result.records]
+        out["weights"] = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        with torch.no_grad():
+            out["logits"] = reference(input_ids=probe, use_cache=False).logits
+    return out
+
+
+def test_dp2_cp2_tp2_fsdp_equals_one_process(model_dir: Path, tmp_path: Path) -> None:
+    export = tmp_path / "export"
+    probe = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    results = run_ranks(_fsdp_worker, 8, str(model_dir), str(export), probe, timeout_s=400)
+    rank0 = results[0]
+    losses, reference = rank0["losses"], rank0["reference"]
+    assert all(r["losses"] == losses for r in results)  # every rank reports the global loss
+    assert max(losses[-3:]) < losses[0] - 0.3, losses  # it trains
+    worst = max(_rel(a, b) for a, b in zip(losses, reference, strict=True))
+    assert worst <= TOL, (
+        f"dp 2 x cp 2 x tp 2 --fsdp: losses differ from one process by {worst:.2e} (relative)"
+    )
+
+    # the export: the single-device layout, the one-process model's weights and logits
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    weights = dict(exported.named_parameters())
+    # rows out of place would differ by ~1; the gates' weights (in_proj_a, A_log, dt_bias) get
+    # gradients near zero, whose rounding Adam turns into full-size steps: ~1e-2 after 10 steps
+    for name, expected in rank0["weights"].items():
+        err = ((weights[name] - expected).abs().max() / expected.abs().max()).item()
+        assert err <= 5e-2, f"exported {name} differs from the one-process model's by {err:.1e}"
+    with torch.no_grad():
+        logits = exported(input_ids=probe, use_cache=False).logits
+    err = ((logits - rank0["logits"]).abs().max() / rank0["logits"].abs().max()).item()
+    assert err <= 1e-4, f"the exported model's logits differ from the one-process model's by {err:.1e}"
+
+    # wrong set-ups: the same one line on every rank
+    for case, words in {
+        "world": "8 ranks (torchrun --nproc-per-node x --nnodes, or msrun --worker_num) cannot be split "
+        "into CP groups of --cp-size 3: --cp-size x --tp = 3 x 2 must divide 8",
+        "heads": "--tp 4 with " + str(model_dir) + ": tensor parallelism at tp=4: layer 0: linear_attn: "
+        "num_k_heads=2",
+    }.items():
+        seen = {r["errors"][case] for r in results}
+        assert len(seen) == 1, f"{case}: the ranks differ: {seen}"
+        message = seen.pop()
+        assert message.startswith("ValueError: ") and words in message, message
+        assert "\n" not in message, message
+
+
+def _resume_worker(rank: int, world: int, model: str, root: str) -> dict[str, list[float]]:
+    import torch.distributed as dist
+
+    options = {"model_dir": model, "steps": 4}
+    sharded = os.path.join(root, "sharded")
+    losses = {
+        "straight": _run({**options, "cp_size": 2, "tp": 2, "save": sharded, "save_every": 2})[1].losses
+    }
+    step2 = os.path.join(sharded, "step-2")
+    losses["cp4"] = _run({**options, "cp_size": 4, "resume": step2})[1].losses
+    whole = {"save": os.path.join(root, "whole"), "checkpoint_format": "whole"}
+    losses["dp2xtp2"] = _run({**options, "cp_size": 1, "tp": 2, "fsdp": True, "resume": step2, **whole})[
+        1
+    ].losses
+    if rank == 0:  # the converter, as a user runs it
+        from hyperpar_gdn.train.convert import main
+
+        assert main([step2, os.path.join(root, "converted"), "--to", "whole"]) == 0
+    dist.barrier()
+    converted = os.path.join(root, "converted", "step-2")
+    result = _run({**options, "cp_size": 2, "tp": 2, "resume": converted, "check_parity": True})[1]
+    losses["from_whole"] = result.losses
+    losses["from_whole_reference"] = [r.reference_loss for r in result.records if r.reference_loss]
+    return losses
+
+
+def test_tp_checkpoints_resume_at_other_meshes(model_dir: Path, tmp_path: Path) -> None:
+    from hyperpar_gdn.train.checkpoint import load_checkpoint
+
+    losses = run_ranks(_resume_worker, 4, str(model_dir), str(tmp_path), timeout_s=400)[0]
+    straight = losses["straight"]
+    worst = {
+        name: max(_rel(a, b) for a, b in zip(losses[name], straight[2:], strict=True))
+        for name in ("cp4", "dp2xtp2", "from_whole")
+    }
+    assert all(err <= TOL for err in worst.values()), f"resumed runs differ (relative): {worst}"
+    # the parity copy read the converted checkpoint as one device does: the layout is the single-device one
+    reference = losses["from_whole_reference"]
+    assert len(reference) == 2
+    assert max(_rel(a, b) for a, b in zip(reference, straight[2:], strict=True)) <= TOL
+
+    # a whole checkpoint written at tp 2 (--fsdp) holds what the converter makes of the sharded one
+    # of the uninterrupted run (rows out of place would differ by ~1; the gates' weights by ~1e-4,
+    # as in the test above)
+    _, whole, _ = load_checkpoint(tmp_path / "whole" / "step-4")
+    _, converted, meta = load_checkpoint(tmp_path / "sharded" / "step-4")
+    assert "row_orders" not in meta  # loaded whole, in the single-device order
+    assert sorted(whole["model"]) == sorted(converted["model"])
+    for name, expected in converted["model"].items():
+        err = ((whole["model"][name] - expected).abs().max() / expected.abs().max()).item()
+        assert err <= 5e-2, f"{name}: the tp 2 whole checkpoint differs from the converted one by {err:.1e}"
+
+
+def test_tp_is_refused_where_it_does_not_run() -> None:
+    """MindSpore trains with --tp 1 (one line, before any process group); torch takes --tp."""
+    from hyperpar_gdn.train.mindspore_loop import MindSporeBackend
+    from hyperpar_gdn.train.torch_backend import TorchBackend
+
+    with pytest.raises(NotImplementedError) as caught:
+        MindSporeBackend.check(TrainConfig(tp=2), "mindspore")
+    assert str(caught.value) == (
+        "--tp 2: tensor parallelism trains on torch (HP_PLATFORM=cpu / cuda / npu); "
+        "HP_PLATFORM=mindspore trains with --tp 1"
+    )
+    MindSporeBackend.check(TrainConfig(), "mindspore")  # accepted
+    TorchBackend.check(TrainConfig(tp=2), "cpu")  # accepted

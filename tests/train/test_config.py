@@ -231,7 +231,7 @@ def test_cp_layout_defaults_to_head_tail_with_softmax_layers(tmp_path: Path) -> 
 def test_two_level_modes_take_either_layout_and_default_as_one_level_modes() -> None:
     two_level = {"cp_mode": "ulysses+p2p", "cp_inner_size": 2}
     assert TrainConfig(**two_level).token_layout() == "head_tail"  # softmax layers: as p2p
-    assert TrainConfig(**two_level, cp_layout="head_tail").mesh_shape(8) == (1, 8)
+    assert TrainConfig(**two_level, cp_layout="head_tail").mesh_shape(8) == (1, 8, 1)
     assert TrainConfig(**two_level, cp_layout="contiguous").token_layout() == "contiguous"
 
 

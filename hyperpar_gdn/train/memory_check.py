@@ -29,6 +29,7 @@ from hyperpar_gdn.train.memory_plan import (
     longest_seq_len,
     seq_unit,
 )
+from hyperpar_gdn.train.rank_shape import tp_split_error
 
 __all__ = ["MemoryBudgetError", "check_memory", "plan_lines"]
 
@@ -39,30 +40,37 @@ class MemoryBudgetError(Exception):
 
 def launched_world_size(config: TrainConfig) -> int:
     """The launcher's world size (torchrun ``WORLD_SIZE``, msrun ``MS_WORKER_NUM``); without a
-    launcher, the planned CP group (``--cp-size``, else 1)."""
+    launcher, the planned CP group (``--cp-size``, else 1) times ``--tp``."""
     value = os.environ.get("WORLD_SIZE", os.environ.get("MS_WORKER_NUM", ""))
     if value.strip().isdigit():
         return int(value)
-    return config.cp_size or 1
+    return (config.cp_size or 1) * config.tp
 
 
 def model_shape(config: TrainConfig) -> ModelShape:
-    """The sizes of the model to train (``--model``'s config.json is read, not its weights)."""
+    """The sizes of the model to train (``--model``'s config.json is read, not its weights);
+    ``ValueError`` naming ``--tp`` when it does not split them (the rules of the tensor-parallel
+    plan, checked here before any communication)."""
     if config.model_dir is None:
-        return ModelShape.of(config.model)
-    from hyperpar_gdn.integrations.transformers.model_config import read_config
+        shape = ModelShape.of(config.model)
+    else:
+        from hyperpar_gdn.integrations.transformers.model_config import read_config
 
-    return ModelShape.of(read_config(config.model_dir), where=f"--model {config.model_dir}: config.json")
+        shape = ModelShape.of(read_config(config.model_dir), where=f"--model {config.model_dir}: config.json")
+    if error := tp_split_error(shape, config.tp):
+        raise ValueError(f"--tp {config.tp} with {config.model_name}: {error}")
+    return shape
 
 
 def step_options(config: TrainConfig, world_size: int, *, platform: str) -> StepOptions:
     """:class:`StepOptions` of this run on ``world_size`` ranks of ``platform``."""
-    dp, cp, _ = config.mesh_shape(world_size)
+    dp, cp, tp = config.mesh_shape(world_size)
     runtime = "torch" if config.model_dir is None else "torch+transformers"
     return StepOptions(
         seq_len=config.seq_len,
         rows=config.batch_size // dp,
         cp=cp,
+        tp=tp,
         world_size=world_size,
         cp_mode=config.cp_mode,
         layout=config.token_layout(),
@@ -149,9 +157,10 @@ def check_memory(config: TrainConfig, *, platform: str) -> None:
         f"{label} {_gib(total)}{' (fits)' if total <= budget else ''}"
         for label, total in alternatives(shape, opts, budget)
     )
+    tp = f", tp {opts.tp}" if opts.tp > 1 else ""
     raise MemoryBudgetError(
         f"the step needs an estimated {_gib(worst.total)} on rank {worst.rank} (T={opts.seq_len}, "
-        f"cp {opts.cp}, --dtype {opts.dtype}{', --ac' if opts.ac else ''}), over the budget of "
+        f"cp {opts.cp}{tp}, --dtype {opts.dtype}{', --ac' if opts.ac else ''}), over the budget of "
         f"{_gib(budget)} per rank ({source}); estimates of other options: {others}; --plan shows the terms"
     )
 
@@ -168,7 +177,8 @@ def plan_lines(config: TrainConfig, *, platform: str) -> list[str]:
     head = f"{'term':<16}" + "".join(f"{'rank ' + str(e.rank):>14}" for e in ranks)
     lines = [
         f"memory plan of {config.model_name} ({shape.num_parameters():,} parameters), T={opts.seq_len}, "
-        f"{opts.rows} row(s) per replica, {world} ranks = dp {world // opts.cp} x cp {opts.cp} "
+        f"{opts.rows} row(s) per replica, {world} ranks = dp {world // (opts.cp * opts.tp)} x cp {opts.cp}"
+        f"{f' x tp {opts.tp}' if opts.tp > 1 else ''} "
         f"(--cp-mode {opts.cp_mode}, --cp-layout {opts.layout}), --dtype {opts.dtype}"
         f"{', --ac' if opts.ac else ''}{', --fsdp' if opts.fsdp else ''}, attention path {opts.attention}",
         head,

@@ -106,8 +106,7 @@ def test_dp2_cp2_tp2_fsdp_equals_one_process(model_dir: Path, tmp_path: Path) ->
     for case, words in {
         "world": "8 ranks (torchrun --nproc-per-node x --nnodes, or msrun --worker_num) cannot be split "
         "into CP groups of --cp-size 3: --cp-size x --tp = 3 x 2 must divide 8",
-        "heads": "--tp 4 with " + str(model_dir) + ": tensor parallelism at tp=4: layer 0: linear_attn: "
-        "num_k_heads=2",
+        "heads": f"--tp 4 with {model_dir}: tp=4 does not split linear_num_key_heads=2",
     }.items():
         seen = {r["errors"][case] for r in results}
         assert len(seen) == 1, f"{case}: the ranks differ: {seen}"
@@ -182,3 +181,24 @@ def test_tp_is_refused_where_it_does_not_run() -> None:
     )
     MindSporeBackend.check(TrainConfig(), "mindspore")  # accepted
     TorchBackend.check(TrainConfig(tp=2), "cpu")  # accepted
+
+
+def test_the_memory_plan_counts_tp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--plan at tp 2: the mesh in its first line, about half the parameters of tp 1 per rank
+    (the embedding stays whole); a model --tp does not split is one line naming --tp, from the
+    options alone (before any process group)."""
+    from hyperpar_gdn.train.memory_check import model_shape, plan_lines, step_options
+    from hyperpar_gdn.train.memory_plan import estimate
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    options = {"cp_mode": "p2p", "model_size": "small", "seq_len": 256, "batch_size": 2}
+    lines = plan_lines(TrainConfig(**options, tp=2, cp_size=2), platform="cpu")
+    assert "4 ranks = dp 1 x cp 2 x tp 2 (--cp-mode p2p" in lines[0], lines[0]
+    params = {
+        tp: estimate(model_shape(config), step_options(config, 4, platform="cpu")).terms["parameters"]
+        for tp, config in ((1, TrainConfig(**options, cp_size=4)), (2, TrainConfig(**options, tp=2)))
+    }
+    assert 0.5 < params[2] / params[1] < 0.8, params
+    with pytest.raises(ValueError) as caught:
+        model_shape(TrainConfig(tp=8))
+    assert str(caught.value).startswith("--tp 8 with --model-size tiny: tp=8 does not split "), caught.value

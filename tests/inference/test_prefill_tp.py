@@ -6,7 +6,8 @@
   channels, recurrent states, attention K/V; STATE_TOL as in test_prefill), the last logits too;
   the greedy continuation on the (cp, tp) group (K/V sharded over cp, heads over tp) and
   transformers' ``generate`` on each TP group from the TP cache equal ``generate`` on one device,
-  and so does ``generate`` of the TP model from the bare prompt;
+  and so does ``generate`` of the TP model from the bare prompt; three prompts packed in one row
+  leave each its own cache, equal to its heads' slice of transformers' prefill of that prompt alone;
 - transformers' MoE model (scan, head_tail) and our ``HybridLM`` (ulysses, contiguous: value
   heads split over tp x cp): the continuation on the group equals the one-device one.
 """
@@ -33,6 +34,7 @@ from hyperpar_gdn.inference.cp_decoding import greedy_continue_context_parallel,
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 10
+CU = (0, 7, 16, 24)  # three packed prompts in a row of T tokens; the second spans both CP ranks
 STATE_TOL = 2e-5  # transformers' GDN rule runs in fp32 in an fp64 model (test_prefill)
 T = 24  # divisible by 2cp = 4: both layouts
 
@@ -54,6 +56,12 @@ def references() -> dict[str, Any]:
             out = base(input_ids=ids, use_cache=True)
             expected = base.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[:, T:]
         refs[kind] = {"base": base, "logits": out.logits[:, -1], "cache": out.cache, "expected": expected}
+    with torch.no_grad():  # each packed prompt alone (the first row's tokens)
+        alone = [
+            refs["dense"]["base"](input_ids=ids[:1, a:b], use_cache=True)
+            for a, b in zip(CU[:-1], CU[1:], strict=True)
+        ]
+    refs["dense"]["packed"] = [(out.logits[0, -1], out.cache) for out in alone]
     torch.manual_seed(0)
     hybrid = HybridLM(HybridLMConfig(num_layers=4, vocab_size=61, initializer_range=0.3)).double()
     hybrid_ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -82,24 +90,34 @@ def _local_rows(model: Any, layer: int, tp: int, r: int) -> dict[str, torch.Tens
     return {"heads": torch.arange(r * kv, (r + 1) * kv)}
 
 
-def _dense_case(mesh: Any, ref: dict[str, Any]) -> list[str]:
-    cp_mesh, tp, r = mesh["cp"], mesh.size("tp"), mesh.get_local_rank("tp")
-    ids, failures = _prompt(), []
-    model = apply_tensor_parallel(copy.deepcopy(ref["base"]), mesh["tp"])
-    apply_context_parallel(model, cp_mesh, mode="p2p")
-    logits, cache = prefill_context_parallel(model, cp_mesh, ids)
-    undo_context_parallel(model)
-    errors = {"logits": _rel(logits, ref["logits"])}
+def _state_errors(model: Any, mesh: Any, cache: Any, whole_cache: Any, label: str) -> dict[str, float]:
+    """This TP rank's cache against its heads' slice of a one-device cache, by state."""
+    tp, r, errors = mesh.size("tp"), mesh.get_local_rank("tp"), {}
     for i in range(len(model.model.layers)):
-        mine, whole, rows = cache.layers[i], ref["cache"].layers[i], _local_rows(model, i, tp, r)
+        mine, whole, rows = cache.layers[i], whole_cache.layers[i], _local_rows(model, i, tp, r)
         if "conv" in rows:
-            errors[f"conv{i}"] = _rel(mine.conv_states[0], whole.conv_states[0][:, rows["conv"]])
-            errors[f"recurrent{i}"] = _rel(
+            errors[f"{label}conv{i}"] = _rel(mine.conv_states[0], whole.conv_states[0][:, rows["conv"]])
+            errors[f"{label}recurrent{i}"] = _rel(
                 mine.recurrent_states[0], whole.recurrent_states[0][:, rows["heads"]]
             )
         else:
-            errors[f"k{i}"] = _rel(mine.keys, whole.keys[:, rows["heads"]])
-            errors[f"v{i}"] = _rel(mine.values, whole.values[:, rows["heads"]])
+            errors[f"{label}k{i}"] = _rel(mine.keys, whole.keys[:, rows["heads"]])
+            errors[f"{label}v{i}"] = _rel(mine.values, whole.values[:, rows["heads"]])
+    return errors
+
+
+def _dense_case(mesh: Any, ref: dict[str, Any]) -> list[str]:
+    cp_mesh = mesh["cp"]
+    ids, failures = _prompt(), []
+    model = apply_tensor_parallel(copy.deepcopy(ref["base"]), mesh["tp"])
+    apply_context_parallel(model, cp_mesh, mode="p2p")
+    packed_logits, caches = prefill_context_parallel(model, cp_mesh, ids[:1], cu_seqlens=torch.tensor(CU))
+    logits, cache = prefill_context_parallel(model, cp_mesh, ids)
+    undo_context_parallel(model)
+    errors = {"logits": _rel(logits, ref["logits"]), **_state_errors(model, mesh, cache, ref["cache"], "")}
+    for n, (alone_logits, alone_cache) in enumerate(ref["packed"]):
+        errors[f"packed{n}/logits"] = _rel(packed_logits[n], alone_logits)
+        errors.update(_state_errors(model, mesh, caches[n], alone_cache, f"packed{n}/"))
     failures += [f"dense {name}: relative error {e:.1e}" for name, e in errors.items() if not e <= STATE_TOL]
     expected = ref["expected"]
     with torch.no_grad():  # transformers' generate on the TP group, from the TP x CP cache

@@ -99,8 +99,11 @@ def rank_tp_cp_splits(
     from hyperpar_gdn.train.memory_plan import LINEAR, ModelShape, StepOptions, largest_rank, tp_shape
 
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"rank_tp_cp_splits: devices must be an int >= 1; got {devices!r}")
+    for name, value in (("devices", devices), ("seq_len", seq_len), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"rank_tp_cp_splits: {name} must be an int >= 1; got {value!r}")
+    if layout not in ("contiguous", "head_tail"):
+        raise ValueError(f"rank_tp_cp_splits: layout={layout!r}; choose 'contiguous' or 'head_tail'")
     if dtype not in DTYPE_BYTES or device not in MACHINES:
         raise ValueError(f"rank_tp_cp_splits: dtype={dtype!r} ({', '.join(DTYPE_BYTES)}), device={device!r}")
     base = _machine(MACHINES[device], *(machine.get(k) for k in _KEYS))

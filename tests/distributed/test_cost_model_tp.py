@@ -113,6 +113,13 @@ def test_the_split_ranking_follows_its_terms(devices: int, seq_len: int) -> None
         assert (s.tp_seconds == 0) == (s.tp == 1)
     assert all(not s.feasible and "does not split" in s.reason for s in splits[len(ok) :])
     assert {s.tp for s in ok} == {t for t in (1, 2, 4, 8) if devices % t == 0}
+    gpu = MACHINES["gpu"]
+    for s in ok:  # at cp 1 the only CP-side cost: H/tp heads below saturating_heads starve the kernel
+        if s.cp == 1:
+            starved = s.rule_seconds * (gpu.flops / gpu.rate(48 / s.tp) - 1)
+            assert s.cp_seconds == pytest.approx(starved) and s.cp_seconds > 0
+    with pytest.raises(ValueError, match="seq_len must be an int >= 1; got 0"):
+        rank_tp_cp_splits(_qwen27b(), devices=devices, seq_len=0)
     free = rank_tp_cp_splits(_qwen27b(), devices=devices, seq_len=seq_len, bandwidth=1e30, latency=0.0)
     by_tp = {s.tp: s for s in free if s.feasible}
     for s in ok:  # a free link inside the node: no TP time, the same rule work

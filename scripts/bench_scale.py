@@ -171,7 +171,7 @@ def main() -> None:
     print_predictions(result["predicted"])
     print_splits(result["splits"])
     print(
-        f"load average {load_average()[0]:.1f} (timings need a quiet machine); wrote {json_path} and scale.png"
+        f"load average {load_average()[0]:.1f} (timings need a quiet machine); wrote {json_path}, scale.png and splits.png"
     )
 
 

@@ -87,7 +87,8 @@ def print_splits(rows: list[dict]) -> None:
     print(f"{'model':<18} {'dev':<4} {'T':>6} {'D':>3} {'best':<7} {'auto':<13} ranking (ms/layer, GiB/rank)")
     for r in rows:
         ranked = [
-            f"{s['tp']}x{s['cp']} {s['layer_seconds'] * 1e3:.1f}ms {s['memory_gib']:.0f}G{'' if s['fits'] else '*'}"
+            f"{s['tp']}x{s['cp']} {s['layer_seconds'] * 1e3:.1f}ms "
+            f"{s['memory_gib']:.0f}G{'' if s['fits'] else '*'}"
             for s in r["ranking"]
             if s["feasible"]
         ]
@@ -171,7 +172,8 @@ def main() -> None:
     print_predictions(result["predicted"])
     print_splits(result["splits"])
     print(
-        f"load average {load_average()[0]:.1f} (timings need a quiet machine); wrote {json_path}, scale.png and splits.png"
+        f"load average {load_average()[0]:.1f} (timings need a quiet machine); "
+        f"wrote {json_path}, scale.png and splits.png"
     )
 
 

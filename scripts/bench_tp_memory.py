@@ -49,8 +49,8 @@ def main() -> None:
         result["runs"].append({"tp": tp, "measured": worst, "plan": planned(job, tp), "ranks": ranks})
         write_json(args.out / "tp_memory.json", result)
     base = result["runs"][0]
-    print(f"{'tp':>3} {'params MiB':>10} {'plan':>7} {'x tp1':>6} {'layers x':>8} {'saved MiB':>9} {'plan act':>8} "
-          f"{'x tp1':>6} {'peak MiB':>8} {'growth':>7} {'plan step':>9} {'s':>6}")  # fmt: skip
+    print(f"{'tp':>3} {'params MiB':>10} {'plan':>7} {'x tp1':>6} {'layers x':>8} {'saved MiB':>9} "
+          f"{'plan act':>8} {'x tp1':>6} {'peak MiB':>8} {'growth':>7} {'plan step':>9} {'s':>6}")  # fmt: skip
     for run in result["runs"]:
         m, p = run["measured"], run["plan"]
         step = p["total"] - p["runtime"] - p["parameters"]  # what the step adds once the model exists

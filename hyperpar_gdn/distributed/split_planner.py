@@ -65,7 +65,8 @@ class Split:
         mode = self.mode or "no CP"
         return (
             f"tp {self.tp} x cp {self.cp}, {mode}: {self.layer_seconds * 1e3:.2f} ms/layer (cp "
-            f"{self.cp_seconds * 1e3:.2f}, rule {self.rule_seconds * 1e3:.2f}, tp {self.tp_seconds * 1e3:.2f}, "
+            f"{self.cp_seconds * 1e3:.2f}, rule {self.rule_seconds * 1e3:.2f}, "
+            f"tp {self.tp_seconds * 1e3:.2f}, "
             f"fsdp {self.fsdp_seconds * 1e3:.2f}), {self.memory_bytes / 2**30:.1f} GiB per rank"
             + ("" if self.fits else " (over the budget)")
         )

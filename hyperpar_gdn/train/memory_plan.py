@@ -1,7 +1,8 @@
 """The memory plan: what one training step holds per rank, estimated before anything is allocated.
 
 Framework-free arithmetic over the model's sizes (:class:`~.model_shape.ModelShape`; under tensor
-parallelism one TP rank's, :func:`~.rank_shape.tp_shape`) and the step's options (:class:`StepOptions`); :func:`estimate` returns the terms in bytes for one rank
+parallelism one TP rank's, :func:`~.rank_shape.tp_shape`) and the step's options
+(:class:`StepOptions`); :func:`estimate` returns the terms in bytes for one rank
 (:class:`Estimate`), :func:`longest_seq_len` the longest sequence within a budget. The peak is
 
     runtime + parameters + gradients + optimizer + max(step phase, gradient-sync phase)
@@ -35,8 +36,9 @@ parallelism one TP rank's, :func:`~.rank_shape.tp_shape`) and the step's options
   no FSDP, or the optimizer's temporaries (two of the largest parameter's size).
 
 Ranks differ where the work does: with contiguous shards the last CP rank's attention reads every
-key (global rank ``(cp - 1) x tp``: tp is the innermost axis); under ``--check-parity`` rank 0 also holds a whole copy of the model with its optimizer and
-runs the whole batch with full logits. :func:`estimate` takes the rank.
+key (global rank ``(cp - 1) x tp``: tp is the innermost axis); under ``--check-parity`` rank 0
+also holds a whole copy of the model with its optimizer and runs the whole batch with full
+logits. :func:`estimate` takes the rank.
 
 Legend: T tokens of a sequence, N tokens of this rank (rows x T / cp), C hidden size, V
 vocabulary, H / Hk value / key heads of the GDN layers (dims K, V_d), c the rule's chunk (64),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hyperpar_gdn.distributed.plan import HEAD_MODES, head_split_error
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 
-__all__ = ["tensor_parallel_head_error"]
+__all__ = ["attention_head_error", "tensor_parallel_head_error"]
 
 
 def tensor_parallel_head_error(
@@ -25,4 +25,18 @@ def tensor_parallel_head_error(
         )
     if mode in HEAD_MODES:
         return head_split_error(dims.num_v_heads // tp, dims.num_k_heads // tp, cp, mode, tp=tp)
+    return None
+
+
+def attention_head_error(heads: int, kv_heads: int, tp: int) -> str | None:
+    """Why a softmax-attention layer of ``heads`` query and ``kv_heads`` K/V heads cannot split
+    over tp, or None: the query heads divisible by tp, and tp dividing the K/V heads or a
+    multiple of them (each rank then holds the one K/V head of its query heads)."""
+    if heads % tp:
+        return f"self_attn: num_attention_heads={heads} is not divisible by tp={tp}"
+    if kv_heads % tp and tp % kv_heads:
+        return (
+            f"self_attn: num_key_value_heads={kv_heads} and tp={tp}: tp must divide the K/V heads or be "
+            "a multiple of them (each rank then holds the one K/V head of its query heads)"
+        )
     return None

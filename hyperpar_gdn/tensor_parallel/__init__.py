@@ -1,4 +1,6 @@
-"""Tensor parallelism (torch): Qwen3.5 models' blocks split by heads and columns over a TP axis.
+"""Tensor parallelism: Qwen3.5 models' blocks split by heads and columns over a TP axis.
+
+torch:
 
 - :mod:`.apply`: ``apply_tensor_parallel(model, mesh["tp"])``, the plan and its checks, and the
   whole state of a TP model in the single-device layout (``canonical_state_dict``).
@@ -6,22 +8,22 @@
 - :mod:`.comm`: the all-reduces (a block's output, its input's gradient, the gradients of the
   parameters every rank holds whole), and ``count_tp_traffic``.
 
+MindSpore: :mod:`.mindspore_styles` (the GDN layer, the attention and the MLP cells split over a
+TP group through the platform's collectives). The names below load their module on first use, so
+the MindSpore side imports without torch.
+
 docs/tensor_parallel.md is the guide.
 """
 
-from hyperpar_gdn.tensor_parallel.apply import (
-    apply_tensor_parallel,
-    canonical_grads,
-    canonical_state_dict,
-    tensor_parallel_plan,
-)
-from hyperpar_gdn.tensor_parallel.comm import TPTraffic, count_tp_traffic
+from hyperpar_gdn._lazy import lazy_exports
 
-__all__ = [
-    "TPTraffic",
-    "apply_tensor_parallel",
-    "canonical_grads",
-    "canonical_state_dict",
-    "count_tp_traffic",
-    "tensor_parallel_plan",
-]
+_EXPORTS = {
+    "TPTraffic": "hyperpar_gdn.tensor_parallel.comm",
+    "apply_tensor_parallel": "hyperpar_gdn.tensor_parallel.apply",
+    "canonical_grads": "hyperpar_gdn.tensor_parallel.apply",
+    "canonical_state_dict": "hyperpar_gdn.tensor_parallel.apply",
+    "count_tp_traffic": "hyperpar_gdn.tensor_parallel.comm",
+    "tensor_parallel_plan": "hyperpar_gdn.tensor_parallel.apply",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
-from hyperpar_gdn.distributed.tensor_heads import tensor_parallel_head_error
+from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_parallel_head_error
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.tensor_parallel.styles import (
     TP_RECORD,
@@ -101,6 +101,11 @@ def as_tp_mesh(mesh: Any) -> Any:
         raise ValueError(
             f"tensor parallelism needs a 1-D mesh; got shape {mesh.shape} with dim names "
             f"{mesh.mesh_dim_names}: pass one axis, e.g. mesh['tp']"
+        )
+    if mesh.platform.name == "mindspore":
+        raise NotImplementedError(
+            "this is torch's tensor parallelism; on a MindSpore mesh use "
+            "hyperpar_gdn.tensor_parallel.mindspore_styles.apply_tensor_parallel"
         )
     if mesh.device_type not in ("cpu", "cuda", "npu"):
         raise NotImplementedError(
@@ -169,15 +174,7 @@ def _attention_error(mixer: nn.Module, tp: int) -> str | None:
         return f"self_attn ({type(mixer).__name__}) is not an attention layer the tensor-parallel plan covers"
     if mixer.o_proj.bias is not None:
         return "self_attn: o_proj has a bias; the row-parallel o_proj of the plan takes none"
-    heads, kv_heads = attention_heads(mixer)
-    if heads % tp:
-        return f"self_attn: num_attention_heads={heads} is not divisible by tp={tp}"
-    if kv_heads % tp and tp % kv_heads:
-        return (
-            f"self_attn: num_key_value_heads={kv_heads} and tp={tp}: tp must divide the K/V heads or be "
-            "a multiple of them (each rank then holds the one K/V head of its query heads)"
-        )
-    return None
+    return attention_head_error(*attention_heads(mixer), tp)
 
 
 def _is_moe(mlp: nn.Module) -> bool:

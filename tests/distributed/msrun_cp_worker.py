@@ -36,6 +36,9 @@ Launched by ``tests/msrun_harness.run_msrun`` (``msrun --worker_num=N ... msrun_
 - ``cpu_share`` (tests/platform/test_mindspore_cpu_share.py, after the sections that ran
   kernels): what the platform set for this worker's CPU share, and the cores every thread of the
   process (MindSpore's kernel pool included) may run on;
+- ``tp_layers``, ``tp_model``, ``tp_bad_input`` (4 workers, tests/tensor_parallel/test_mindspore_styles.py,
+  :mod:`msrun_tp_sections`): tensor parallelism of the GDN layer and the attention on a (cp, tp)
+  mesh;
 - ``two_level_head_tail`` (8 workers, tests/distributed/test_context_parallel_two_level_mindspore.py,
   :mod:`msrun_two_level_sections`): the two-level modes in the head_tail layout (float32);
 - ``stall`` (last): the last rank never joins a collective; the others must fail on their own
@@ -62,6 +65,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for msrun_harness
 
 from msrun_harness import start_watchdog, write_result  # noqa: E402
+from msrun_tp_sections import section_tp_bad_input, section_tp_layers, section_tp_model  # noqa: E402
 from msrun_two_level_sections import section_two_level_head_tail  # noqa: E402
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh  # noqa: E402
@@ -84,6 +88,9 @@ SECTIONS = (
     "scan",
     "cpu_share",
     "two_level_head_tail",
+    "tp_layers",
+    "tp_model",
+    "tp_bad_input",
     "stall",
 )
 HIDDEN = 32
@@ -972,6 +979,9 @@ SECTION_FUNCTIONS: dict[str, Callable[[Platform, int], dict[str, Any]]] = {
     "cp_decoding": section_cp_decoding,
     "cpu_share": section_cpu_share,
     "two_level_head_tail": section_two_level_head_tail,
+    "tp_layers": section_tp_layers,
+    "tp_model": section_tp_model,
+    "tp_bad_input": section_tp_bad_input,
 }
 
 

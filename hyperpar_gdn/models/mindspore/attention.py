@@ -51,6 +51,7 @@ class CausalSelfAttention(AttentionShell, nn.Cell):
         q ``[B, H, T, D]``, k and v ``[B, Hkv, T, D]`` (q and k normed and rotated by RoPE),
         gate ``[B, T, H*D]``."""
         xp = ops_for(x_BTC)
+        q_w, k_w, v_w, _ = self.projection_weights()
         positions_T = np.arange(x_BTC.shape[1]) + position_offset
         cos, sin = (
             ms.Tensor(a).astype(x_BTC.dtype)
@@ -60,9 +61,9 @@ class CausalSelfAttention(AttentionShell, nn.Cell):
             xp,
             x_BTC,
             head_dim=self.head_dim,
-            q_proj=lambda x: xp.linear(x, self.q_proj.weight),
-            k_proj=lambda x: xp.linear(x, self.k_proj.weight),
-            v_proj=lambda x: xp.linear(x, self.v_proj.weight),
+            q_proj=lambda x: xp.linear(x, q_w),
+            k_proj=lambda x: xp.linear(x, k_w),
+            v_proj=lambda x: xp.linear(x, v_w),
             q_norm=self.q_norm,
             k_norm=self.k_norm,
             cos=cos,
@@ -72,7 +73,16 @@ class CausalSelfAttention(AttentionShell, nn.Cell):
     def finish(self, o_BTX: ms.Tensor, gate_BTX: ms.Tensor) -> ms.Tensor:
         """Sigmoid output gate, then ``o_proj``: ``[B, T, H*D]`` -> ``[B, T, hidden]``."""
         xp = ops_for(o_BTX)
-        return finish_attention(xp, o_BTX, gate_BTX, lambda x: xp.linear(x, self.o_proj.weight))
+        o_w = self.projection_weights()[3]
+        return finish_attention(xp, o_BTX, gate_BTX, lambda x: xp.linear(x, o_w))
+
+    def projection_weights(self) -> tuple[ms.Tensor, ms.Tensor, ms.Tensor, ms.Tensor]:
+        """The weights of ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` as the forward uses them;
+        under tensor parallelism this rank's (:mod:`hyperpar_gdn.tensor_parallel.mindspore`)."""
+        tensor_parallel = getattr(self, "_hyperpar_tp_weights", None)
+        if tensor_parallel is not None:
+            return tensor_parallel()
+        return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight
 
     def construct(
         self, hidden_states: ms.Tensor, cu_seqlens: Any = None, prefill_states: PrefillStates | None = None

@@ -1,0 +1,370 @@
+"""Tensor parallelism on MindSpore: the GDN layer, the softmax attention and the SwiGLU MLP split
+by heads (or columns) over a TP group, through the platform's collectives.
+
+The split is torch's (:mod:`.styles`, docs/tensor_parallel.md), on the MindSpore cells of
+:mod:`hyperpar_gdn.models.mindspore`. TP rank t of tp:
+
+- GDN: q/k heads ``[t hk, (t+1) hk)`` (hk = num_k_heads / tp) with their value heads ``[t hv,
+  (t+1) hv)``: the ``in_proj_qkv`` and ``conv1d`` rows of those q, k and v heads, ``in_proj_z``,
+  ``in_proj_a``, ``in_proj_b``, ``A_log``, ``dt_bias`` by value head, ``out_proj`` by input
+  columns; the gated norm's weight whole (its gradient summed over tp). The local rows are kept
+  in the order a one-device layer of hk and hv heads has (``[q | k | v]``), so the layer's own
+  forward, and a context-parallel style's, run on them unchanged.
+- attention: query heads ``[t h, (t+1) h)`` (h = heads / tp): ``q_proj`` rows (query and output
+  gate of each head), ``o_proj`` input columns; ``k_proj``/``v_proj`` by K/V head when tp divides
+  them, else whole on every rank, each using the one K/V head of its query heads (gradient summed
+  over tp); ``q_norm``/``k_norm`` whole (gradients summed).
+- MLP: ``gate_proj``, ``up_proj`` rows, ``down_proj`` input columns.
+
+Each block takes the same input on every TP rank and returns the sum of the ranks' parts (one
+all-reduce over the TP group); in the backward its input's gradient is summed likewise. Both go
+through forward hooks, which stay in place when a context-parallel style later replaces
+``construct``: apply tensor parallelism first, then context parallelism over the cp axis of a
+``(cp, tp)`` (or ``(dp, cp, tp)``) mesh, tp innermost.
+
+No communication in :meth:`TensorParallel.apply`: each rank cuts its part from the whole weights
+it holds (the same on every rank). :func:`whole_parameters` (collective) puts parts back
+together in the one-device layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, nn, ops
+
+from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
+from hyperpar_gdn.distributed.parallel_style import is_parallelized
+from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_parallel_head_error
+from hyperpar_gdn.ops.blocks import rms_norm
+from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
+from hyperpar_gdn.platform import ops_for
+
+__all__ = [
+    "AttentionTensorParallel",
+    "GatedDeltaNetTensorParallel",
+    "MLPTensorParallel",
+    "TensorParallel",
+    "apply_tensor_parallel",
+    "whole_parameters",
+]
+
+TP_RECORD = "_hyperpar_tp"  # on every split cell: its Split (global sizes and each rank's parts)
+Parts = dict[str, tuple[int, np.ndarray]]  # parameter name -> (dim, global indices along it)
+
+
+class _SumGradOverTP(nn.Cell):
+    """Identity; the backward sums the gradient over the TP group (a block's input, a weight every
+    TP rank holds whole but uses for its own heads only)."""
+
+    def __init__(self, comm: Any, group: Any) -> None:
+        super().__init__(auto_prefix=False)
+        self._comm, self._group = comm, group
+
+    def construct(self, x: ms.Tensor) -> ms.Tensor:
+        return x.copy()
+
+    def bprop(self, x: ms.Tensor, out: ms.Tensor, dout: ms.Tensor) -> tuple[ms.Tensor]:
+        return (self._comm.all_reduce_sum(dout, self._group),)
+
+
+class _ReduceFromTP(nn.Cell):
+    """The ranks' partial outputs summed over the TP group (in group rank order: the same sum on
+    every rank); the gradient passes unchanged."""
+
+    def __init__(self, comm: Any, group: Any) -> None:
+        super().__init__(auto_prefix=False)
+        self._comm, self._group = comm, group
+
+    def construct(self, x: ms.Tensor) -> ms.Tensor:
+        return self._comm.all_reduce_sum(x, self._group)
+
+    def bprop(self, x: ms.Tensor, out: ms.Tensor, dout: ms.Tensor) -> tuple[ms.Tensor]:
+        return (dout,)
+
+
+class Split:
+    """What a TP style did to one cell: ``parts(rank)`` gives, per split parameter, the dim and
+    the global indices TP rank ``rank`` holds; ``shapes`` the whole shapes; ``tp`` the TP size."""
+
+    def __init__(self, tp: int, shapes: dict[str, tuple[int, ...]], parts: Callable[[int], Parts]) -> None:
+        self.tp, self.shapes, self.parts = tp, shapes, parts
+
+
+def _owner(cell: nn.Cell, name: str) -> tuple[nn.Cell, str]:
+    """(the cell holding parameter ``name`` of ``cell``, its attribute name there)."""
+    *path, leaf = name.split(".")
+    for part in path:
+        cell = getattr(cell, part)
+    return cell, leaf
+
+
+def _param(cell: nn.Cell, name: str) -> Parameter:
+    return getattr(*_owner(cell, name))
+
+
+def _cut(cell: nn.Cell, parts: Parts) -> None:
+    """Replace each parameter of ``parts`` by its rows (or columns) given there: no communication."""
+    for name, (dim, index) in parts.items():
+        owner, leaf = _owner(cell, name)
+        old = getattr(owner, leaf)
+        local = ops.gather(old.value(), ms.Tensor(index.astype(np.int64)), dim)
+        setattr(owner, leaf, Parameter(local, name=old.name, requires_grad=old.requires_grad))
+
+
+class TensorParallel:
+    """Base of the MindSpore TP styles: ``apply(cell, tp_mesh)`` checks, then splits ``cell`` in
+    place over the 1-D TP mesh (e.g. ``init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp",
+    "tp"))["tp"]``) and returns it. A wrong set-up raises one ``ValueError`` on every rank before
+    anything changes (the checks read only the cell and the mesh size: no communication)."""
+
+    def apply(self, cell: nn.Cell, tp_mesh: Any) -> nn.Cell:
+        if tp_mesh.ndim != 1:
+            raise ValueError(
+                f"tensor parallelism needs a 1-D mesh; got shape {tp_mesh.shape}: pass mesh['tp']"
+            )
+        tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+        error = self.refusal(cell, tp)
+        if error is not None:
+            raise ValueError(error)
+        split = self.split(cell, tp)
+        _cut(cell, split.parts(rank))
+        setattr(cell, TP_RECORD, split)
+        comm, group = tp_mesh.platform.collectives, tp_mesh.get_group()
+        self.localize(cell, tp, rank, _SumGradOverTP(comm, group))
+        _block_hooks(cell, _SumGradOverTP(comm, group), _ReduceFromTP(comm, group))
+        return cell
+
+    def refusal(self, cell: nn.Cell, tp: int) -> str | None:
+        """Why ``cell`` cannot be split over tp ranks (naming the cell and tp), or None."""
+        if getattr(cell, TP_RECORD, None) is not None:
+            error = "tensor parallelism is already applied"
+        elif is_parallelized(cell):
+            error = "context parallelism is applied: apply tensor parallelism first, then context parallelism"
+        else:
+            error = self.error(cell, tp)
+        return None if error is None else f"{type(cell).__name__} at tp={tp}: {error}"
+
+    def error(self, cell: nn.Cell, tp: int) -> str | None:
+        """Why ``cell`` (not split yet) cannot be split over tp ranks, or None."""
+        raise NotImplementedError
+
+    def split(self, cell: nn.Cell, tp: int) -> Split:
+        """The parts of every rank (global sizes read from ``cell`` before the cut)."""
+        raise NotImplementedError
+
+    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> None:
+        """After the cut: the cell's head counts become the local ones, and the weights it holds
+        whole go through ``sum_grad`` where the forward uses them."""
+
+
+def _block_hooks(cell: nn.Cell, copy_in: nn.Cell, reduce_out: nn.Cell) -> None:
+    """The block's input through ``copy_in`` (its gradient summed over tp) and its output through
+    ``reduce_out`` (summed over tp); a prefill's record (a decoding state of local heads) refused."""
+
+    def pre(_cell: nn.Cell, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("prefill_states") is not None:
+            raise NotImplementedError(
+                f"{type(cell).__name__} under tensor parallelism does not record prefill states"
+            )
+        if args:
+            return (copy_in(args[0]), *args[1:]), kwargs
+        for name in ("hidden_states", "x"):
+            if name in kwargs:
+                return args, {**kwargs, name: copy_in(kwargs[name])}
+        raise TypeError(f"a tensor-parallel {type(cell).__name__} got no input (hidden_states)")
+
+    def post(_cell: nn.Cell, args: tuple, kwargs: dict, output: Any) -> Any:
+        return reduce_out(output)
+
+    cell.register_forward_pre_hook(pre, with_kwargs=True)
+    cell.register_forward_hook(post, with_kwargs=True)
+
+
+def _span(start: int, count: int, width: int) -> np.ndarray:
+    """Indices ``[start * width, (start + count) * width)``: ``count`` heads of ``width`` from head ``start``."""
+    return np.arange(start * width, (start + count) * width)
+
+
+class GatedDeltaNetTensorParallel(TensorParallel):
+    """The MindSpore GDN layer split by q/k heads with their value heads (module docstring)."""
+
+    def error(self, cell: nn.Cell, tp: int) -> str | None:
+        dims = LayerDims.of(cell)
+        return tensor_parallel_head_error(dims, tp)
+
+    def split(self, cell: nn.Cell, tp: int) -> Split:
+        dims = LayerDims.of(cell)
+        hk, hv = dims.num_k_heads // tp, dims.num_v_heads // tp
+        key_dim = dims.num_k_heads * dims.head_k_dim
+
+        def parts(rank: int) -> Parts:
+            q, v = _span(rank * hk, hk, dims.head_k_dim), _span(rank * hv, hv, dims.head_v_dim)
+            qkv, heads = np.concatenate([q, key_dim + q, 2 * key_dim + v]), _span(rank * hv, hv, 1)
+            by_head = {n: (0, heads) for n in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")}
+            return {
+                "in_proj_qkv.weight": (0, qkv),
+                "conv1d.weight": (0, qkv),
+                "in_proj_z.weight": (0, v),
+                **by_head,
+                "out_proj.weight": (1, v),
+            }
+
+        return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
+
+    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> None:
+        dims = LayerDims.of(cell)
+        hk, hv = dims.num_k_heads // tp, dims.num_v_heads // tp
+        cell.num_k_heads, cell.num_v_heads, cell._hyperpar_tp_size = hk, hv, tp
+        cell.key_dim, cell.value_dim = hk * dims.head_k_dim, hv * dims.head_v_dim
+        cell.conv_dim = 2 * cell.key_dim + cell.value_dim
+
+        def weights() -> LayerWeights:
+            return LayerWeights(
+                qkv=cell.in_proj_qkv.weight,
+                z=cell.in_proj_z.weight,
+                b=cell.in_proj_b.weight,
+                a=cell.in_proj_a.weight,
+                conv=cell.conv1d.weight,
+                a_log=cell.A_log,
+                dt_bias=cell.dt_bias,
+                norm=sum_grad(cell.norm.weight),
+                out=cell.out_proj.weight,
+            )
+
+        cell._hyperpar_tp_weights = weights
+
+
+class AttentionTensorParallel(TensorParallel):
+    """The MindSpore ``CausalSelfAttention`` split by query heads (module docstring)."""
+
+    def error(self, cell: nn.Cell, tp: int) -> str | None:
+        missing = [
+            n for n in ("projection_weights", "q_norm", "k_norm", "num_kv_heads") if not hasattr(cell, n)
+        ]
+        if missing:
+            return f"not the MindSpore CausalSelfAttention the plan covers: it lacks {', '.join(missing)}"
+        return attention_head_error(int(cell.num_heads), int(cell.num_kv_heads), tp)
+
+    def split(self, cell: nn.Cell, tp: int) -> Split:
+        heads, kv_heads, d = int(cell.num_heads), int(cell.num_kv_heads), int(cell.head_dim)
+        h = heads // tp
+
+        def parts(rank: int) -> Parts:
+            found = {
+                "q_proj.weight": (0, _span(rank * h, h, 2 * d)),
+                "o_proj.weight": (1, _span(rank * h, h, d)),
+            }
+            if kv_heads % tp == 0:
+                kv = _span(rank * (kv_heads // tp), kv_heads // tp, d)
+                found.update({"k_proj.weight": (0, kv), "v_proj.weight": (0, kv)})
+            return found
+
+        return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
+
+    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> None:
+        heads, kv_heads, d = int(cell.num_heads), int(cell.num_kv_heads), int(cell.head_dim)
+        whole_kv = kv_heads % tp != 0  # tp a multiple of the K/V heads: rank uses K/V head rank // (tp / Hkv)
+        rows = _span(rank // (tp // kv_heads), 1, d) if whole_kv else None
+        cell._hyperpar_tp_size = tp
+        cell.num_heads, cell.num_kv_heads = heads // tp, 1 if whole_kv else kv_heads // tp
+        for norm in (cell.q_norm, cell.k_norm):
+            norm.construct = _norm_with_summed_grad(norm, sum_grad)
+
+        def weights() -> tuple[ms.Tensor, ms.Tensor, ms.Tensor, ms.Tensor]:
+            k, v = cell.k_proj.weight, cell.v_proj.weight
+            if rows is not None:
+                index = ms.Tensor(rows.astype(np.int64))
+                k, v = (ops.gather(sum_grad(w), index, 0) for w in (k, v))
+            return cell.q_proj.weight, k, v, cell.o_proj.weight
+
+        cell._hyperpar_tp_weights = weights
+
+
+def _norm_with_summed_grad(norm: nn.Cell, sum_grad: nn.Cell) -> Callable[[ms.Tensor], ms.Tensor]:
+    """The RMSNorm's forward on its weight passed through ``sum_grad``."""
+
+    def construct(x: ms.Tensor) -> ms.Tensor:
+        return rms_norm(ops_for(x), x, sum_grad(norm.weight), norm.eps, zero_centred=norm.zero_centred)
+
+    return construct
+
+
+class MLPTensorParallel(TensorParallel):
+    """The MindSpore SwiGLU MLP split by columns: ``gate_proj``, ``up_proj`` rows, ``down_proj``
+    input columns."""
+
+    def error(self, cell: nn.Cell, tp: int) -> str | None:
+        size = int(cell.gate_proj.weight.shape[0])
+        return None if size % tp == 0 else f"mlp: intermediate_size={size} is not divisible by tp={tp}"
+
+    def split(self, cell: nn.Cell, tp: int) -> Split:
+        n = int(cell.gate_proj.weight.shape[0]) // tp
+
+        def parts(rank: int) -> Parts:
+            cols = _span(rank, 1, n)
+            return {"gate_proj.weight": (0, cols), "up_proj.weight": (0, cols), "down_proj.weight": (1, cols)}
+
+        return Split(tp, {n_: tuple(_param(cell, n_).shape) for n_ in parts(0)}, parts)
+
+
+def apply_tensor_parallel(model: nn.Cell, tp_mesh: Any) -> nn.Cell:
+    """Split every decoder block of a MindSpore ``HybridLM`` or ``Qwen3_5ForCausalLM`` (dense)
+    over the 1-D TP mesh: the GDN layers, the attention and the MLPs by the styles above; the
+    embedding, the norms between blocks and the head stay whole (the same computation on every
+    TP rank). Checks every block before changing any (one ``ValueError`` on every rank, no
+    communication, the model left as it was). Returns ``model``, changed in place."""
+    _, text_model = find_decoder(model)
+    tp, plan, errors = tp_mesh.size(), [], []
+    for i, block in enumerate(text_model.layers):
+        kind, mixer = mixer_of(i, block)
+        mlp = getattr(block, "mlp", None)
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            errors.append(f"layer {i}: {type(mlp).__name__} is not a SwiGLU MLP (on MindSpore no MoE block)")
+            continue
+        mixer_style = GatedDeltaNetTensorParallel() if kind == "linear_attn" else AttentionTensorParallel()
+        for cell, style in ((mixer, mixer_style), (mlp, MLPTensorParallel())):
+            error = style.refusal(cell, tp)
+            if error is not None:
+                errors.append(f"layer {i}: {error}")
+            plan.append((cell, style))
+    if errors:
+        raise ValueError("; ".join(errors))
+    for cell, style in plan:
+        style.apply(cell, tp_mesh)
+    return model
+
+
+def whole_parameters(cell: nn.Cell, values: dict[str, ms.Tensor], tp_mesh: Any) -> dict[str, np.ndarray]:
+    """``values`` by parameter name relative to ``cell`` (a split cell or a model holding some;
+    its parameters, or their gradients) on this TP rank -> numpy arrays in the one-device layout:
+    the split ones gathered over the TP group (collective: every TP rank calls it with the same
+    names), the others as they are (whole on every rank; their gradients already summed over tp)."""
+    splits = {
+        prefix: getattr(sub, TP_RECORD) for prefix, sub in cell.cells_and_names() if hasattr(sub, TP_RECORD)
+    }
+    if not splits:
+        raise ValueError(f"{type(cell).__name__} has no tensor parallelism applied")
+    comm, group, platform = tp_mesh.platform.collectives, tp_mesh.get_group(), tp_mesh.platform
+    whole = {}
+    for name in sorted(values):
+        found = [
+            (split, name.removeprefix(prefix + "." if prefix else ""))
+            for prefix, split in splits.items()
+            if not prefix or name.startswith(prefix + ".")
+        ]
+        found = [(split, local) for split, local in found if local in split.shapes]
+        if not found:
+            whole[name] = platform.to_numpy(values[name])
+            continue
+        split, local = found[0]
+        gathered = platform.to_numpy(comm.all_gather(values[name], group))  # [tp, *local shape]
+        out = np.zeros(split.shapes[local], gathered.dtype)
+        for rank in range(split.tp):
+            dim, index = split.parts(rank)[local]
+            np.moveaxis(out, dim, 0)[index] = np.moveaxis(gathered[rank], dim, 0)
+        whole[name] = out
+    return whole

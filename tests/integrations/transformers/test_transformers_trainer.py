@@ -9,8 +9,8 @@ first steps turn a 1e-7 gradient difference into a sign flip), and evaluates onc
 Equal to the one-process run, relative TOL: every logged loss and grad_norm, the learning rates,
 eval_loss and every final weight. Launches: references (1 process), dp1 x cp2 (every mode, both
 layouts, padded and packed, dense and MoE, resume, save_model, TRL, the bad set-ups), dp2 x cp2,
-and cp2 x tp2 (``tp_size=2``: the model split by heads; its final weights and ``save_model``'s
-directory whole, in transformers' layout).
+cp2 x tp2 and dp2 x tp2 (``tp_size=2``: the model split by heads; its final weights and
+``save_model``'s directory whole, in transformers' layout).
 """
 
 from __future__ import annotations
@@ -319,12 +319,15 @@ def test_trainer_dp2_cp2_equals_one_process(references: dict, tmp_path: Path) ->
 
 
 def _tp_worker(rank: int, world: int, work_dir: str) -> dict[str, Any]:
-    """cp 2 x tp 2 (dp 1): the Trainer's run, and its save_model directory (rank 0 writes it)."""
+    """cp 2 x tp 2 (dp 1): the Trainer's run, and its save_model directory (rank 0 writes it);
+    then dp 2 x tp 2 (cp 1, a batch row per replica): the gradient average over dp."""
     cp = {"cp_size": 2, "cp_mode": "p2p", "cp_layout": "head_tail", "tp_size": 2}
     trainer = _train("dense", 2, cp, "padded", str(Path(work_dir) / "out"))
     summary = _summary(trainer)
     trainer.save_model(str(Path(work_dir) / "model"))
     summary["header"] = trainer.cp_header()
+    dp = {"cp_size": 1, "cp_mode": "p2p", "tp_size": 2}
+    summary["dp2"] = _summary(_train("dense", 1, dp, "padded", str(Path(work_dir) / "out")))
     return summary
 
 
@@ -334,6 +337,7 @@ def test_trainer_cp2_tp2_equals_one_process(references: dict, tmp_path: Path) ->
     for rank, result in enumerate(results):
         assert "cp 2 x tp 2 x dp 1 (4 processes" in result["header"], result["header"]
         _assert_same_run(result, references["dense"], f"cp2 x tp2 rank {rank}")
+        _assert_same_run(result["dp2"], references["dense"], f"dp2 x tp2 rank {rank}")
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     for name, value in saved.state_dict().items():
         assert _rel(value, references["dense"]["weights"][name]) <= TOL, f"saved weight {name}"

@@ -1,15 +1,16 @@
 """``--tp`` in the trainer (real gloo ranks, a tiny transformers Qwen3.5 directory made offline):
 
-- dp 2 x cp 2 x tp 2 (8 ranks) with ``--fsdp``: 10 steps with the losses of one process (the
+- dp 2 x cp 2 x tp 2 (8 ranks) with ``--fsdp --ac``: 10 steps with the losses of one process (the
   ``--check-parity`` copy, which rank 0 trains alone on the whole batch; the gradient clipping is
   active, so the global norm over TP shards, FSDP shards and whole tensors is checked too); the
   ``--export`` directory loads in transformers with the one-process model's weights and logits;
   wrong set-ups (a world the mesh does not fill, heads not divisible by ``--tp``) are one line on
   every rank.
-- checkpoints: a sharded checkpoint saved at (dp 1, cp 2, tp 2) resumes at (dp 1, cp 4, tp 1)
-  and at (dp 2, cp 1, tp 2) with the uninterrupted run's losses; the converter turns it into the
-  single-device layout (a tp 2 run resumes from that, its parity copy too); a whole checkpoint
-  written by a tp 2 run holds the single-device layout.
+- checkpoints: a sharded checkpoint saved at (dp 1, cp 2, tp 2) (a run with the losses of one
+  process) resumes at (dp 1, cp 4, tp 1) and at (dp 2, cp 1, tp 2) with the uninterrupted run's
+  losses; the converter turns it into the single-device layout (a tp 2 run resumes from that, its
+  parity copy too); a whole checkpoint and an export written by tp 2 runs hold the single-device
+  layout.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _fsdp_worker(rank: int, world: int, model: str, export: str, probe: torch.Te
         "world": _error({"model_dir": model, "tp": 2, "cp_size": 3}),
         "heads": _error({"model_dir": model, "tp": 4, "cp_size": 2}),
     }
-    options = {"model_dir": model, "tp": 2, "cp_size": 2, "fsdp": True, "steps": 10}
+    options = {"model_dir": model, "tp": 2, "cp_size": 2, "fsdp": True, "ac": True, "steps": 10}
     trainer, result = _run({**options, "check_parity": True, "export": export})
     out: dict[str, Any] = {"errors": errors, "losses": result.losses}
     if rank == 0:  # the one-process copy: its losses, weights and logits
@@ -120,9 +121,15 @@ def _resume_worker(rank: int, world: int, model: str, root: str) -> dict[str, li
 
     options = {"model_dir": model, "steps": 4}
     sharded = os.path.join(root, "sharded")
-    losses = {
-        "straight": _run({**options, "cp_size": 2, "tp": 2, "save": sharded, "save_every": 2})[1].losses
+    straight = {
+        "save": sharded,
+        "save_every": 2,
+        "check_parity": True,
+        "export": os.path.join(root, "export"),
     }
+    result = _run({**options, "cp_size": 2, "tp": 2, **straight})[1]
+    losses = {"straight": result.losses}
+    losses["straight_reference"] = [r.reference_loss for r in result.records if r.reference_loss]
     step2 = os.path.join(sharded, "step-2")
     losses["cp4"] = _run({**options, "cp_size": 4, "resume": step2})[1].losses
     whole = {"save": os.path.join(root, "whole"), "checkpoint_format": "whole"}
@@ -156,6 +163,10 @@ def test_tp_checkpoints_resume_at_other_meshes(model_dir: Path, tmp_path: Path) 
     assert len(reference) == 2
     assert max(_rel(a, b) for a, b in zip(reference, straight[2:], strict=True)) <= TOL
 
+    # without FSDP too, tp 2 trains as one process does
+    assert len(losses["straight_reference"]) == 4
+    assert max(_rel(a, b) for a, b in zip(straight, losses["straight_reference"], strict=True)) <= TOL
+
     # a whole checkpoint written at tp 2 (--fsdp) holds what the converter makes of the sharded one
     # of the uninterrupted run (rows out of place would differ by ~1; the gates' weights by ~1e-4,
     # as in the test above)
@@ -166,6 +177,10 @@ def test_tp_checkpoints_resume_at_other_meshes(model_dir: Path, tmp_path: Path) 
     for name, expected in converted["model"].items():
         err = ((whole["model"][name] - expected).abs().max() / expected.abs().max()).item()
         assert err <= 5e-2, f"{name}: the tp 2 whole checkpoint differs from the converted one by {err:.1e}"
+    # the same run's export (tp 2, no FSDP) and its last checkpoint converted: the same weights
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    for name, expected in converted["model"].items():
+        assert torch.equal(exported[name], expected), f"{name}: the export differs from the checkpoint"
 
 
 def test_tp_is_refused_where_it_does_not_run() -> None:

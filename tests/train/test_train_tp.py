@@ -8,7 +8,7 @@
   every rank.
 - checkpoints: a sharded checkpoint saved at (dp 1, cp 2, tp 2) (a run with the losses of one
   process) resumes at (dp 1, cp 4, tp 1) and at (dp 2, cp 1, tp 2) with the uninterrupted run's
-  losses; the converter turns it into the single-device layout (a tp 2 run resumes from that, its
+  losses, and back (saved at tp 1, resumed at tp 2 with ``--fsdp``); the converter turns it into the single-device layout (a tp 2 run resumes from that, its
   parity copy too); a whole checkpoint and an export written by tp 2 runs hold the single-device
   layout.
 """
@@ -131,7 +131,10 @@ def _resume_worker(rank: int, world: int, model: str, root: str) -> dict[str, li
     losses = {"straight": result.losses}
     losses["straight_reference"] = [r.reference_loss for r in result.records if r.reference_loss]
     step2 = os.path.join(sharded, "step-2")
-    losses["cp4"] = _run({**options, "cp_size": 4, "resume": step2})[1].losses
+    untp = os.path.join(root, "untp")  # saved without --tp (the single-device order) at step 3
+    losses["cp4"] = _run({**options, "cp_size": 4, "resume": step2, "save": untp, "save_every": 1})[1].losses
+    back = {"cp_size": 2, "tp": 2, "fsdp": True, "resume": os.path.join(untp, "step-3")}
+    losses["back_to_tp2"] = _run({**options, **back})[1].losses
     whole = {"save": os.path.join(root, "whole"), "checkpoint_format": "whole"}
     losses["dp2xtp2"] = _run({**options, "cp_size": 1, "tp": 2, "fsdp": True, "resume": step2, **whole})[
         1
@@ -150,6 +153,7 @@ def _resume_worker(rank: int, world: int, model: str, root: str) -> dict[str, li
 
 def test_tp_checkpoints_resume_at_other_meshes(model_dir: Path, tmp_path: Path) -> None:
     from hyperpar_gdn.train.checkpoint import load_checkpoint
+    from hyperpar_gdn.train.convert import convert
 
     losses = run_ranks(_resume_worker, 4, str(model_dir), str(tmp_path), timeout_s=400)[0]
     straight = losses["straight"]
@@ -157,6 +161,7 @@ def test_tp_checkpoints_resume_at_other_meshes(model_dir: Path, tmp_path: Path) 
         name: max(_rel(a, b) for a, b in zip(losses[name], straight[2:], strict=True))
         for name in ("cp4", "dp2xtp2", "from_whole")
     }
+    worst["back_to_tp2"] = _rel(losses["back_to_tp2"][0], straight[3])
     assert all(err <= TOL for err in worst.values()), f"resumed runs differ (relative): {worst}"
     # the parity copy read the converted checkpoint as one device does: the layout is the single-device one
     reference = losses["from_whole_reference"]
@@ -177,10 +182,13 @@ def test_tp_checkpoints_resume_at_other_meshes(model_dir: Path, tmp_path: Path) 
     for name, expected in converted["model"].items():
         err = ((whole["model"][name] - expected).abs().max() / expected.abs().max()).item()
         assert err <= 5e-2, f"{name}: the tp 2 whole checkpoint differs from the converted one by {err:.1e}"
-    # the same run's export (tp 2, no FSDP) and its last checkpoint converted: the same weights
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
-    for name, expected in converted["model"].items():
-        assert torch.equal(exported[name], expected), f"{name}: the export differs from the checkpoint"
+    # the same run's export (tp 2, no FSDP) and its last checkpoint converted, whole or to a
+    # transformers directory: the same weights
+    convert(tmp_path / "sharded" / "step-4", tmp_path / "transformers", to="transformers")
+    for directory in ("export", "transformers"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / directory).state_dict()
+        for name, expected in converted["model"].items():
+            assert torch.equal(loaded[name], expected), f"{name}: {directory} differs from the checkpoint"
 
 
 def test_tp_is_refused_where_it_does_not_run() -> None:

@@ -32,6 +32,7 @@ def test_every_field_is_an_option_with_its_default_and_type() -> None:
     assert parse_args([]) == TrainConfig()
     assert parse_args(["--no-doc-boundaries", "--fsdp"]) == TrainConfig(doc_boundaries=False, fsdp=True)
     assert parse_args(["--max-memory-gb", "1.5", "--cp-size", "2"]).max_memory_gb == 1.5
+    assert parse_args(["--tp", "2", "--cp-size", "2"]) == TrainConfig(tp=2, cp_size=2)
     with pytest.raises(UsageError, match=r"argument --cp-size: invalid int value: '2.5'"):
         parse_args(["--cp-size", "2.5"])
     with pytest.raises(UsageError, match=r"argument --dtype: invalid choice: 'fp16'"):

@@ -76,6 +76,7 @@ def cp_payoff(
     dtype: str = "float32",
     batch: int = 1,
     inner_size: int | None = None,
+    tp: int = 1,
     **machine: float,
 ) -> CPPayoff:
     """The cost model's :class:`CPPayoff` of ``mode`` for sequences of ``seq_len`` tokens over ``cp`` ranks.
@@ -87,6 +88,8 @@ def cp_payoff(
         layout: the token layout; device: the mesh's device type (``"cpu"``, ``"cuda"``, ``"npu"``;
             other names take the cpu figures).
         dtype: the activations' dtype name (``"float32"``, ``"bfloat16"``); batch: rows B.
+        tp: tensor-parallel ranks: CP runs on a TP rank's heads (TP's own all-reduces are paid
+            with or without CP and are not counted against it).
         machine: figures that replace the device kind's (``bandwidth``, ``latency``, ``flops``, ...).
     """
     kind = DEVICE_KINDS.get(device, device if device in MACHINES else "cpu")
@@ -96,7 +99,7 @@ def cp_payoff(
         """(the shard's rule seconds, the seconds the mode adds) at T = t."""
         plan = plan_context_parallel(
             seq_len=t, cp=cp, dtype=dtype, layout=layout, device=kind, batch=batch, inner_size=inner_size,
-            modes=[mode], **dims, **machine,
+            tp=tp, modes=[mode], **dims, **machine,
         )  # fmt: skip
         cost = plan.ranking[0]
         if not cost.feasible:
@@ -137,6 +140,7 @@ def cp_advice(
     fewer: str,
     dtype: str = "float32",
     inner_size: int | None = None,
+    tp: int = 1,
     **machine: float,
 ) -> str | None:
     """One line for a run header when the cost model predicts that CP does not pay at ``seq_len``
@@ -146,7 +150,9 @@ def cp_advice(
     predicts it cheaper."""
     if cp < 2 or (SPECS[mode].two_level and inner_size is None):
         return None  # no CP, or a two-level mode whose inner size the caller did not say
-    common = dict(model_config=model_config, seq_len=seq_len, cp=cp, mode=mode, device=device, dtype=dtype)
+    common = dict(
+        model_config=model_config, seq_len=seq_len, cp=cp, mode=mode, device=device, dtype=dtype, tp=tp
+    )
     payoff = cp_payoff(**common, layout=layout, inner_size=inner_size, **machine)
     if payoff.speedup >= 1:
         return None

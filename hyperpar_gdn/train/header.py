@@ -24,7 +24,7 @@ def run_header(
 ) -> list[str]:
     """The header lines: platform, ranks as dp x cp (x tp under ``--tp``) with the CP options (or
     "no context parallelism" at cp=1), model, dtype, tokens per step, steps, the GDN kernel under CP
-    and why; then :func:`cp_advice`'s note (at tp 1: the cost model's note does not price tp).
+    and why; then :func:`cp_advice`'s note (priced on a TP rank's heads under ``--tp``).
     ``parameters``: the whole model's (not a TP rank's share).
     ``cp_mode``: the mode ``--cp-mode auto`` chose (shown as ``auto: <mode>``), else None;
     ``model_config``: the model's config dict (its GDN sizes price the note)."""
@@ -44,10 +44,9 @@ def run_header(
     if cp > 1:  # under CP the GDN layers run the kernel of --gdn-kernel (at cp 1 the model's own layers)
         kernel = resolve_kernel(config.gdn_kernel, platform=platform)
         lines[0] += f"; GDN kernel {kernel.name} ({kernel.reason})"
-    if tp > 1:
-        return lines
-    if config.batch_size % world_size == 0:
-        fewer = f"--cp-size 1 ({world_size} data-parallel replicas, whole sequences per rank)"
+    replicas = world_size // tp
+    if config.batch_size % replicas == 0:
+        fewer = f"--cp-size 1 ({replicas} data-parallel replicas, whole sequences per rank)"
     else:
         fewer = "fewer ranks per CP group (--cp-size) or fewer processes"
     advice = cp_advice(
@@ -60,5 +59,6 @@ def run_header(
         fewer=fewer,
         dtype="bfloat16" if config.dtype == "bf16" else "float32",
         inner_size=config.cp_inner_size,
+        tp=tp,
     )
     return lines if advice is None else [*lines, advice]

@@ -53,8 +53,9 @@ def test_the_note_goes_at_the_cost_models_break_even() -> None:
     assert "the cost model (gpu:" in _header(config, platform="cuda")[1]
 
 
-def test_tensor_parallelism_is_shown() -> None:
-    """--tp: the ranks as dp x cp x tp, and no note from the cost model, which does not price tp."""
+def test_tensor_parallelism_is_shown_and_priced() -> None:
+    """--tp: the ranks as dp x cp x tp; the note prices CP on a TP rank's heads (half the heads:
+    less work split off per rank, so the break-even moves later than at tp 1)."""
     config = TrainConfig(cp_mode="p2p", tp=2, cp_size=2)
     lines = run_header(
         config,
@@ -67,7 +68,16 @@ def test_tensor_parallelism_is_shown() -> None:
         first_step=1,
         model_config=config.model.to_dict(),
     )
-    assert len(lines) == 1
     assert lines[0].startswith(
         "platform cpu, 8 ranks = dp 2 x cp 2 x tp 2 (--cp-mode p2p, --cp-layout head_tail)"
     )
+    common = dict(
+        model_config=config.model.to_dict(), seq_len=config.seq_len, cp=2, mode="p2p",
+        layout=config.token_layout(), device="cpu",
+    )  # fmt: skip
+    at_tp2, at_tp1 = cp_payoff(**common, tp=2), cp_payoff(**common)
+    assert at_tp2.saved_s < at_tp1.saved_s  # a TP rank runs the rule on half the heads
+    assert at_tp2.break_even is not None and at_tp2.break_even >= at_tp1.break_even
+    assert lines[1].startswith("note: CP does not pay at 128 tokens per sequence over cp=2")
+    assert f"a gain from about {at_tp2.break_even:,} tokens" in lines[1]
+    assert "--cp-size 1 (4 data-parallel replicas" in lines[1]  # 8 ranks / tp 2

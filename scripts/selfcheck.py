@@ -3,7 +3,7 @@
 Launch with one process per device, on any platform:
 
     torchrun --nproc-per-node 4 scripts/selfcheck.py              # HP_PLATFORM picks cpu/cuda/npu
-    torchrun --nproc-per-node 4 scripts/selfcheck.py --tp 2       # cp 2 x tp 2 (torch)
+    torchrun --nproc-per-node 4 scripts/selfcheck.py --tp 2       # cp 2 x tp 2
     HP_PLATFORM=mindspore msrun --worker_num=4 --local_worker_num=4 scripts/selfcheck.py
 
 Every rank builds the same layer and input, runs the whole sequence on its own device (the
@@ -18,7 +18,7 @@ Rank 0 prints a table, one row per mode (a skipped mode says why) and, last,
 applies passed (the head-parallel modes need the value heads divisible by the ranks they split
 them over; the two-level modes need at least 4 ranks).
 
-``--tp N`` (torch): the world is a mesh (cp, tp), tp innermost; the layer is split by heads over
+``--tp N``: the world is a mesh (cp, tp), tp innermost; the layer is split by heads over
 the TP ranks (:mod:`hyperpar_gdn.tensor_parallel`) before each mode runs over the cp = W / N ranks
 on its TP rank's heads, and its gradients are made whole over tp before the comparison. The
 head-parallel modes then need the value heads divisible by tp x cp; the two-level ones cp >= 4.
@@ -72,13 +72,11 @@ def inner_size_for(world: int, v_heads: int, asked: int | None, *, tp: int = 1) 
     return None, f"{what} divides the {world} ranks into 2 or more groups and the {v_heads} value heads"
 
 
-def check_tp(args: argparse.Namespace, platform: str) -> int:
+def check_tp(args: argparse.Namespace) -> int:
     """``--tp``, checked from the options alone (every rank alike, before the process group)."""
     tp = args.tp
     if tp < 1:
         raise ValueError(f"--tp {tp} must be at least 1")
-    if tp > 1 and platform == "mindspore":
-        raise ValueError(f"--tp {tp}: tensor parallelism runs on torch; run MindSpore with --tp 1")
     if tp > 1 and (args.k_heads % tp or args.v_heads % args.k_heads):
         raise ValueError(
             f"--tp {tp} gives every TP rank whole q/k heads with their value heads: --k-heads {args.k_heads} "
@@ -98,9 +96,14 @@ def world_error(args: argparse.Namespace, world: int, tp: int) -> str | None:
     return None
 
 
-def split_heads(layer: Any, tp_mesh: Any) -> None:
-    """Split the GDN layer by heads over the TP axis (torch's ``parallelize_module`` with the
-    library's GDN style)."""
+def split_heads(platform: Platform, layer: Any, tp_mesh: Any) -> None:
+    """Split the GDN layer by heads over the TP axis: the library's GDN style (torch: through
+    ``parallelize_module``)."""
+    if platform.name == "mindspore":
+        from hyperpar_gdn.tensor_parallel.mindspore_styles import GatedDeltaNetTensorParallel as MSStyle
+
+        MSStyle().apply(layer, tp_mesh)
+        return
     from torch.distributed.tensor.parallel import parallelize_module
 
     from hyperpar_gdn.tensor_parallel.apply import as_tp_mesh
@@ -139,7 +142,7 @@ def _main() -> int:
         "--tp",
         type=int,
         default=1,
-        help="tensor-parallel ranks (torch): the world is cp x tp, the layer split by heads over tp",
+        help="tensor-parallel ranks: the world is cp x tp, the layer split by heads over tp",
     )
     add("--seed", type=int, default=0, help="weights and input")
     add("--tolerance", type=float, default=1e-4, help="max error relative to each tensor's scale")
@@ -155,7 +158,7 @@ def _main() -> int:
 
     platform = get_platform()
     resolve_kernel(args.gdn_kernel, platform=platform.name)  # an error on every rank alike, before the group
-    tp = check_tp(args, platform.name)
+    tp = check_tp(args)
     platform.init_distributed(timeout_s=args.timeout_s)
     rank, world = platform.rank(), platform.world_size()
     error = world_error(args, world, tp)
@@ -193,10 +196,12 @@ def _main() -> int:
             plan = CPPlan(mode=mode, inner_size=inner if spec.two_level else None, kernel=args.gdn_kernel)
             layer = build_layer(platform, args)
             if tp > 1:
-                split_heads(layer, tp_mesh)
+                split_heads(platform, layer, tp_mesh)
             layer = LinearAttentionContextParallel(plan=plan).apply(layer, mesh)
             start = time.perf_counter()
-            errors = compare_with_reference(platform, mesh, layer, build_layer(platform, args), x, cotangent)
+            reference = build_layer(platform, args)
+            split = {} if tp == 1 else {"tp_mesh": tp_mesh}
+            errors = compare_with_reference(platform, mesh, layer, reference, x, cotangent, **split)
             elapsed = time.perf_counter() - start
             worst_name, worst = max(errors.items(), key=lambda item: item[1])
             passed[mode] = worst <= args.tolerance

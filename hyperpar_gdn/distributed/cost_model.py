@@ -31,7 +31,7 @@ test_fake_cuda_trace.py): scan's first windows send states only (S, not [S | M])
 layout a rank owns two fragments of the chain, so p2p passes two states each way and all_gather
 moves two summaries per rank. The state modes also move the conv halo (contiguous: 2 B (W-1)
 conv_dim e; head_tail: every rank all-gathers its two fragments' halos, 4 (cp-1) B (W-1) conv_dim e
-with the backward's reduce-scatter) and run a widened pass on every
+with the backward's reduce-scatter, a ring of 2 (cp-1) steps) and run a widened pass on every
 shard but the first: about B T/cp H (6 K^2 + 2 C K + 2 K V) FLOPs more than the plain pass (the
 K extra state columns and Q_eff forward, Q_eff^T dO backward; C = 64), about a quarter of the
 rule's own work (measured: +33%, 244 ms against 184 ms for a T=4096, H=4, K=V=128 shard). The shard's
@@ -170,9 +170,11 @@ class Geometry:
     def conv_dim(self) -> float:
         return 2 * self.hk * self.k + self.h * self.v
 
-    def halo_bytes(self) -> float:
-        """The conv halo's two messages on the critical path (forward, and its gradient back)."""
-        return 2 * self.b * (self.w - 1) * self.conv_dim * self.e
+    def halo_path(self) -> tuple[float, int]:
+        """(bytes, messages) of the conv halo on the critical path: contiguous, one message forward
+        and its gradient back; head_tail, an all-gather ring and its reduce-scatter, 2 (cp-1) steps."""
+        one = self.b * (self.w - 1) * self.conv_dim * self.e
+        return (4 * one * (self.cp - 1), 2 * (self.cp - 1)) if self.head_tail else (2 * one, 2)
 
     def halo_rank_bytes(self, rank: int) -> float:
         """The conv halo bytes rank ``rank`` sends. Contiguous: its last W-1 rows to the next rank,
@@ -315,11 +317,11 @@ def _chain_hops(g: Geometry, span: Span) -> tuple[int, int]:
 def _state_mode(mode: str, g: Geometry, span: Span, m: Machine) -> tuple[float, float, float, float, float]:
     """(bytes sent, messages, seconds, extra FLOPs, summary memory) of p2p, all_gather or scan;
     the bytes are the worst rank's (:func:`rank_bytes_sent`)."""
-    halo = g.halo_bytes()
+    halo, hops = g.halo_path()
     rate = m.rate(g.b * g.h)  # every rank runs all of the group's heads
     worst = max(_state_rank_sent(mode, g, r) for r in range(g.cp))
     link = _link(m, span.crosses())
-    seconds = 2 * link.latency + halo / link.bandwidth  # the halo's two messages
+    seconds = hops * link.latency + halo / link.bandwidth
     if mode == "p2p":
         state = g.state()
         step = 2 * g.b * g.h * g.k**2 * g.v
@@ -327,16 +329,16 @@ def _state_mode(mode: str, g: Geometry, span: Span, m: Machine) -> tuple[float, 
         flops = g.widened_flops() + 2 * (near + far) * step
         for count, hop in ((near, m.intra), (far, m.inter)):
             seconds += 2 * count * (hop.latency + state / hop.bandwidth)
-        return worst, 2 * (near + far) + 2, seconds + flops / rate, flops, 2 * state
+        return worst, 2 * (near + far) + hops, seconds + flops / rate, flops, 2 * state
     if mode == "all_gather":
         sent = 2 * (g.cp - 1) * (g.n // g.cp) * g.summary()
         flops = g.widened_flops() + 4 * (g.n - 1) * g.b * g.h * g.k**2 * g.v
         seconds += 2 * (g.cp - 1) * link.latency + sent / link.bandwidth + flops / rate
-        return worst, 2 * (g.cp - 1) + 2, seconds, flops, g.n * g.summary()
+        return worst, 2 * (g.cp - 1) + hops, seconds, flops, g.n * g.summary()
     rounds = 2 * scan_rounds(g.n)
     flops = g.widened_flops() + rounds * 4 * g.b * g.h * g.k**2 * (g.k + g.v)
     seconds += rounds * (link.latency + g.summary() / link.bandwidth) + flops / rate
-    return worst, rounds + 2, seconds, flops, 3 * g.summary()
+    return worst, rounds + hops, seconds, flops, 3 * g.summary()
 
 
 def mode_cost(mode: str, g: Geometry, m: Machine, *, inner_size: int | None = None) -> ModeCost:

@@ -285,18 +285,20 @@ def test_many_ranks_match_one_device(world: int) -> None:
 
 def _check_rounds_and_memory(world: int, summary: dict[str, dict]) -> None:
     """p2p's critical path is its chain's 2 (n - 1) hops (the conv halo's exchange overlaps it;
-    the model adds it); scan's first and last ranks send in ceil(log2 cp) rounds; all_gather's
-    collectives priced as rings are the model's messages; all_gather's summaries held grow with cp
-    (the model's n maps), scan's largest message does not (one map)."""
-    for layout, n in (("head_tail", 2 * world), ("contiguous", world)):
+    the model adds it: 2 messages, or in head_tail an all-gather ring and its reduce-scatter of
+    2 (cp - 1) steps); scan's first and last ranks send in ceil(log2 cp) rounds; all_gather's
+    collectives priced as rings are the model's messages in both layouts; all_gather's summaries
+    held grow with cp (the model's n maps), scan's largest message does not (one map)."""
+    for layout, n, halo in (("head_tail", 2 * world, 2 * (world - 1)), ("contiguous", world, 2)):
         p2p = next(s for name, s in summary.items() if name.startswith(f"p2p/{layout}"))
-        assert p2p["rounds"] == 2 * (n - 1) == p2p["model_rounds"] - 2, p2p
+        assert p2p["rounds"] == 2 * (n - 1) == p2p["model_rounds"] - halo, p2p
+        gathered = next(s for name, s in summary.items() if name.startswith(f"all_gather/{layout}"))
+        assert gathered["ring_rounds"] == gathered["model_rounds"], gathered
     rounds = math.ceil(math.log2(world))
     scan = summary["scan/contiguous/docs"]
     assert scan["forward_sends"][0] == rounds == scan["backward_sends"][-1], scan
     assert max(scan["forward_sends"] + scan["backward_sends"]) == rounds, scan
     gathered = summary["all_gather/contiguous/docs"]
-    assert gathered["ring_rounds"] == gathered["model_rounds"], gathered
     one = 8 * HEADS * 8 * (8 + 8)  # one packed map [S | M] per rank: 8 heads, K = V = 8, fp64
     assert gathered["held"] == [world * one] * world == [gathered["model_held"]] * world, gathered["held"]
     assert summary["all_gather/head_tail"]["held"] == [2 * world * one] * world

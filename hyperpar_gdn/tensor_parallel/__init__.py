@@ -8,8 +8,9 @@ torch:
 - :mod:`.comm`: the all-reduces (a block's output, its input's gradient, the gradients of the
   parameters every rank holds whole), and ``count_tp_traffic``.
 
-MindSpore: :mod:`.mindspore_styles` (the GDN layer, the attention and the MLP cells split over a
-TP group through the platform's collectives). The names below load their module on first use, so
+MindSpore: :mod:`.mindspore_styles` (the GDN layer, the attention, the MLP and the MoE cells
+split over a TP group through the platform's collectives) and :mod:`.mindspore_apply` (a whole
+model). The names below load their module on first use, so
 the MindSpore side imports without torch.
 
 docs/tensor_parallel.md is the guide.

@@ -1,5 +1,5 @@
-"""Tensor parallelism on MindSpore: the GDN layer, the softmax attention and the SwiGLU MLP split
-by heads (or columns) over a TP group, through the platform's collectives.
+"""Tensor parallelism on MindSpore: the GDN layer, the softmax attention, the SwiGLU MLP and the
+MoE block split by heads (or columns) over a TP group, through the platform's collectives.
 
 The split is torch's (:mod:`.styles`, docs/tensor_parallel.md), on the MindSpore cells of
 :mod:`hyperpar_gdn.models.mindspore`. TP rank t of tp:
@@ -14,7 +14,8 @@ The split is torch's (:mod:`.styles`, docs/tensor_parallel.md), on the MindSpore
   gate of each head), ``o_proj`` input columns; ``k_proj``/``v_proj`` by K/V head when tp divides
   them, else whole on every rank, each using the one K/V head of its query heads (gradient summed
   over tp); ``q_norm``/``k_norm`` whole (gradients summed).
-- MLP: ``gate_proj``, ``up_proj`` rows, ``down_proj`` input columns.
+- MLP: ``gate_proj``, ``up_proj`` rows, ``down_proj`` input columns; MoE: every routed expert and
+  the shared expert so, the router and the shared expert's gate whole (gradients summed).
 
 Each block takes the same input on every TP rank and returns the sum of the ranks' parts (one
 all-reduce over the TP group); in the backward its input's gradient is summed likewise. Both go
@@ -23,8 +24,8 @@ through forward hooks, which stay in place when a context-parallel style later r
 ``(cp, tp)`` (or ``(dp, cp, tp)``) mesh, tp innermost.
 
 No communication in :meth:`TensorParallel.apply`: each rank cuts its part from the whole weights
-it holds (the same on every rank). :func:`whole_parameters` (collective) puts parts back
-together in the one-device layout.
+it holds (the same on every rank). :mod:`.mindspore_apply` applies the styles to a whole model
+and puts the parts back together in the one-device layout.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn, ops
 
-from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
 from hyperpar_gdn.distributed.parallel_style import is_parallelized
 from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_parallel_head_error
-from hyperpar_gdn.ops.blocks import rms_norm
+from hyperpar_gdn.models.mindspore.moe import expert_weights
+from hyperpar_gdn.ops.blocks import rms_norm, sparse_moe
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
 from hyperpar_gdn.platform import ops_for
 
@@ -47,9 +48,9 @@ __all__ = [
     "AttentionTensorParallel",
     "GatedDeltaNetTensorParallel",
     "MLPTensorParallel",
+    "MoETensorParallel",
+    "Split",
     "TensorParallel",
-    "apply_tensor_parallel",
-    "whole_parameters",
 ]
 
 TP_RECORD = "_hyperpar_tp"  # on every split cell: its Split (global sizes and each rank's parts)
@@ -311,60 +312,38 @@ class MLPTensorParallel(TensorParallel):
         return Split(tp, {n_: tuple(_param(cell, n_).shape) for n_ in parts(0)}, parts)
 
 
-def apply_tensor_parallel(model: nn.Cell, tp_mesh: Any) -> nn.Cell:
-    """Split every decoder block of a MindSpore ``HybridLM`` or ``Qwen3_5ForCausalLM`` (dense)
-    over the 1-D TP mesh: the GDN layers, the attention and the MLPs by the styles above; the
-    embedding, the norms between blocks and the head stay whole (the same computation on every
-    TP rank). Checks every block before changing any (one ``ValueError`` on every rank, no
-    communication, the model left as it was). Returns ``model``, changed in place."""
-    _, text_model = find_decoder(model)
-    tp, plan, errors = tp_mesh.size(), [], []
-    for i, block in enumerate(text_model.layers):
-        kind, mixer = mixer_of(i, block)
-        mlp = getattr(block, "mlp", None)
-        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            errors.append(f"layer {i}: {type(mlp).__name__} is not a SwiGLU MLP (on MindSpore no MoE block)")
-            continue
-        mixer_style = GatedDeltaNetTensorParallel() if kind == "linear_attn" else AttentionTensorParallel()
-        for cell, style in ((mixer, mixer_style), (mlp, MLPTensorParallel())):
-            error = style.refusal(cell, tp)
-            if error is not None:
-                errors.append(f"layer {i}: {error}")
-            plan.append((cell, style))
-    if errors:
-        raise ValueError("; ".join(errors))
-    for cell, style in plan:
-        style.apply(cell, tp_mesh)
-    return model
+class MoETensorParallel(TensorParallel):
+    """The MindSpore ``SparseMoeBlock`` split by columns: every routed expert and the shared expert
+    as :class:`MLPTensorParallel` splits an MLP; the router and the shared expert's gate whole on
+    every rank (the same routing everywhere), their gradients summed over tp."""
 
+    def error(self, cell: nn.Cell, tp: int) -> str | None:
+        sizes = {
+            "moe_intermediate_size": int(cell.experts[0].gate_proj.weight.shape[0]),
+            "shared_expert_intermediate_size": int(cell.shared_expert.gate_proj.weight.shape[0]),
+        }
+        bad = [f"{name}={size}" for name, size in sizes.items() if size % tp]
+        return f"mlp: {', '.join(bad)} not divisible by tp={tp}" if bad else None
 
-def whole_parameters(cell: nn.Cell, values: dict[str, ms.Tensor], tp_mesh: Any) -> dict[str, np.ndarray]:
-    """``values`` by parameter name relative to ``cell`` (a split cell or a model holding some;
-    its parameters, or their gradients) on this TP rank -> numpy arrays in the one-device layout:
-    the split ones gathered over the TP group (collective: every TP rank calls it with the same
-    names), the others as they are (whole on every rank; their gradients already summed over tp)."""
-    splits = {
-        prefix: getattr(sub, TP_RECORD) for prefix, sub in cell.cells_and_names() if hasattr(sub, TP_RECORD)
-    }
-    if not splits:
-        raise ValueError(f"{type(cell).__name__} has no tensor parallelism applied")
-    comm, group, platform = tp_mesh.platform.collectives, tp_mesh.get_group(), tp_mesh.platform
-    whole = {}
-    for name in sorted(values):
-        found = [
-            (split, name.removeprefix(prefix + "." if prefix else ""))
-            for prefix, split in splits.items()
-            if not prefix or name.startswith(prefix + ".")
-        ]
-        found = [(split, local) for split, local in found if local in split.shapes]
-        if not found:
-            whole[name] = platform.to_numpy(values[name])
-            continue
-        split, local = found[0]
-        gathered = platform.to_numpy(comm.all_gather(values[name], group))  # [tp, *local shape]
-        out = np.zeros(split.shapes[local], gathered.dtype)
-        for rank in range(split.tp):
-            dim, index = split.parts(rank)[local]
-            np.moveaxis(out, dim, 0)[index] = np.moveaxis(gathered[rank], dim, 0)
-        whole[name] = out
-    return whole
+    def split(self, cell: nn.Cell, tp: int) -> Split:
+        mlps = {f"experts.{e}": MLPTensorParallel().split(x, tp) for e, x in enumerate(cell.experts)}
+        mlps["shared_expert"] = MLPTensorParallel().split(cell.shared_expert, tp)
+
+        def parts(rank: int) -> Parts:
+            return {f"{prefix}.{n}": part for prefix, s in mlps.items() for n, part in s.parts(rank).items()}
+
+        return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
+
+    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> None:
+        def construct(x: ms.Tensor) -> ms.Tensor:
+            return sparse_moe(
+                ops_for(x),
+                x,
+                router=sum_grad(cell.gate.weight),
+                experts=[expert_weights(expert) for expert in cell.experts],
+                top_k=cell.top_k,
+                shared=expert_weights(cell.shared_expert),
+                shared_gate=sum_grad(cell.shared_expert_gate.weight),
+            )
+
+        cell.construct = construct

@@ -9,7 +9,7 @@ innermost), asserted in tests/tensor_parallel/test_mindspore_styles.py. Run by
   input-gradient shard and every parameter gradient (summed over cp, the TP parts put back
   together); the TP parts of the weights put back together against the one-device weights; the
   local parameter shapes; the ranks of this rank's cp and tp groups.
-- ``tp_model``: the whole MindSpore Qwen3.5 model (dense) under ``apply_tensor_parallel`` then
+- ``tp_model``: the whole MindSpore Qwen3.5 model (dense and MoE) under ``apply_tensor_parallel`` then
   ``apply_context_parallel`` (p2p, head_tail) against one device; a refused model.
 - ``tp_bad_input``: wrong set-ups, the same on every rank: (error type, message), whether the
   cell's parameters were left as they were, and one all-gather after them (the ranks in step).
@@ -84,7 +84,7 @@ def _case(
     platform: Platform, mesh: Any, make: Callable[[], Any], tp_style: Any, cp_style: Any, cu: Any, seed: int
 ) -> dict[str, Any]:
     """One layer under TP (and CP when ``cp_style``) against the same layer on one device."""
-    from hyperpar_gdn.tensor_parallel.mindspore_styles import whole_parameters
+    from hyperpar_gdn.tensor_parallel.mindspore_apply import whole_parameters
 
     tp_mesh, cp_mesh, comm = mesh["tp"], mesh["cp"], platform.collectives
     rng = np.random.default_rng(seed)
@@ -179,13 +179,14 @@ def section_tp_bad_input(platform: Platform, world: int) -> dict[str, Any]:
     return outcomes
 
 
-def qwen35_model() -> Any:
-    """A tiny dense MindSpore Qwen3.5 (a GDN and an attention layer), the same weights on every
-    rank (numpy's seeded init)."""
+def qwen35_model(moe: bool = False) -> Any:
+    """A tiny MindSpore Qwen3.5, dense or MoE (a GDN and an attention layer), the same weights on
+    every rank (numpy's seeded init)."""
     from hyperpar_gdn.models.mindspore import Qwen3_5ForCausalLM, Qwen35Config
 
+    sizes = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
     config = Qwen35Config(
-        model_type="qwen3_5_text",
+        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
         vocab_size=61,
         hidden_size=HIDDEN,
         num_hidden_layers=2,
@@ -203,26 +204,29 @@ def qwen35_model() -> Any:
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         initializer_range=0.2,
-        intermediate_size=48,
+        **({**sizes, "shared_expert_intermediate_size": 24} if moe else {"intermediate_size": 48}),
     )
     np.random.seed(0)
     return Qwen3_5ForCausalLM(config)
 
 
 def section_tp_model(platform: Platform, world: int) -> dict[str, Any]:
-    """The whole MindSpore Qwen3.5 model under ``apply_tensor_parallel`` (tp axis) then
-    ``apply_context_parallel`` (cp axis, p2p, head_tail): the logits shard and every parameter
-    gradient (of the sum of the logits' logsumexp; summed over cp, the TP parts put together)
-    against the model on one device; and the refusal of a model the plan cannot split."""
+    """The whole MindSpore Qwen3.5 model (``dense``, ``moe``) under ``apply_tensor_parallel`` (tp
+    axis) then ``apply_context_parallel`` (cp axis, p2p, head_tail): the logits shard and every
+    parameter gradient (of the sum of the logits' logsumexp; summed over cp, the TP parts put
+    together) against the model on one device; and the refusal of a model the plan cannot split."""
     import mindspore as ms
     from mindspore import ops
 
     from hyperpar_gdn import apply_context_parallel
-    from hyperpar_gdn.tensor_parallel.mindspore_styles import apply_tensor_parallel, whole_parameters
+    from hyperpar_gdn.tensor_parallel.mindspore_apply import apply_tensor_parallel, whole_parameters
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "tp"))
     cp_mesh, tp_mesh = mesh["cp"], mesh["tp"]
     ids = np.random.default_rng(7).integers(0, 61, (2, 16)).astype(np.int64)
+    shard = TokenLayout.of("head_tail", [16 // cp_mesh.size()] * cp_mesh.size()).positions(
+        cp_mesh.get_local_rank()
+    )
 
     def run(model: Any, inputs: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         names = [name for name, _ in model.parameters_and_names()]
@@ -235,23 +239,23 @@ def section_tp_model(platform: Platform, world: int) -> dict[str, Any]:
         (_, logits), grads = grad_fn(ms.Tensor(inputs))
         return logits.asnumpy(), dict(zip(names, grads, strict=True))
 
-    logits_ref, grads_ref = run(qwen35_model(), ids)
-    model = apply_tensor_parallel(qwen35_model(), tp_mesh)
-    apply_context_parallel(model, cp_mesh, mode="p2p", layout="head_tail")
-    shard = TokenLayout.of("head_tail", [16 // cp_mesh.size()] * cp_mesh.size()).positions(
-        cp_mesh.get_local_rank()
-    )
-    logits, grads = run(model, ids[:, shard])
-    summed = {k: platform.collectives.all_reduce_sum(g, cp_mesh.get_group()) for k, g in grads.items()}
-    whole = whole_parameters(model, summed, tp_mesh)
-    errors = {"logits": relative_error(logits, logits_ref[:, shard])}
-    errors.update({k: relative_error(v, grads_ref[k].asnumpy()) for k, v in whole.items()})
+    results: dict[str, Any] = {}
+    for moe in (False, True):
+        logits_ref, grads_ref = run(qwen35_model(moe), ids)
+        model = apply_tensor_parallel(qwen35_model(moe), tp_mesh)
+        apply_context_parallel(model, cp_mesh, mode="p2p", layout="head_tail")
+        logits, grads = run(model, ids[:, shard])
+        summed = {k: platform.collectives.all_reduce_sum(g, cp_mesh.get_group()) for k, g in grads.items()}
+        whole = whole_parameters(model, summed, tp_mesh)
+        errors = {"logits": relative_error(logits, logits_ref[:, shard])}
+        errors.update({k: relative_error(v, grads_ref[k].asnumpy()) for k, v in whole.items()})
+        results["moe" if moe else "dense"] = errors
     refused = qwen35_model()
     refused.model.layers[1].self_attn.num_heads = 3  # as a model of 3 query heads would say
     try:
         apply_tensor_parallel(refused, tp_mesh)
-        refusal = ["no error", ""]
+        results["refusal"] = ["no error", ""]
     except ValueError as exc:
-        refusal = ["ValueError", str(exc)]
-    unchanged = list(refused.model.layers[0].linear_attn.in_proj_qkv.weight.shape)
-    return {"errors": errors, "refusal": refusal, "qkv_shape_after_refusal": unchanged}
+        results["refusal"] = ["ValueError", str(exc)]
+    results["qkv_shape_after_refusal"] = list(refused.model.layers[0].linear_attn.in_proj_qkv.weight.shape)
+    return results

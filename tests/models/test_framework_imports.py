@@ -40,7 +40,8 @@ for package in ("hyperpar_gdn.ops", "hyperpar_gdn.distributed", "hyperpar_gdn.in
                 "hyperpar_gdn.models.qwen35_config", "hyperpar_gdn.models.safetensors_files",
                 "hyperpar_gdn.platform.mindspore_platform", "hyperpar_gdn.platform.mindspore_ops",
                 "hyperpar_gdn.platform.mindspore_collectives", "hyperpar_gdn.platform.mindspore_attention",
-                "hyperpar_gdn.platform.host_memory", "hyperpar_gdn.tensor_parallel.mindspore_styles"):
+                "hyperpar_gdn.platform.host_memory", "hyperpar_gdn.tensor_parallel.mindspore_styles",
+                "hyperpar_gdn.tensor_parallel.mindspore_apply"):
     names += walk(package)
 for name in names:
     importlib.import_module(name)
@@ -90,6 +91,7 @@ def test_mindspore_side_runs_without_torch() -> None:
         "hyperpar_gdn.models.mindspore.moe",
         "hyperpar_gdn.models.mindspore.qwen35",
         "hyperpar_gdn.tensor_parallel.mindspore_styles",
+        "hyperpar_gdn.tensor_parallel.mindspore_apply",
     ):
         assert name in imported, name
     assert report["platform"] == "mindspore" and report["one_config"]

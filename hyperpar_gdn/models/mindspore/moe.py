@@ -11,10 +11,11 @@ from hyperpar_gdn.models.mindspore.mlp import MLP
 from hyperpar_gdn.ops.blocks import sparse_moe
 from hyperpar_gdn.platform import ops_for
 
-__all__ = ["SparseMoeBlock"]
+__all__ = ["SparseMoeBlock", "expert_weights"]
 
 
-def _weights(mlp: MLP) -> tuple[ms.Parameter, ms.Parameter, ms.Parameter]:
+def expert_weights(mlp: MLP) -> tuple[ms.Parameter, ms.Parameter, ms.Parameter]:
+    """An expert's (gate, up, down) weights, as :func:`~hyperpar_gdn.ops.blocks.sparse_moe` takes them."""
     return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
 
@@ -50,8 +51,8 @@ class SparseMoeBlock(nn.Cell):
             ops_for(x),
             x,
             router=self.gate.weight,
-            experts=[_weights(expert) for expert in self.experts],
+            experts=[expert_weights(expert) for expert in self.experts],
             top_k=self.top_k,
-            shared=_weights(self.shared_expert),
+            shared=expert_weights(self.shared_expert),
             shared_gate=self.shared_expert_gate.weight,
         )

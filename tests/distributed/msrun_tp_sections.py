@@ -8,7 +8,8 @@ innermost), asserted in tests/tensor_parallel/test_mindspore_styles.py. Run by
   Per case the relative errors against the same layer on one device: the output shard, the
   input-gradient shard and every parameter gradient (summed over cp, the TP parts put back
   together); the TP parts of the weights put back together against the one-device weights; the
-  local parameter shapes; the ranks of this rank's cp and tp groups.
+  local parameter shapes; the bytes this rank sent in the forward and backward; the ranks of this
+  rank's cp and tp groups.
 - ``tp_model``: the whole MindSpore Qwen3.5 model (dense and MoE) under ``apply_tensor_parallel`` then
   ``apply_context_parallel`` (p2p, head_tail) against one device; a refused model.
 - ``tp_bad_input``: wrong set-ups, the same on every rank: (error type, message), whether the
@@ -101,7 +102,9 @@ def _case(
         index = TokenLayout.of(cp_style.layout, [T // cp_mesh.size()] * cp_mesh.size()).positions(
             cp_mesh.get_local_rank()
         )
+    comm.reset_bytes()
     got = _run(platform, cell, x[:, index], cot[:, index], cu)
+    sent = comm.reset_bytes()
     grads = {
         k: v if cp_style is None else comm.all_reduce_sum(v, cp_mesh.get_group())
         for k, v in got.items()
@@ -112,6 +115,7 @@ def _case(
     errors.update({k: relative_error(v, single[k]) for k, v in whole.items()})
     return {
         "errors": errors,
+        "bytes_sent": sent,
         "weights": {k: float(np.abs(v - whole_weights[k]).max()) for k, v in weights.items()},
         "local_shapes": local_shapes,
         "whole_shapes": {k: list(v.shape) for k, v in whole_weights.items()},

@@ -60,6 +60,11 @@ def test_gdn_and_attention_at_tp2_cp2_equal_one_device() -> None:
             bad = {k: v for k, v in case["errors"].items() if not v <= TOL}
             assert not bad, f"rank {rank} {key}: {bad}"
             assert case["weights"] == dict.fromkeys(params, 0.0), f"rank {rank} {key}: {case['weights']}"
+            if "tp_only" in key:  # docs/tensor_parallel.md, bytes per rank: the block's output and
+                # its input's gradient (B T C each) and the gradients of the weights held whole (the
+                # gated norm's Dv = 8; q_norm and k_norm, D = 8 each), 4 bytes, to tp - 1 = 1 rank
+                whole = 8 if key.startswith("gdn/") else 2 * 8
+                assert case["bytes_sent"] == (2 * sections.T * sections.HIDDEN + whole) * 4, (key, case)
             for name, dim in _split(key).items():
                 whole, local = case["whole_shapes"][name], case["local_shapes"][name]
                 if dim is not None:

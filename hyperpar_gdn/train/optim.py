@@ -18,7 +18,6 @@ __all__ = [
     "adamw_step",
     "build_adamw",
     "clip_gradients",
-    "global_grad_norm",
     "learning_rate",
     "torch_optimizer_step",
 ]
@@ -46,7 +45,7 @@ def clip_gradients(model: torch.nn.Module, grad_clip: float) -> float:
     it is > 0 (0: the norm only; the gradients are multiplied by exactly 1). Under FSDP the norm is
     that of the whole gradient (torch reduces the shards' norms); under tensor parallelism, whose
     gradients are shards on the TP mesh beside whole tensors (or FSDP shards on another mesh), it
-    is :func:`global_grad_norm`'s."""
+    is :func:`~hyperpar_gdn.tensor_parallel.comm.clip_grad_norm_`'s."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     meshes = {getattr(g, "device_mesh", None) for g in grads}
     if len(meshes) <= 1:  # all whole, or all shards on one mesh: torch's own
@@ -55,35 +54,9 @@ def clip_gradients(model: torch.nn.Module, grad_clip: float) -> float:
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
         return float(norm.item())
-    total = float(global_grad_norm(grads).item())
-    if grad_clip > 0:  # torch's rule: scale by max / (norm + 1e-6) when that is below 1
-        coef = min(1.0, grad_clip / (total + 1e-6))
-        with torch.no_grad():
-            for g in grads:
-                (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
-    return total
+    from hyperpar_gdn.tensor_parallel.comm import clip_grad_norm_
 
-
-def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Collective over every rank: the 2-norm of the whole gradient whose pieces are ``grads``
-    (this rank's), DTensor shards on any meshes or tensors every rank holds whole. Each rank adds
-    its pieces' squares weighted by (the tensor's distinct shards / the world size): the ranks
-    holding the same shard (its copies on the other axes) then count it once in the sum."""
-    import torch.distributed as dist
-
-    world, device = dist.get_world_size(), grads[0].device
-    # float64 for the sum, but float32 on NPUs (HCCL reduces fewer dtypes)
-    total = torch.zeros((), dtype=torch.float32 if device.type == "npu" else torch.float64, device=device)
-    for g in grads:
-        shards = 1
-        if hasattr(g, "to_local"):
-            for axis, placement in enumerate(g.placements):
-                if not placement.is_replicate():  # Shard, or FSDP's _StridedShard over TP's
-                    shards *= g.device_mesh.size(axis)
-            g = g.to_local()
-        total += g.detach().to(total.dtype).square().sum() * (shards / world)
-    dist.all_reduce(total)
-    return total.sqrt()
+    return float(clip_grad_norm_(grads, grad_clip).item())
 
 
 def adamw_step(optimizer: torch.optim.Optimizer, *, lr: float) -> None:

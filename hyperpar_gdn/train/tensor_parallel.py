@@ -7,9 +7,8 @@ plan (one ``ValueError`` naming ``--tp``, on every rank, before the mesh exists)
 parallelism then goes on over ``cp`` and FSDP over the flattened ``(dp, cp)`` axes of the same
 mesh. Every TP rank of a CP rank gets the same shard of the batch and computes the same loss.
 
-Without FSDP, :func:`sync_local_grads` sums the gradient shares over the CP group and averages
-them over the DP replicas, TP shards included (each TP rank sums its own shard); the gradients of
-the weights every TP rank holds whole are already summed over TP by the library.
+Without FSDP, :func:`~hyperpar_gdn.tensor_parallel.comm.sync_tp_grads` sums the gradient shares
+over the CP group and averages them over the DP replicas, each TP rank its own shard.
 """
 
 from __future__ import annotations
@@ -17,13 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
-from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.train.config import TrainConfig
 
-__all__ = ["apply_tp_option", "sync_local_grads"]
+__all__ = ["apply_tp_option"]
 
 
 def apply_tp_option(
@@ -43,23 +40,3 @@ def apply_tp_option(
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp", "tp"))
     apply_tensor_parallel(model, mesh["tp"])
     return mesh
-
-
-def sync_local_grads(model: torch.nn.Module, mesh: Any) -> None:
-    """Sum the gradients over ``mesh["cp"]`` and average them over ``mesh["dp"]``, in place: each
-    DTensor's local shard as the tensor it is (one flat all-reduce per dtype and axis)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [
-        torch.zeros_like(_local(p)) if p.grad is None else _local(p.grad)  # no gradient: zeros
-        for p in params
-    ]
-    summed = sync_context_parallel_grads(grads, mesh, dp_axis="dp")
-    for p, g in zip(params, summed, strict=True):
-        if isinstance(p, DTensor):
-            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
-        else:
-            p.grad = g
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -36,6 +36,7 @@ from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_model_dir
 from hyperpar_gdn.models.lm import HybridLM
 from hyperpar_gdn.platform import Platform
+from hyperpar_gdn.tensor_parallel.comm import sync_tp_grads
 from hyperpar_gdn.train.backend import TrainBackend, apply_cp_mode
 from hyperpar_gdn.train.checkpoint_dir import DCP_LAYOUT, read_manifest
 from hyperpar_gdn.train.config import TrainConfig
@@ -48,7 +49,7 @@ from hyperpar_gdn.train.sharding import (
     full_state_dicts,
     load_full_state_dicts,
 )
-from hyperpar_gdn.train.tensor_parallel import apply_tp_option, sync_local_grads
+from hyperpar_gdn.train.tensor_parallel import apply_tp_option
 
 __all__ = ["TorchBackend"]
 
@@ -130,7 +131,7 @@ class TorchBackend(TrainBackend):
             if self.torch_mesh is None:
                 sync_context_parallel_grads(self.model, self.mesh, dp_axis="dp")
             else:  # TP shards' local gradients (each TP rank its own) beside whole ones
-                sync_local_grads(self.model, self.mesh)
+                sync_tp_grads(self.model, self.mesh)
         norm = clip_gradients(self.model, self.config.grad_clip)
         return float(loss.item()), norm
 

@@ -44,7 +44,7 @@ from hyperpar_gdn.distributed.planner import choose_plan
 from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
 from hyperpar_gdn.integrations.transformers.notices import hide_expected_notices, one_line_if_uncaught
 from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_trainer_setup
-from hyperpar_gdn.integrations.transformers.trainer_tp import clip_grad_norm, prepare_without_ddp, sync_grads
+from hyperpar_gdn.integrations.transformers.trainer_tp import prepare_without_ddp, sync_grads
 from hyperpar_gdn.ops.gdn.kernels import check_kernel, platform_of, resolve_kernel
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
 
@@ -294,15 +294,19 @@ class ContextParallelMixin:
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
         if self.cp_setup.tp == 1:
             return super()._clip_grad_norm(model)
+        from hyperpar_gdn.tensor_parallel.comm import clip_grad_norm_
+
         sync_grads(model, self.cp_mesh)
-        return clip_grad_norm(model.parameters(), self.args.max_grad_norm, self.cp_mesh.get_group("tp"))
+        return clip_grad_norm_(_grads(model), self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
         """The logged norm; under tp, without clipping, the gradients are averaged here (the Trainer
         calls it before every optimizer step)."""
         if self.cp_setup.tp > 1 and grad_norm is None:
+            from hyperpar_gdn.tensor_parallel.comm import clip_grad_norm_
+
             sync_grads(model, self.cp_mesh)
-            grad_norm = clip_grad_norm(model.parameters(), float("inf"), self.cp_mesh.get_group("tp"))
+            grad_norm = clip_grad_norm_(_grads(model), float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -394,3 +398,7 @@ def _packed_cu_seqlens(inputs: dict[str, Any]) -> torch.Tensor | None:
                 f"batch key {key} does not describe the documents of cu_seq_lens_q={cu.tolist()}"
             )
     return cu
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]

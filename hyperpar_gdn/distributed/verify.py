@@ -97,7 +97,7 @@ def _whole_over_tp(
 ) -> dict[str, Any]:
     """The gradients of a layer split over ``tp_mesh``, whole and in the one-device layout."""
     if platform.name == "mindspore":
-        from hyperpar_gdn.tensor_parallel.mindspore_styles import whole_parameters
+        from hyperpar_gdn.tensor_parallel.mindspore_apply import whole_parameters
 
         whole = whole_parameters(layer, grads, tp_mesh)
         return {name: platform.from_numpy(value, dtype=dtype) for name, value in whole.items()}

@@ -20,7 +20,21 @@ from hyperpar_gdn.platform.msrun import (
     write_result,
 )
 
+# the GDN layer's parameters, in the order the MindSpore workers report their gradients
+GDN_PARAMS = (
+    "in_proj_qkv.weight",
+    "in_proj_z.weight",
+    "in_proj_b.weight",
+    "in_proj_a.weight",
+    "conv1d.weight",
+    "A_log",
+    "dt_bias",
+    "norm.weight",
+    "out_proj.weight",
+)
+
 __all__ = [
+    "GDN_PARAMS",
     "MsrunOutcome",
     "cp_worker_job",
     "msrun_available",

@@ -64,6 +64,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for msrun_harness
 
+from msrun_harness import GDN_PARAMS as PARAMS  # noqa: E402
 from msrun_harness import start_watchdog, write_result  # noqa: E402
 from msrun_tp_sections import section_tp_bad_input, section_tp_layers, section_tp_model  # noqa: E402
 from msrun_two_level_sections import section_two_level_head_tail  # noqa: E402
@@ -94,17 +95,6 @@ SECTIONS = (
     "stall",
 )
 HIDDEN = 32
-PARAMS = (
-    "in_proj_qkv.weight",
-    "in_proj_z.weight",
-    "in_proj_b.weight",
-    "in_proj_a.weight",
-    "conv1d.weight",
-    "A_log",
-    "dt_bias",
-    "norm.weight",
-    "out_proj.weight",
-)
 
 
 @dataclass(frozen=True)

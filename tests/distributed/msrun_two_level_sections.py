@@ -21,17 +21,6 @@ from hyperpar_gdn.distributed.verify import relative_error
 from hyperpar_gdn.platform import Platform
 
 HIDDEN, T = 32, 96  # 12 tokens per rank at cp 8, pieces of 6
-PARAMS = (
-    "in_proj_qkv.weight",
-    "in_proj_z.weight",
-    "in_proj_b.weight",
-    "in_proj_a.weight",
-    "conv1d.weight",
-    "A_log",
-    "dt_bias",
-    "norm.weight",
-    "out_proj.weight",
-)
 # (mode, inner_size, documents or None); nodes of 4: the outer pieces are 24 tokens long
 CASES = (
     ("ulysses+p2p", 4, (0, 11, 40, 96)),

@@ -16,14 +16,12 @@ import pytest
 pytest.importorskip("mindspore")
 
 import msrun_tp_sections as sections  # noqa: E402
-from msrun_harness import cp_worker_job, section_data  # noqa: E402
+from msrun_harness import GDN_PARAMS, cp_worker_job, section_data  # noqa: E402
 
 # docs/maths.md: fp32 max abs error <= 1e-4 relative to each tensor's scale (measured worst here:
 # 1.4e-5, A_log's gradient under ulysses_hidden)
 TOL = 1e-4
 WORLD = 4
-GDN_PARAMS = {"in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
-              "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"}  # fmt: skip
 ATTENTION_PARAMS = {f"{p}_proj.weight" for p in "qkvo"} | {"q_norm.weight", "k_norm.weight"}
 # parameter -> (dim split over tp, or None: whole on every rank)
 GDN_SPLIT = {"in_proj_qkv.weight": 0, "conv1d.weight": 0, "in_proj_z.weight": 0, "in_proj_b.weight": 0,
@@ -55,7 +53,7 @@ def test_gdn_and_attention_at_tp2_cp2_equal_one_device() -> None:
         assert results.pop("tp_ranks") == [2 * cp_rank, 2 * cp_rank + 1], f"rank {rank}: tp group"
         assert set(results) == expected_keys, sorted(set(results) ^ expected_keys)
         for key, case in results.items():
-            params = GDN_PARAMS if key.startswith("gdn/") else ATTENTION_PARAMS
+            params = set(GDN_PARAMS) if key.startswith("gdn/") else ATTENTION_PARAMS
             assert set(case["errors"]) == {"output", "dx"} | params, (key, sorted(case["errors"]))
             bad = {k: v for k, v in case["errors"].items() if not v <= TOL}
             assert not bad, f"rank {rank} {key}: {bad}"

@@ -13,13 +13,13 @@ import pytest
 pytest.importorskip("mindspore")
 
 import msrun_two_level_sections as sections  # noqa: E402
-from msrun_harness import cp_worker_job, section_data  # noqa: E402
+from msrun_harness import GDN_PARAMS, cp_worker_job, section_data  # noqa: E402
 
 # docs/maths.md: fp32 max abs error <= 1e-4 relative to each tensor's scale (measured worst here:
 # 2.6e-5 against one device, 1.4e-5 against the float64 truth)
 TOL = 1e-4
 WORLD = 8
-KEYS = {"output", "dx", *sections.PARAMS}
+KEYS = {"output", "dx", *GDN_PARAMS}
 
 
 def test_two_level_head_tail_matches_single_device() -> None:

@@ -55,7 +55,7 @@ _EXPORTS = {
     "SoftmaxAttentionContextParallel": "hyperpar_gdn.distributed.softmax_attention_style",
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "apply_tensor_parallel": "hyperpar_gdn.tensor_parallel.apply",
-    "plan_context_parallel": "hyperpar_gdn.distributed.planner",
+    "plan_context_parallel": "hyperpar_gdn.planning.ranking",
     "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "prefill_context_parallel": "hyperpar_gdn.inference.prefill",
     "sync_context_parallel_grads": "hyperpar_gdn.distributed.grads",

@@ -51,7 +51,7 @@ SAMPLING_OPTIONS = {"temperature": 1.0, "top_k": 0, "seed": 0}
 
 def build_parser() -> argparse.ArgumentParser:
     from hyperpar_gdn.cli import Parser
-    from hyperpar_gdn.distributed.plan import LAYOUTS, MODES
+    from hyperpar_gdn.planning.plan import LAYOUTS, MODES
 
     parser = Parser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -197,8 +197,8 @@ def prompt_text(args: argparse.Namespace) -> str:
 def check_heads(args: argparse.Namespace, cp: int, tp: int = 1) -> None:
     """Ulysses splits the GDN value heads over the ranks (key heads may be shared; under --tp a TP
     rank's heads): refuse a model whose value heads do not divide."""
-    from hyperpar_gdn.distributed.plan import HEAD_MODES
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
+    from hyperpar_gdn.planning.plan import HEAD_MODES
 
     num_k_heads, num_v_heads, _ = gdn_dims(args.model)
     if args.mode in HEAD_MODES and cp > 1 and num_v_heads % (cp * tp):
@@ -253,8 +253,8 @@ def token_layout(args: argparse.Namespace, t: int, cp: int) -> str:
     T prompt tokens divide into 2cp equal pieces that hold the conv halo (W-1 tokens; one for
     ulysses), else contiguous. An explicit head_tail that does not divide is refused (the same
     error on every rank)."""
-    from hyperpar_gdn.distributed.plan import HEAD_MODES
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims, has_softmax_attention
+    from hyperpar_gdn.planning.plan import HEAD_MODES
 
     divides = cp > 1 and t % (2 * cp) == 0
     if args.layout is None:
@@ -491,8 +491,8 @@ def _report(
 ) -> None:
     """Rank 0: print the continuation (``decoded``: tokens, seconds) and the numbers (``kv``: the
     attention K/V bytes of one device and, decoding on the CP group, of every rank)."""
-    from hyperpar_gdn.distributed.payoff import cp_advice
     from hyperpar_gdn.integrations.transformers.model_config import text_config
+    from hyperpar_gdn.planning.payoff import cp_advice
 
     cp_times, one_times, solo_times = times
     tokens, decode_s = decoded

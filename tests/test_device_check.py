@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hyperpar_gdn.distributed.plan import MODES, TWO_LEVEL_MODES
+from hyperpar_gdn.planning.plan import MODES, TWO_LEVEL_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 

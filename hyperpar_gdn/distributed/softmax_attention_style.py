@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from hyperpar_gdn.distributed.dtensor import as_sequence_shard
-from hyperpar_gdn.distributed.layout import check_layout
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
 from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence, exchange_lengths
 from hyperpar_gdn.distributed.softmax_attention import attention_forward, shard_error
 from hyperpar_gdn.ops.prefill_states import PrefillStates
+from hyperpar_gdn.planning.plan import check_layout
 from hyperpar_gdn.platform import Tensor
 
 

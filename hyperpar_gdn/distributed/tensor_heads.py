@@ -3,8 +3,8 @@ plan (:mod:`hyperpar_gdn.tensor_parallel`) and the CP checks ask of a GDN layer'
 
 from __future__ import annotations
 
-from hyperpar_gdn.distributed.plan import HEAD_MODES, head_split_error
 from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.planning.plan import HEAD_MODES, head_split_error
 
 __all__ = ["attention_head_error", "tensor_parallel_head_error"]
 

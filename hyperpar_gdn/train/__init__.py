@@ -21,9 +21,8 @@
   files); :mod:`.saves`: the trainer's saves in either format; :mod:`.convert`: a checkpoint to the
   whole format or a transformers directory, on one host.
 - :mod:`.sharding`: FSDP2 and activation checkpointing for torch.
-- :mod:`.memory_plan` (the per-rank memory estimate, framework-free, over :mod:`.model_shape`'s
-  sizes) and :mod:`.memory_check`
-  (``--plan``'s table, the refusal of a run over its memory budget).
+- :mod:`.memory_check` (``--plan``'s table, the refusal of a run over its memory budget; the
+  estimate is :mod:`hyperpar_gdn.planning.memory`'s).
 - :mod:`.command_line`: ``scripts/train.py``'s parser, derived from :class:`TrainConfig`'s fields.
 - :mod:`.errors`: the errors reported in one line (:data:`USER_ERRORS`, :data:`FAULTS`).
 

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.cli import option
-from hyperpar_gdn.distributed.layout import LAYOUTS
-from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, TWO_LEVEL_MODES
 from hyperpar_gdn.models.config import HybridLMConfig
 from hyperpar_gdn.ops.gdn.kernels import KERNELS
+from hyperpar_gdn.planning.plan import HEAD_MODES, LAYOUTS, MODE_CHOICES, TWO_LEVEL_MODES
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
 
 CP_MODES = MODE_CHOICES

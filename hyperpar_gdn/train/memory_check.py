@@ -1,7 +1,7 @@
 """The memory plan of a ``scripts/train.py`` run: ``--plan``'s table, and the refusal of a run whose
 estimate exceeds the budget (on every rank, before the process group or the model exists).
 
-The arithmetic is :mod:`.memory_plan`'s; here the options become its inputs (the model's sizes
+The arithmetic is :mod:`hyperpar_gdn.planning.memory`'s; here the options become its inputs (the model's sizes
 from the built-in preset or ``--model``'s config.json, the ranks from the launcher's environment)
 and the budget is ``--max-memory-gb``, else the platform's (:func:`rank_budget`: the device's
 memory, or on the CPU the host's available memory over the local ranks plus what this process
@@ -11,25 +11,24 @@ already holds). The plan counts torch's autograd: the MindSpore trainer has none
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from hyperpar_gdn.ops.attention.softmax import attention_path
-from hyperpar_gdn.platform.memory_budget import local_ranks, rank_budget
-from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.memory_plan import (
+from hyperpar_gdn.planning.memory import (
     GIB,
     RUNTIME_BYTES,
     TERMS,
     Estimate,
     ModelShape,
     StepOptions,
+    cheaper_options,
     estimate,
     largest_rank,
     longest_seq_len,
-    seq_unit,
 )
-from hyperpar_gdn.train.rank_shape import tp_split_error
+from hyperpar_gdn.planning.rank_shape import tp_split_error
+from hyperpar_gdn.platform.memory_budget import local_ranks, rank_budget
+from hyperpar_gdn.train.config import TrainConfig
 
 __all__ = ["MemoryBudgetError", "check_memory", "plan_lines"]
 
@@ -105,28 +104,12 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def alternatives(shape: ModelShape, opts: StepOptions, budget: int) -> list[tuple[str, int]]:
-    """Options that lower the estimate, each with its largest rank's estimate: more CP ranks (the
-    fewest that fit, up to 64x), ``--ac``, ``--dtype bf16`` and both."""
-    out: list[tuple[str, int]] = []
-    factor, cp_total = 2, 0
-    while factor <= 64:
-        wider = dataclasses.replace(opts, cp=opts.cp * factor, world_size=opts.world_size * factor)
-        if opts.seq_len % seq_unit(wider) == 0:
-            cp_total = largest_rank(shape, wider).total
-            label = f"--cp-size {wider.cp} ({wider.world_size} ranks)"
-            if cp_total <= budget:
-                break
-        factor *= 2
-    if cp_total:
-        out.append((label, cp_total))
-    changes = {"--ac": {"ac": True}, "--dtype bf16": {"dtype": "bf16"}}
-    if not opts.ac and opts.dtype != "bf16":
-        changes["--ac --dtype bf16"] = {"ac": True, "dtype": "bf16"}
-    for label, change in changes.items():
-        if any(getattr(opts, k) != v for k, v in change.items()):
-            out.append((label, largest_rank(shape, dataclasses.replace(opts, **change)).total))
-    return out
+def _flags(opts: StepOptions, other: StepOptions) -> str:
+    """The command-line options that turn ``opts`` into ``other``."""
+    flags = [f"--cp-size {other.cp} ({other.world_size} ranks)"] if other.cp != opts.cp else []
+    flags += ["--ac"] if other.ac != opts.ac else []
+    flags += [f"--dtype {other.dtype}"] if other.dtype != opts.dtype else []
+    return " ".join(flags)
 
 
 def _no_plan_on(config: TrainConfig, platform: str) -> bool:
@@ -154,8 +137,8 @@ def check_memory(config: TrainConfig, *, platform: str) -> None:
     if worst.total <= budget:
         return
     others = "; ".join(
-        f"{label} {_gib(total)}{' (fits)' if total <= budget else ''}"
-        for label, total in alternatives(shape, opts, budget)
+        f"{_flags(opts, other)} {_gib(total)}{' (fits)' if total <= budget else ''}"
+        for other, total in cheaper_options(shape, opts, budget)
     )
     tp = f", tp {opts.tp}" if opts.tp > 1 else ""
     raise MemoryBudgetError(

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from distributed_harness import ROOT, run_script, script_env
 
+from hyperpar_gdn.planning.memory import TERMS, largest_rank
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.memory_check import model_shape, step_options
-from hyperpar_gdn.train.memory_plan import TERMS, largest_rank
 
 
 def _torchrun(tmp: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

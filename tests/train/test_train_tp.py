@@ -210,8 +210,8 @@ def test_the_memory_plan_counts_tp(monkeypatch: pytest.MonkeyPatch) -> None:
     """--plan at tp 2: the mesh in its first line, about half the parameters of tp 1 per rank
     (the embedding stays whole); a model --tp does not split is one line naming --tp, from the
     options alone (before any process group)."""
+    from hyperpar_gdn.planning.memory import estimate
     from hyperpar_gdn.train.memory_check import model_shape, plan_lines, step_options
-    from hyperpar_gdn.train.memory_plan import estimate
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     options = {"cp_mode": "p2p", "model_size": "small", "seq_len": 256, "batch_size": 2}

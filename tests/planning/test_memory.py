@@ -13,9 +13,7 @@ from distributed_harness import run_ranks
 
 from hyperpar_gdn.models.lm import DecoderBlock, HybridLM
 from hyperpar_gdn.models.qwen35_config import Qwen35Config
-from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.memory_check import check_memory, model_shape
-from hyperpar_gdn.train.memory_plan import (
+from hyperpar_gdn.planning.memory import (
     GIB,
     ModelShape,
     StepOptions,
@@ -25,8 +23,10 @@ from hyperpar_gdn.train.memory_plan import (
     mlp_saved_per_token,
     saved_per_token,
 )
+from hyperpar_gdn.planning.rank_shape import tp_shape
+from hyperpar_gdn.train.config import TrainConfig
+from hyperpar_gdn.train.memory_check import check_memory, model_shape
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
-from hyperpar_gdn.train.rank_shape import tp_shape
 
 
 @pytest.mark.parametrize("size", ["tiny", "small"])

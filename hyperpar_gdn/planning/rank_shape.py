@@ -7,7 +7,7 @@ Per rank at tp: the GDN layer's q/k and value heads (its projections, conv chann
 when tp divides them (else one K/V head used of the whole K/V projections every rank holds), the
 MLP's and every expert's intermediate columns and the shared expert's; the embedding, the norms,
 the LM head, the MoE router and the shared expert's gate whole. So :meth:`RankShape.num_parameters`
-is what one rank holds, and :mod:`.memory_plan`'s per-token counts read the local heads.
+is what one rank holds, and :mod:`.memory`'s per-token counts read the local heads.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.train.model_shape import FULL, LINEAR, ModelShape
+from hyperpar_gdn.planning.model_shape import FULL, LINEAR, ModelShape
 
 __all__ = ["RankShape", "tp_shape", "tp_split_error"]
 

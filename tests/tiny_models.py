@@ -161,7 +161,11 @@ def tiny_model(
     (0.05) with a slow decay."""
     torch.manual_seed(0)
     config = tiny_config(
-        moe=moe, num_k_heads=num_k_heads, num_v_heads=num_v_heads, vocab_size=vocab_size, num_experts=num_experts
+        moe=moe,
+        num_k_heads=num_k_heads,
+        num_v_heads=num_v_heads,
+        vocab_size=vocab_size,
+        num_experts=num_experts,
     )
     model = _causal_lm(config)
     model = model.to(torch.float64)

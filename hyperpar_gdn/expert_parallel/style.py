@@ -56,7 +56,9 @@ def expert_parallel_error(block: nn.Module, ep: int) -> str | None:
             "a wrapper (LoRA, quantization) around them"
         )
     if any(isinstance(p, DTensor) for p in experts.parameters()):
-        return "the experts are already split (tensor parallelism?): apply expert parallelism to whole experts"
+        return (
+            "the experts are already split (tensor parallelism?): apply expert parallelism to whole experts"
+        )
     act = getattr(experts, "act_fn", None)
     if type(act).__name__ not in ("SiLU", "SiLUActivation"):
         return f"experts: activation {type(act).__name__} is not the SiLU of the SwiGLU experts"
@@ -143,8 +145,14 @@ def apply_expert_parallel(model: Any, mesh: Any, *, experts_fn: Any = grouped_sw
     changed in place."""
     ours, _ = _meshes(mesh)
     _, text_model = find_decoder(model)
-    blocks = [(i, block.mlp) for i, block in enumerate(text_model.layers) if is_moe_block(getattr(block, "mlp", None))]
-    errors = [f"layer {i}: {e}" for i, mlp in blocks if (e := expert_parallel_error(mlp, ours.size())) is not None]
+    blocks = [
+        (i, block.mlp)
+        for i, block in enumerate(text_model.layers)
+        if is_moe_block(getattr(block, "mlp", None))
+    ]
+    errors = [
+        f"layer {i}: {e}" for i, mlp in blocks if (e := expert_parallel_error(mlp, ours.size())) is not None
+    ]
     if not blocks:
         errors.append("the model has no MoE block")
     if errors:

@@ -99,7 +99,9 @@ def _ep_worker(rank: int, world: int, dtype: torch.dtype) -> dict[str, float]:
         expected_bytes += (world - 1) * local * 8
     errors["bytes"] = abs(sent_bytes - expected_bytes)
     errors["_rows"] = [d.rows for d in traffic.dispatches]
-    errors["_grouped"] = grouped_mm_runs(torch.zeros(1, 32, dtype=dtype), model.model.layers[0].mlp.experts.gate_up_proj.to_local())
+    errors["_grouped"] = grouped_mm_runs(
+        torch.zeros(1, 32, dtype=dtype), model.model.layers[0].mlp.experts.gate_up_proj.to_local()
+    )
     return errors
 
 
@@ -111,7 +113,9 @@ def _refusals_worker(rank: int, world: int) -> str:
     wrapped.experts = torch.nn.Sequential(wrapped.experts)  # a wrapper around the fused experts
     with pytest.raises(ValueError, match="layer 2: experts .*wrapper") as info:
         apply_expert_parallel(model, mesh["ep"])
-    unchanged = all(torch.equal(p, before[n.replace("experts.0.", "experts.")]) for n, p in model.named_parameters())
+    unchanged = all(
+        torch.equal(p, before[n.replace("experts.0.", "experts.")]) for n, p in model.named_parameters()
+    )
     assert unchanged and not any(isinstance(p, DTensor) for p in model.parameters())
     return str(info.value)
 

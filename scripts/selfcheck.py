@@ -30,6 +30,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,21 @@ def split_heads(platform: Platform, layer: Any, tp_mesh: Any) -> None:
     from hyperpar_gdn.tensor_parallel.styles import GatedDeltaNetTensorParallel
 
     parallelize_module(layer, as_tp_mesh(tp_mesh), GatedDeltaNetTensorParallel())
+
+
+def whole_grads(platform: Platform, layer: Any, tp_mesh: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """What makes the gradients of a layer split by heads whole, in the one-device layout
+    (collective over the TP axis)."""
+    if platform.name == "mindspore":
+        from hyperpar_gdn.tensor_parallel.mindspore_apply import whole_parameters
+
+        return lambda grads: {
+            name: platform.from_numpy(value, dtype="float32")
+            for name, value in whole_parameters(layer, grads, tp_mesh).items()
+        }
+    from hyperpar_gdn.tensor_parallel import canonical_grads
+
+    return lambda grads: canonical_grads(layer, grads)
 
 
 def main() -> int:
@@ -200,7 +216,7 @@ def _main() -> int:
             layer = LinearAttentionContextParallel(plan=plan).apply(layer, mesh)
             start = time.perf_counter()
             reference = build_layer(platform, args)
-            split = {} if tp == 1 else {"tp_mesh": tp_mesh}
+            split = {} if tp == 1 else {"whole_grads": whole_grads(platform, layer, tp_mesh)}
             errors = compare_with_reference(platform, mesh, layer, reference, x, cotangent, **split)
             elapsed = time.perf_counter() - start
             worst_name, worst = max(errors.items(), key=lambda item: item[1])

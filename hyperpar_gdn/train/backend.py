@@ -93,8 +93,9 @@ class TrainBackend(ABC):
         """Refuse ``--tp`` above 1 where this backend has no tensor parallelism."""
         if config.tp > 1 and not cls.tensor_parallel:
             raise NotImplementedError(
-                f"--tp {config.tp}: tensor parallelism trains on torch (HP_PLATFORM=cpu / cuda / npu); "
-                f"HP_PLATFORM={platform_name} trains with --tp 1"
+                f"--tp {config.tp}: scripts/train.py trains with tensor parallelism on torch (HP_PLATFORM=cpu / "
+                f"cuda / npu); HP_PLATFORM={platform_name} trains here with --tp 1 (a MindSpore model splits "
+                "by heads in a loop of your own: hyperpar_gdn.tensor_parallel.mindspore_apply)"
             )
 
     @classmethod

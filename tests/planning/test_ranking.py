@@ -122,7 +122,9 @@ def test_ulysses_hidden_against_ulysses() -> None:
     forward and backward) where ulysses sends the heads' projections: fewer bytes for the
     benchmark model at cp 2 (hidden 256 beside 27B's heads / 4), more for Qwen3.5-27B at cp 8."""
     bench = {"num_k_heads": 4, "num_v_heads": 12, "head_k_dim": 128, "head_v_dim": 128}
-    ranked = plan_context_parallel(seq_len=8192, cp=2, hidden_size=256, dtype="float32", device="cpu", **bench)
+    ranked = plan_context_parallel(
+        seq_len=8192, cp=2, hidden_size=256, dtype="float32", device="cpu", **bench
+    )
     costs = {c.mode: c for c in ranked.ranking}
     assert costs["ulysses_hidden"].bytes_sent == 4 * 4096 * 256 * 4
     assert costs["ulysses_hidden"].bytes_sent < costs["ulysses"].bytes_sent / 3.9

@@ -199,8 +199,9 @@ def test_tp_is_refused_where_it_does_not_run() -> None:
     with pytest.raises(NotImplementedError) as caught:
         MindSporeBackend.check(TrainConfig(tp=2), "mindspore")
     assert str(caught.value) == (
-        "--tp 2: tensor parallelism trains on torch (HP_PLATFORM=cpu / cuda / npu); "
-        "HP_PLATFORM=mindspore trains with --tp 1"
+        "--tp 2: scripts/train.py trains with tensor parallelism on torch (HP_PLATFORM=cpu / cuda / npu); "
+        "HP_PLATFORM=mindspore trains here with --tp 1 (a MindSpore model splits by heads in a loop of "
+        "your own: hyperpar_gdn.tensor_parallel.mindspore_apply)"
     )
     MindSporeBackend.check(TrainConfig(), "mindspore")  # accepted
     TorchBackend.check(TrainConfig(tp=2), "cpu")  # accepted

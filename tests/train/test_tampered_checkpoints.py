@@ -114,6 +114,7 @@ TAMPERS = {
 
 def _assert_refused(outcome: dict[str, Any]) -> None:
     error = outcome["error"]
+    print(f"refused: {error}; the file written: {outcome['ran']}")
     assert error is not None, "the tampered checkpoint was loaded"
     assert not outcome["ran"], "the checkpoint's code ran"
     assert "\n" not in error and error.startswith(outcome["entry"]), error

@@ -75,6 +75,8 @@ class TrainBackend(ABC):
     checkpoint_formats: tuple[str, ...] = ("whole",)  # what it saves; the first is the default
     shard_layout: str | None = None  # its sharded checkpoints' state/ (.checkpoint.SHARD_LAYOUTS)
     tensor_parallel: bool = False  # whether it trains with --tp above 1
+    expert_parallel: bool = False  # whether it trains with --ep above 1 and the router's loss
+    aux_share: float = 0.0  # the rank's share of the last step's weighted load-balancing loss
     tokenizer: Any = None
 
     @classmethod
@@ -96,6 +98,11 @@ class TrainBackend(ABC):
                 f"--tp {config.tp}: scripts/train.py trains with tensor parallelism on torch (HP_PLATFORM=cpu / "
                 f"cuda / npu); HP_PLATFORM={platform_name} trains here with --tp 1 (a MindSpore model splits "
                 "by heads in a loop of your own: hyperpar_gdn.tensor_parallel.mindspore_apply)"
+            )
+        if (config.ep > 1 or config.router_aux_loss_coef) and not cls.expert_parallel:
+            raise NotImplementedError(
+                "--ep and --router-aux-loss-coef (expert parallelism, the router's load-balancing loss) "
+                f"train on torch (HP_PLATFORM=cpu / cuda / npu); HP_PLATFORM={platform_name} trains without them"
             )
 
     @classmethod

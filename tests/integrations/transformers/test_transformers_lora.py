@@ -19,9 +19,15 @@ import peft
 import pytest
 import torch
 from distributed_harness import run_ranks
-from tiny_models import tiny_model
+from tiny_models import GENERATION_VOCAB, generation_model, tiny_model
 
-from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
+from hyperpar_gdn import (
+    apply_context_parallel,
+    init_device_mesh,
+    prefill_context_parallel,
+    shard_for_context_parallel,
+    undo_context_parallel,
+)
 from hyperpar_gdn.distributed.parallel_style import is_parallelized
 from hyperpar_gdn.integrations.transformers.trainer_checks import check_head
 
@@ -44,11 +50,15 @@ DOCS = (0, 5, 20, 31, 48)  # documents across the shard boundaries at cp 2 and 4
 TOL = 1e-5
 
 
-def lora_model(*, moe: bool, targets: list[str] = TARGETS, rank: int = 4) -> torch.nn.Module:
-    """The tiny float64 model of tiny_models with LoRA (``rank``, random A and B) on ``targets``."""
+def lora_model(
+    *, moe: bool, targets: list[str] = TARGETS, rank: int = 4, base: torch.nn.Module | None = None
+) -> torch.nn.Module:
+    """``base`` (default: the tiny float64 model of tiny_models) with LoRA (``rank``, random A and
+    B) on ``targets``."""
+    base = tiny_model(moe=moe) if base is None else base
     torch.manual_seed(5)
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
-    model = peft.get_peft_model(tiny_model(moe=moe), config).to(torch.float64)
+    model = peft.get_peft_model(base, config).to(base.dtype)
     with (
         torch.no_grad()
     ):  # a tenth of PEFT's random update B A: small beside the weights, as trained ones are
@@ -166,3 +176,32 @@ def test_trainer_refuses_a_wrapped_lm_head() -> None:
     ):
         check_head(lora_model(moe=False, targets=["lm_head"]))
     check_head(lora_model(moe=False))  # adapters elsewhere: the head's weight is the head
+
+
+def _prefill_worker(rank: int, world: int) -> list[str]:
+    """A CP prefill of the PEFT model (LoRA on the head too: the prefill calls it), continued by
+    PEFT's generate on one process, against PEFT's generate from the prompt (fp32, greedy)."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    base = lora_model(moe=True, targets=[*TARGETS, "lm_head"], base=generation_model(moe=True))
+    ids = torch.randint(1, GENERATION_VOCAB, (2, 37), generator=torch.Generator().manual_seed(37))
+    with torch.no_grad():
+        expected = base.generate(input_ids=ids, max_new_tokens=8, do_sample=False)[:, 37:]
+    failures = []
+    for mode in ("p2p", "ulysses"):
+        model = apply_context_parallel(copy.deepcopy(base), mesh, mode=mode)
+        logits, cache = prefill_context_parallel(model, mesh, ids)
+        undo_context_parallel(model)
+        first = logits.argmax(-1, keepdim=True)
+        with torch.no_grad():  # the prompt and the first new token in, the cache holding the prompt
+            out = model.generate(
+                input_ids=torch.cat([ids, first], 1), past_key_values=cache, max_new_tokens=7, do_sample=False
+            )
+        got = out[:, 37:]
+        if not torch.equal(got, expected):
+            failures.append(f"{mode}: continuation {got.tolist()} != generate's {expected.tolist()}")
+    return failures
+
+
+def test_prefill_continues_like_generate() -> None:
+    for failures in run_ranks(_prefill_worker, 2, timeout_s=240):
+        assert not failures, "\n".join(failures)

@@ -5,7 +5,7 @@ gloo groups, for ``apply_context_parallel`` given the ``PeftModel`` itself.
 LoRA sits on every GDN projection (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
 ``out_proj``), every attention projection and the MLP's (the MoE model's shared expert), with
 random ``lora_B`` (PEFT's ``init_lora_weights=False``) so that every adapter changes the output.
-The oracle is PEFT's model on one process, each document alone (transformers' CPU layers do not
+At cp 2 also DoRA on the same modules. The oracle is PEFT's model on one process, each document alone (transformers' CPU layers do not
 separate packed documents). Tolerances as in test_transformers_models: transformers rounds the GDN
 decay inputs to float32 in a float64 model. What CP cannot serve is refused on every rank, the
 model left as it was.
@@ -51,20 +51,34 @@ TOL = 1e-5
 
 
 def lora_model(
-    *, moe: bool, targets: list[str] = TARGETS, rank: int = 4, base: torch.nn.Module | None = None
+    *,
+    moe: bool,
+    targets: list[str] = TARGETS,
+    rank: int = 4,
+    base: torch.nn.Module | None = None,
+    dora: bool = False,
 ) -> torch.nn.Module:
     """``base`` (default: the tiny float64 model of tiny_models) with LoRA (``rank``, random A and
-    B) on ``targets``."""
+    B; ``dora``: DoRA's magnitude too) on ``targets``."""
     base = tiny_model(moe=moe) if base is None else base
     torch.manual_seed(5)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, use_dora=dora
+    )
     model = peft.get_peft_model(base, config).to(base.dtype)
-    with (
-        torch.no_grad()
-    ):  # a tenth of PEFT's random update B A: small beside the weights, as trained ones are
+    # a tenth of PEFT's random update B A: small beside the weights, as trained ones are
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_" in name:
+            if "lora_A" in name or "lora_B" in name:
                 p.mul_(0.3)
+        for layer in model.modules():  # DoRA: magnitudes near the norms of the scaled weights
+            if dora and isinstance(layer, peft.tuners.lora.LoraLayer) and layer.lora_magnitude_vector:
+                magnitude = layer.lora_magnitude_vector["default"]
+                a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+                magnitude.update_layer(
+                    base_layer=layer.get_base_layer(), lora_A=a, lora_B=b, scaling=layer.scaling["default"]
+                )
+                magnitude.weight.mul_(1 + 0.02 * torch.randn_like(magnitude.weight))
     return model
 
 
@@ -95,8 +109,11 @@ def _worker(rank: int, world: int, cases: tuple[tuple[str, int | None], ...]) ->
     shard = shard_for_context_parallel(mesh, ids, position_ids=positions)
     window = slice(rank * T // world, (rank + 1) * T // world)
     errors = {}
-    for moe in (False, True):
-        base = lora_model(moe=moe)
+    variants = [("dense", False, False), ("moe", True, False)] + (
+        [("dora", False, True)] if world == 2 else []
+    )
+    for variant, moe, dora in variants:
+        base = lora_model(moe=moe, dora=dora)
         ref_logits, ref_grads = _reference(copy.deepcopy(base), ids)
         assert all(g.abs().max() > 0 for g in ref_grads.values())  # every adapter reaches the loss
         for mode, inner in cases:
@@ -104,7 +121,7 @@ def _worker(rank: int, world: int, cases: tuple[tuple[str, int | None], ...]) ->
             assert apply_context_parallel(model, mesh, mode=mode, inner_size=inner) is model
             out = model(**shard.model_inputs(), labels=shard.labels)
             out.loss.backward()
-            key = f"{'moe' if moe else 'dense'}/{mode}"
+            key = f"{variant}/{mode}"
             errors[f"{key}/logits"] = _relative(out.logits.detach(), ref_logits[:, window])
             grads = _adapter_grads(model)
             assert grads.keys() == ref_grads.keys()

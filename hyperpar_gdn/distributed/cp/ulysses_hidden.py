@@ -59,7 +59,7 @@ def _own_weights(xp: TensorOps, w: LayerWeights, mine: HeadShare, dims: LayerDim
 def _weight(p: Projection) -> Tensor:
     weight = linear_weight(p)
     if weight is None:
-        raise NotImplementedError(f"mode 'ulysses_hidden': {_refusal(type(p).__name__, p)}")
+        raise NotImplementedError(f"mode 'ulysses_hidden': {_refusal('a projection', p)}")
     return weight
 
 

@@ -17,7 +17,7 @@ from hyperpar_gdn.distributed.plan import CPPlan, check_mode, plan_errors
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.ops.projections import wrapper_of
 
-__all__ = ["CPSetup", "check_trainer_setup"]
+__all__ = ["CPSetup", "check_head", "check_trainer_setup"]
 
 # (TrainingArguments field, the value the CP path needs, why)
 _REQUIRED_ARGS = (

@@ -22,7 +22,13 @@ import logging
 from typing import Any
 
 from hyperpar_gdn.distributed.agreement import agree_on_plan, first
-from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, mixers_of, text_model_of
+from hyperpar_gdn.distributed.decoder_layers import (
+    base_model_of,
+    find_decoder,
+    mixer_of,
+    mixers_of,
+    text_model_of,
+)
 from hyperpar_gdn.distributed.layout import layout_mismatch
 from hyperpar_gdn.distributed.linear_attention_style import LinearAttentionContextParallel, layer_shape
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
@@ -71,7 +77,9 @@ def apply_context_parallel(
     ``.loss`` is this rank's term of the global mean loss.
 
     Args:
-        model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
+        model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model, or
+            any of them inside PEFT's ``PeftModel`` (its LoRA layers are called as the model holds
+            them; a wrapper the layers would bypass is refused before any change).
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         plan: a :class:`~hyperpar_gdn.CPPlan` (mode, layout, inner size, chunk size), or None to
             build one from the keywords below (give one or the other).
@@ -95,6 +103,8 @@ def apply_context_parallel(
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
+    given = model
+    model = base_model_of(model)  # a PeftModel: its hooks and forward go on the model it wraps
     plan = resolve_plan(
         model, mesh, plan=plan, mode=mode, chunk_size=chunk_size, layout=layout, seq_len=seq_len,
         inner_size=inner_size, dtype=dtype, kernel=kernel, devices_per_node=devices_per_node,
@@ -146,7 +156,7 @@ def apply_context_parallel(
         elif is_parallelized(model):
             ParallelStyle.undo(model)
         raise
-    return model
+    return given
 
 
 def resolve_plan(
@@ -202,7 +212,7 @@ def resolve_plan(
             raise ValueError(f"devices_per_node is for mode='auto' only; got mode={mode!r}")
         return CPPlan(mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size, kernel=kernel)
     cp_mesh = as_cp_mesh(mesh)
-    _, text_model = find_decoder(model)
+    _, text_model = find_decoder(base_model_of(model))
     gdn = [m for kind, m in mixers_of(text_model) if kind == "linear_attn"]
     if not gdn:
         raise ValueError(f"{type(model).__name__} has no GDN layers: there is no mode to choose")
@@ -226,6 +236,8 @@ def resolve_plan(
 
 def undo_context_parallel(model: Any) -> Any:
     """Restore the single-device forward of every mixer of ``model`` (and remove its hooks)."""
+    given = model
+    model = base_model_of(model)
     _, text_model = find_decoder(model)
     for i, block in enumerate(text_model.layers):
         kind, module = mixer_of(i, block)
@@ -238,7 +250,7 @@ def undo_context_parallel(model: Any) -> Any:
         removed = remove_hooks(text_model)
     if not removed:
         ParallelStyle.undo(model)
-    return model
+    return given
 
 
 def _per_forward(original: Any, mesh: DeviceMesh, layout: str) -> Any:

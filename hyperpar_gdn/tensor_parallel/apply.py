@@ -38,6 +38,7 @@ from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
 from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.ops.projections import wrapper_of
 from hyperpar_gdn.planning.tp_rules import (
     attention_head_error,
     gate_up_interleaved_order,
@@ -148,6 +149,14 @@ def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int) -> str 
         return "tensor parallelism is already applied"
     if is_parallelized(mixer):
         return "context parallelism is applied: apply tensor parallelism first, then apply_context_parallel"
+    for name, module in block.named_modules():
+        wrapper = wrapper_of(module)
+        if wrapper is not None:
+            return (
+                f"{name} is wrapped by {wrapper}: tensor parallelism splits the weights of the modules "
+                "it holds, which would bypass the wrapper (adapters such as LoRA are not supported "
+                "under tensor parallelism)"
+            )
     for name, p in block.named_parameters():
         top = name.split(".", 1)[0]
         if top not in (kind, "mlp") and p.dim() != 1:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from hyperpar_gdn.planning.cost_model import MACHINES, Geometry, Link, Machine, ModeCost, mode_cost
 from hyperpar_gdn.planning.cost_model_tp import cp_machine, tp_exchange, tp_rank_geometry
-from hyperpar_gdn.planning.plan import MODES, TWO_LEVEL_MODES
+from hyperpar_gdn.planning.plan import LAYOUTS, MODES, TWO_LEVEL_MODES
 
 __all__ = [
     "DTYPE_BYTES",
@@ -141,7 +141,7 @@ def plan_context_parallel(
         raise ValueError(f"plan_context_parallel: dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     if device not in MACHINES:
         raise ValueError(f"plan_context_parallel: device={device!r}; choose one of {', '.join(MACHINES)}")
-    if layout not in ("contiguous", "head_tail"):
+    if layout not in LAYOUTS:
         raise ValueError(f"plan_context_parallel: layout={layout!r}; choose 'contiguous' or 'head_tail'")
     allowed = MODES + (TWO_LEVEL_MODES if inner_size is not None else ())
     modes = allowed if modes is None else tuple(modes)

@@ -2,6 +2,7 @@
 
 - :mod:`.grouped`: the experts' SwiGLU on rows grouped by expert (grouped matmul, loop reference).
 - :mod:`.dispatch`: the dropless all-to-all dispatch and combine, and its traffic count.
+- :mod:`.router_loss`: the router's load-balancing loss over a batch split across ranks.
 - :mod:`.style`: ``ExpertParallel`` (one block) and ``apply_expert_parallel`` (a whole model).
 
 docs/expert_parallel.md is the guide.
@@ -9,6 +10,7 @@ docs/expert_parallel.md is the guide.
 
 from hyperpar_gdn.expert_parallel.dispatch import EPTraffic, count_ep_traffic, expert_parallel_experts
 from hyperpar_gdn.expert_parallel.grouped import grouped_swiglu, grouped_swiglu_loop
+from hyperpar_gdn.expert_parallel.router_loss import load_balancing_loss, record_router_logits
 from hyperpar_gdn.expert_parallel.style import ExpertParallel, apply_expert_parallel, expert_parallel_error
 
 __all__ = [
@@ -20,4 +22,6 @@ __all__ = [
     "expert_parallel_experts",
     "grouped_swiglu",
     "grouped_swiglu_loop",
+    "load_balancing_loss",
+    "record_router_logits",
 ]

@@ -18,7 +18,6 @@ import torch
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS
 from hyperpar_gdn.integrations.transformers.model_config import (
-    _text_config,
     gdn_dims,
     has_softmax_attention,
     position_range,
@@ -54,12 +53,6 @@ def load_model_dir(path: str | Path, *, dtype: torch.dtype = torch.float32) -> t
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    text = _text_config(path)
-    if text.get("output_router_logits"):
-        raise NotImplementedError(
-            f"--model {path}: output_router_logits=true (the MoE load-balancing loss) is not supported "
-            "under context parallelism; set it to false in config.json"
-        )
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model, tokenizer

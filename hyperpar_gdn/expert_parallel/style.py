@@ -74,7 +74,10 @@ def _meshes(mesh: Any) -> tuple[DeviceMesh, Any]:
 
     ours = as_cp_mesh(mesh)
     if ours.platform.name == "mindspore":
-        raise NotImplementedError("this is torch's expert parallelism; MindSpore has none")
+        raise NotImplementedError(
+            "expert parallelism runs on torch: MindSpore's MoE cell runs every expert on every token, "
+            "with no token dispatch to split"
+        )
     if isinstance(mesh, TorchDeviceMesh):
         return ours, mesh
     torch_mesh = TorchDeviceMesh.from_group(

@@ -15,7 +15,7 @@ from typing import Any
 
 from hyperpar_gdn.cli import option
 from hyperpar_gdn.distributed.layout import LAYOUTS
-from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, TWO_LEVEL_MODES
+from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, inner_size_option_error
 from hyperpar_gdn.models.config import HybridLMConfig
 from hyperpar_gdn.ops.gdn.kernels import KERNELS
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
@@ -175,11 +175,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(CP_MODES)}")
-        if (self.cp_mode in TWO_LEVEL_MODES) != (self.cp_inner_size is not None):
-            raise ValueError(
-                f"--cp-inner-size goes with the two-level modes ({', '.join(TWO_LEVEL_MODES)}) and only then; "
-                f"got --cp-mode {self.cp_mode} and --cp-inner-size {self.cp_inner_size}"
-            )
+        inner_error = inner_size_option_error(self.cp_mode, self.cp_inner_size)
+        if inner_error is not None:
+            raise ValueError(inner_error)
         if self.gdn_kernel not in KERNELS:
             raise ValueError(
                 f"--gdn-kernel {self.gdn_kernel!r} is not a kernel; choose one of {', '.join(KERNELS)}"

@@ -60,6 +60,11 @@ def _launched_ranks() -> int:
     return int(value) if value.strip().isdigit() else 1
 
 
+def ranks(count: int) -> str:
+    """``"1 rank"``, ``"2 ranks"``: a count of ranks in a message."""
+    return f"{count} rank{'' if count == 1 else 's'}"
+
+
 def print_line(text: str) -> None:
     """``text`` and its newline to stderr in one write: lines that several ranks print into one
     pipe at once stay whole (``print`` writes the text and the newline separately)."""

@@ -68,7 +68,8 @@ def cp_plan(args: argparse.Namespace, model: Any, mesh: Any, t: int) -> CPPlan:
 def _generate(argv: list[str] | None) -> int:
     args = parse_args(argv)
     check_paths(args)
-    from hyperpar_gdn import get_platform, init_device_mesh
+    from hyperpar_gdn.distributed.mesh import init_device_mesh
+    from hyperpar_gdn.platform import get_platform
 
     platform = get_platform()
     owned = not platform.is_initialized()  # a caller's process group (tests) outlives this run
@@ -89,7 +90,7 @@ def _generate(argv: list[str] | None) -> int:
         args.cp_layout = token_layout(args, ids_np.shape[1], cp)
         engine = Engine(platform, args.model, device=args.device)
         if args.tp > 1:  # heads first (a model the plan cannot split: one ValueError on every rank)
-            from hyperpar_gdn import apply_tensor_parallel
+            from hyperpar_gdn.tensor_parallel.apply import apply_tensor_parallel
 
             apply_tensor_parallel(engine.model, full["tp"])
         if args.decode_on == "cp-group":  # a model without a sharded cache: refused on every rank
@@ -108,13 +109,10 @@ def _run(
     args: argparse.Namespace, platform: Any, mesh: Any, engine: Engine, ids_np: np.ndarray, plan: CPPlan
 ) -> None:
     """The timed prefill rounds on every rank, then decoding and the report on rank 0."""
-    from hyperpar_gdn import (
-        apply_context_parallel,
-        init_device_mesh,
-        prefill_context_parallel,
-        undo_context_parallel,
-    )
+    from hyperpar_gdn.distributed.mesh import init_device_mesh
+    from hyperpar_gdn.distributed.parallelize import apply_context_parallel, undo_context_parallel
     from hyperpar_gdn.distributed.plan import SPECS
+    from hyperpar_gdn.inference.prefill import prefill_context_parallel
 
     rank, group, comm = platform.rank(), mesh.get_group(), platform.collectives
     ids = engine.tensor(ids_np)

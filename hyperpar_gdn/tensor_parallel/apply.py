@@ -39,6 +39,7 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
 from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_parallel_head_error
 from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.ops.projections import wrapper_of
 from hyperpar_gdn.tensor_parallel.styles import (
     TP_RECORD,
     AttentionTensorParallel,
@@ -145,6 +146,14 @@ def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int) -> str 
         return "tensor parallelism is already applied"
     if is_parallelized(mixer):
         return "context parallelism is applied: apply tensor parallelism first, then apply_context_parallel"
+    for name, module in block.named_modules():
+        wrapper = wrapper_of(module)
+        if wrapper is not None:
+            return (
+                f"{name} is wrapped by {wrapper}: tensor parallelism splits the weights of the modules "
+                "it holds, which would bypass the wrapper (adapters such as LoRA are not supported "
+                "under tensor parallelism)"
+            )
     for name, p in block.named_parameters():
         top = name.split(".", 1)[0]
         if top not in (kind, "mlp") and p.dim() != 1:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,15 +292,6 @@ class TrainConfig:
 
             return has_softmax_attention(self.model_dir)
         return "full_attention" in self.model.layer_types
-
-    def layout(self, world_size: int) -> tuple[int, int]:
-        """Deprecated: :meth:`mesh_shape` (``layout`` also names the token layout); (dp, cp)."""
-        warnings.warn(
-            "TrainConfig.layout(world_size) is now TrainConfig.mesh_shape(world_size)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.mesh_shape(world_size)[:2]
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp, cp, tp): the shape of the data-parallel x context-parallel x tensor-parallel mesh of

@@ -149,12 +149,12 @@ def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int) -> str 
     if is_parallelized(mixer):
         return "context parallelism is applied: apply tensor parallelism first, then apply_context_parallel"
     for name, module in block.named_modules():
-        wrapper = wrapper_of(module)
+        wrapper = wrapper_of(module, copies=False)
         if wrapper is not None:
             return (
                 f"{name} is wrapped by {wrapper}: tensor parallelism splits the weights of the modules "
-                "it holds, which would bypass the wrapper (adapters such as LoRA are not supported "
-                "under tensor parallelism)"
+                "it holds, which would bypass the wrapper (PEFT's adapters and modules_to_save are not "
+                "supported under tensor parallelism)"
             )
     for name, p in block.named_parameters():
         top = name.split(".", 1)[0]

@@ -157,8 +157,8 @@ def plan_lines(config: TrainConfig, *, platform: str) -> list[str]:
     shape, opts = model_shape(config), step_options(config, world, platform=platform)
     budget, source = budget_of(config, platform, world)
     first, worst = estimate(shape, opts, rank=0), largest_rank(shape, opts)
-    ranks: list[Estimate] = [first] if worst.rank == 0 else [first, worst]
-    head = f"{'term':<16}" + "".join(f"{'rank ' + str(e.rank):>14}" for e in ranks)
+    shown: list[Estimate] = [first] if worst.rank == 0 else [first, worst]
+    head = f"{'term':<16}" + "".join(f"{'rank ' + str(e.rank):>14}" for e in shown)
     lines = [
         f"memory plan of {config.model_name} ({shape.num_parameters():,} parameters), T={opts.seq_len}, "
         f"{opts.rows} row(s) per replica, {ranks(world)} = dp {world // (opts.cp * opts.tp)} x cp {opts.cp}"
@@ -168,8 +168,8 @@ def plan_lines(config: TrainConfig, *, platform: str) -> list[str]:
         head,
     ]
     for term in TERMS:
-        lines.append(f"{term:<16}" + "".join(f"{_gib(e.terms[term]):>14}" for e in ranks))
-    lines.append(f"{'peak':<16}" + "".join(f"{_gib(e.total):>14}" for e in ranks))
+        lines.append(f"{term:<16}" + "".join(f"{_gib(e.terms[term]):>14}" for e in shown))
+    lines.append(f"{'peak':<16}" + "".join(f"{_gib(e.total):>14}" for e in shown))
     lines.append(
         "peak = runtime + parameters + gradients + optimizer + "
         "max(activations + communication + max(loss, backward) + heap holes, gradient sync)"

@@ -275,7 +275,9 @@ def rank_step(cfg: dict, device: torch.device, kernel: str, mode: str, inner: in
     layer = copy.deepcopy(module)
     style = with_kernel(LinearAttentionContextParallel, kernel, mode=mode, inner_size=inner)
     style.apply(layer, mesh)
-    seq = GlobalSequence.build([x.shape[1]] * cp)  # the lengths known: no exchange on the fake group
+    seq = GlobalSequence.build(
+        [x.shape[1]] * cp, rank=rank
+    )  # the lengths known: no exchange on the fake group
 
     def step() -> None:
         xi = x.detach().requires_grad_(True)

@@ -10,8 +10,9 @@ returns this rank's logits ``[B, T/cp, V]``.
 Per forward, the whole sequence is described once on the host (the shard lengths, the padding,
 the packed documents' boundaries: a :class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`)
 and carried to every mixer, so no layer exchanges lengths or copies a device tensor to the host:
-HybridLM's forward is wrapped to build it (and passes it to its blocks as their ``cu_seqlens``); a
-transformers model gets forward pre-hooks that build it and make its inputs right for a shard
+as the ``cp_context=`` keyword. HybridLM's forward is wrapped to build it (and passes it to its
+blocks); a transformers model gets forward pre-hooks that build it, add it to the text model's
+keywords (its decoder layers pass them on to both mixers) and make its inputs right for a shard
 (:mod:`hyperpar_gdn.integrations.transformers.hooks`).
 """
 
@@ -29,7 +30,7 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers, is_parallelized
 from hyperpar_gdn.distributed.plan import CPPlan, agree_on_plan, check_mode, first
 from hyperpar_gdn.distributed.planner import choose_plan
-from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence, exchange_lengths
+from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
 
 __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
@@ -113,20 +114,19 @@ def apply_context_parallel(
     agree_on_plan(cp_mesh, plan, shapes, first(errors))
     linear_style.make_groups(cp_mesh)  # two levels: collective, before anything changes
     softmax_style = SoftmaxAttentionContextParallel(layout=plan.layout)
-    holder = ContextHolder() if from_transformers(text_model) else None  # HybridLM: cp_context=
     done: list[Any] = []
     try:
         if from_transformers(text_model):
             from hyperpar_gdn.integrations.transformers.hooks import install_hooks
 
-            installed = install_hooks(model, outer, text_model, cp_mesh, plan.layout, holder)
+            installed = install_hooks(model, outer, text_model, cp_mesh, plan.layout)
         else:
             installed = False
         if not installed:  # HybridLM: its forward takes cp_layout= and checks it
             ParallelStyle._install(model, lambda original: _per_forward(original, cp_mesh, plan.layout))
         for kind, module in mixers:
             style = linear_style if kind == "linear_attn" else softmax_style
-            style.install(module, cp_mesh, holder=holder)
+            style.install(module, cp_mesh)
             done.append(module)
     except BaseException:  # leave the model as it was
         for module in done:
@@ -223,7 +223,9 @@ def _per_forward(original: Any, mesh: DeviceMesh, layout: str) -> Any:
             error = f"packed documents (cu_seqlens) need batch size B=1; got B={input_ids.shape[0]}"
         lengths = exchange_lengths(mesh, None if error else input_ids.shape[1], error)
         bound.arguments["cu_seqlens"] = None
-        bound.arguments["cp_context"] = GlobalSequence.build(lengths, layout=layout, cu_seqlens=cu_seqlens)
+        bound.arguments["cp_context"] = GlobalSequence.build(
+            lengths, rank=mesh.get_local_rank(), layout=layout, cu_seqlens=cu_seqlens
+        )
         return original(*bound.args, **bound.kwargs)
 
     return forward

@@ -1,37 +1,20 @@
 """The parallel style for causal softmax attention layers: :class:`SoftmaxAttentionContextParallel`.
 
 The algorithm (all-gathered K and V, local queries at their global positions, the head_tail
-layout) is :mod:`.softmax_attention`; this file installs it on a layer: ours
-(``hyperpar_gdn``'s ``CausalSelfAttention``, torch and MindSpore, through :class:`OwnAttention`)
-or transformers' ``Qwen3_5Attention`` / ``Qwen3_5MoeAttention``
-(:mod:`hyperpar_gdn.integrations.transformers.attention`).
+layout) is :mod:`.softmax_attention`; this file installs on a layer the forward that the layer's
+model adapter makes of it (:mod:`.adapters`): ours (``hyperpar_gdn``'s ``CausalSelfAttention``,
+torch and MindSpore, :class:`~.decoder_layers.DecoderAdapter`) or transformers'
+``Qwen3_5Attention`` / ``Qwen3_5MoeAttention`` (:mod:`hyperpar_gdn.integrations.transformers.adapter`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hyperpar_gdn.distributed.dtensor import as_sequence_shard
+from hyperpar_gdn.distributed.decoder_layers import layer_adapter_for
 from hyperpar_gdn.distributed.layout import check_layout
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
-from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
-from hyperpar_gdn.distributed.sequence import GlobalSequence
-from hyperpar_gdn.distributed.softmax_attention import attention_forward, call_sequence
-from hyperpar_gdn.ops.prefill_states import PrefillStates
-from hyperpar_gdn.platform import Tensor
-
-
-class OwnAttention:
-    """Adapter for ``hyperpar_gdn.models.attention.CausalSelfAttention`` and its MindSpore twin."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-
-    def project(self, x_BTC: Tensor, *, position_offset: int, cos_sin: Any = None) -> tuple[Tensor, ...]:
-        return self.module.project(x_BTC, position_offset=position_offset)
-
-    def finish(self, o_BTX: Tensor, gate_BTX: Tensor) -> Tensor:
-        return self.module.finish(o_BTX, gate_BTX)
+from hyperpar_gdn.distributed.parallel_style import ParallelStyle
 
 
 class SoftmaxAttentionContextParallel(ParallelStyle):
@@ -71,48 +54,23 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
 
     def apply(self, module: Any, mesh: Any) -> Any:
         """Make ``module``'s forward take and return this rank's shard; returns ``module``."""
-        error = self.error(module)
-        if error is not None:
-            raise TypeError(error)
         return self.install(module, as_cp_mesh(mesh))
 
     @staticmethod
     def error(module: Any) -> str | None:
-        """Why this style cannot serve ``module``, or None."""
-        if from_transformers(module):
-            return None
-        missing = [name for name in ("project", "finish") if not callable(getattr(module, name, None))]
-        if missing:
-            return (
-                f"{type(module).__name__} has no {missing[0]}(): SoftmaxAttentionContextParallel supports "
-                "hyperpar_gdn.models.attention.CausalSelfAttention and transformers' Qwen3.5 attention"
-            )
+        """Why this style cannot serve ``module`` (no model adapter serves it), or None."""
+        try:
+            layer_adapter_for(module)
+        except TypeError as error:
+            return str(error)
         return None
 
     def install(self, module: Any, cp_mesh: Any) -> Any:
-        """Install the CP forward on ``module`` (checked by :meth:`apply` or
-        :func:`~hyperpar_gdn.apply_context_parallel`)."""
-        if from_transformers(module):
-            from hyperpar_gdn.integrations.transformers.attention import transformers_attention_forward
-
-            return self._install(
-                module,
-                lambda original: transformers_attention_forward(module, cp_mesh, self.layout),
-                layout=self.layout,
-            )
-        adapter = OwnAttention(module)
-
-        def forward(
-            hidden_states: Any,
-            *,
-            cu_seqlens: Any = None,
-            prefill_states: PrefillStates | None = None,
-            cp_context: GlobalSequence | None = None,
-        ) -> Any:
-            x_BTC, wrap = as_sequence_shard(hidden_states, owner=type(self).__name__, layout=self.layout)
-            seq = call_sequence(
-                cp_mesh, self.layout, x_BTC, module.hidden_size, cp_context=cp_context, cu_seqlens=cu_seqlens
-            )
-            return wrap(attention_forward(adapter, cp_mesh, x_BTC, seq, prefill_states=prefill_states))
-
-        return self._install(module, lambda original: forward, layout=self.layout)
+        """Install the CP forward of ``module``'s model adapter
+        (:func:`~hyperpar_gdn.distributed.decoder_layers.layer_adapter_for`) on it."""
+        adapter = layer_adapter_for(module)
+        return self._install(
+            module,
+            lambda original: adapter.attention_forward(module, cp_mesh, self.layout),
+            layout=self.layout,
+        )

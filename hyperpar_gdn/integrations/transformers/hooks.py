@@ -35,7 +35,6 @@ from hyperpar_gdn.distributed.layout import TokenLayout, layout_mismatch
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
 from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths, gather_pieces
-from hyperpar_gdn.integrations.transformers.discovery import is_text_model
 from hyperpar_gdn.ops.gdn.varlen import check_cu_seqlens
 
 __all__ = ["install_hooks", "remove_hooks"]
@@ -44,12 +43,9 @@ _HOOKS = "_hyperpar_cp_hooks"
 _LOSS_KEYWORDS = ("shift_labels", "num_items_in_batch", "ignore_index")
 
 
-def install_hooks(model: Any, outer: Any, text_model: Any, mesh: DeviceMesh, layout: str) -> bool:
+def install_hooks(model: Any, outer: Any, text_model: Any, mesh: DeviceMesh, layout: str) -> None:
     """Install the hooks on a transformers text model (and its causal LM or multimodal model
-    around it); False when ``text_model`` is not transformers' (nothing installed). Each forward
-    passes its :class:`GlobalSequence` to the mixers as ``cp_context``."""
-    if not is_text_model(text_model):
-        return False
+    around it). Each forward passes its :class:`GlobalSequence` to the mixers as ``cp_context``."""
     _check_transformers_config(text_model.config)
     if getattr(text_model, _HOOKS, None) is not None:
         raise ValueError(f"{type(model).__name__} already has context parallelism applied; undo it first")
@@ -67,7 +63,6 @@ def install_hooks(model: Any, outer: Any, text_model: Any, mesh: DeviceMesh, lay
         hook = _causal_lm_hook(model, mesh, slot, layout, multimodal=outer is not None)
         hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True))
     setattr(text_model, _HOOKS, hooks)
-    return True
 
 
 def remove_hooks(text_model: Any) -> bool:

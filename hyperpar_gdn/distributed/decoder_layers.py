@@ -115,7 +115,7 @@ class DecoderAdapter(ModelAdapter):
     @classmethod
     def declines_layer(cls, module: Any) -> str | None:
         missing = [name for name in ("project", "finish") if not callable(getattr(module, name, None))]
-        return f"no {missing[0]}()" if missing else None
+        return f"{type(module).__name__} has no {missing[0]}()" if missing else None
 
     @staticmethod
     def _holder(model: Any) -> Any:

@@ -43,7 +43,7 @@ def test_what_no_adapter_serves_is_refused_with_every_reason() -> None:
     assert "decoder: its forward takes no cp_context=" in str(model_error.value)
     assert "transformers: not one of transformers' Qwen3.5 models" in str(model_error.value)
     error = SoftmaxAttentionContextParallel.error(torch.nn.Linear(2, 2))
-    assert error is not None and "decoder: no project()" in error, error
+    assert error is not None and "decoder: Linear has no project()" in error, error
     with pytest.raises(TypeError, match="transformers: not transformers' Qwen3.5 attention"):
         SoftmaxAttentionContextParallel().install(torch.nn.Linear(2, 2), None)
 

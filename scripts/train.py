@@ -40,12 +40,12 @@ from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 from hyperpar_gdn.train.command_line import parse_args
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.errors import FAULTS, USER_ERRORS, VocabularyError
-from hyperpar_gdn.train.faults import RankTimeoutError
+from hyperpar_gdn.train.loop.faults import RankTimeoutError
 from hyperpar_gdn.train.memory_check import MemoryBudgetError, check_memory, plan_lines
 
 if TYPE_CHECKING:
     from hyperpar_gdn.train import Trainer, TrainResult
-    from hyperpar_gdn.train.callbacks import TrainCallback
+    from hyperpar_gdn.train.loop.callbacks import TrainCallback
 
 # After a refused memory plan: every rank reached the same arithmetic at about the same time, so a
 # short wait lets the others print their line before the launcher stops them.
@@ -66,7 +66,7 @@ class _Run:
         text = f" at step {step} of {self.config.steps}"
         if self.config.save is None:
             return text + "; no checkpoints (--save DIR keeps them)"
-        from hyperpar_gdn.train.checkpoint import MANIFEST, list_checkpoints
+        from hyperpar_gdn.train.checkpoints.directory import MANIFEST, list_checkpoints
 
         saved = [d for _, d in list_checkpoints(self.config.save) if (d / MANIFEST).is_file()]
         if not saved:
@@ -75,7 +75,7 @@ class _Run:
 
 
 def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[TrainCallback] = ()) -> int:
-    """The script; ``callbacks``: hooks into the training loop (:mod:`hyperpar_gdn.train.callbacks`;
+    """The script; ``callbacks``: hooks into the training loop (:mod:`hyperpar_gdn.train.loop.callbacks`;
     the tests' fault injection, ``tests/train/train_with_faults.py``)."""
     run = _Run()
     body = functools.partial(_every_rank, lambda: _run(argv, run, callbacks))
@@ -133,7 +133,7 @@ def _run(argv: Sequence[str] | None, run: _Run, callbacks: Sequence[TrainCallbac
         keep_freed_host_memory()
     trainer_class: type[Trainer] = Trainer
     if name == "mindspore":
-        from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+        from hyperpar_gdn.train.backends.mindspore_backend import MindSporeTrainer
 
         trainer_class = MindSporeTrainer
     result: TrainResult | None = None

@@ -6,6 +6,8 @@ softmax-attention mixer ``self_attn``. Where the ``layers`` are is the model's a
 (:func:`~hyperpar_gdn.distributed.adapters.adapter_for`): :class:`DecoderAdapter` here for
 ``HybridLM`` (torch and MindSpore), :mod:`hyperpar_gdn.integrations.transformers.adapter` for
 transformers' Qwen3.5 models.
+A wrapper that hands out the model it wraps through ``get_base_model()`` (PEFT's
+``PeftModel``) is looked through.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from hyperpar_gdn.platform import Tensor
 __all__ = [
     "DecoderAdapter",
     "adapter_for",
+    "base_model_of",
     "find_decoder",
     "has_mixer",
     "layer_adapter_for",
@@ -72,8 +75,16 @@ def text_model_of(model: Any) -> Any:
     return find_decoder(model)[1]
 
 
+def base_model_of(model: Any) -> Any:
+    """The model inside a wrapper that hands it out through ``get_base_model()`` (PEFT's
+    ``PeftModel``, whose adapters sit inside that model's modules), else ``model``."""
+    get_base_model = getattr(type(model), "get_base_model", None)
+    return model.get_base_model() if callable(get_base_model) else model
+
+
 def find_decoder(model: Any) -> tuple[Any, Any]:
     """(the multimodal model around it or None, the module holding the decoder ``layers``)."""
+    model = base_model_of(model)
     return adapter_for(model).decoder(model)
 
 

@@ -22,7 +22,13 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from hyperpar_gdn.distributed.decoder_layers import adapter_for, mixer_of, mixers_of, text_model_of
+from hyperpar_gdn.distributed.decoder_layers import (
+    adapter_for,
+    base_model_of,
+    mixer_of,
+    mixers_of,
+    text_model_of,
+)
 from hyperpar_gdn.distributed.linear_attention_style import LinearAttentionContextParallel, layer_shape
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_parallelized
@@ -66,7 +72,9 @@ def apply_context_parallel(
     ``.loss`` is this rank's term of the global mean loss.
 
     Args:
-        model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
+        model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model, or
+            any of them inside PEFT's ``PeftModel`` (its LoRA layers are called as the model holds
+            them; a wrapper the layers would bypass is refused before any change).
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         plan: a :class:`~hyperpar_gdn.CPPlan` (mode, layout, inner size, chunk size), or None to
             build one from the keywords below (give one or the other).
@@ -89,6 +97,8 @@ def apply_context_parallel(
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
+    given = model
+    model = base_model_of(model)  # a PeftModel: its hooks and forward go on the model it wraps
     plan = _plan_from(model, mesh, plan, mode, chunk_size, layout, seq_len, inner_size, dtype, kernel)
     cp_mesh = as_cp_mesh(mesh)
     adapter = adapter_for(model)
@@ -124,7 +134,7 @@ def apply_context_parallel(
             ParallelStyle.undo(module)
         adapter.remove_forward(model, text_model)
         raise
-    return model
+    return given
 
 
 def _plan_from(
@@ -175,6 +185,8 @@ def _plan_from(
 
 def undo_context_parallel(model: Any) -> Any:
     """Restore the single-device forward of every mixer of ``model`` (and remove its hooks)."""
+    given = model
+    model = base_model_of(model)
     adapter = adapter_for(model)
     _, text_model = adapter.decoder(model)
     for i, block in enumerate(text_model.layers):
@@ -182,4 +194,4 @@ def undo_context_parallel(model: Any) -> Any:
         style = LinearAttentionContextParallel if kind == "linear_attn" else SoftmaxAttentionContextParallel
         style.undo(module)
     adapter.remove_forward(model, text_model)
-    return model
+    return given

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,10 +221,10 @@ class TrainConfig:
                     f"{flag} {value} acts on a MoE model's experts and router; the built-in model has none: "
                     "pass --model DIR of a Qwen3.5 MoE model"
                 )
-        if self.ep > 1 and (self.tp > 1 or self.fsdp):
+        if self.ep > 1 and self.fsdp:
             raise NotImplementedError(
-                f"--ep {self.ep} with {'--tp' if self.tp > 1 else '--fsdp'}: expert parallelism composes "
-                "with CP and data parallelism here; drop --tp and --fsdp"
+                f"--ep {self.ep} with --fsdp: expert parallelism composes with CP, TP and data parallelism "
+                "here, each rank holding its experts and the rest whole; drop --fsdp"
             )
         if self.on_save_error not in SAVE_ERROR_POLICIES:
             raise ValueError(f"--on-save-error {self.on_save_error!r} is not one of stop, continue")
@@ -293,15 +292,6 @@ class TrainConfig:
 
             return has_softmax_attention(self.model_dir)
         return "full_attention" in self.model.layer_types
-
-    def layout(self, world_size: int) -> tuple[int, int]:
-        """Deprecated: :meth:`mesh_shape` (``layout`` also names the token layout); (dp, cp)."""
-        warnings.warn(
-            "TrainConfig.layout(world_size) is now TrainConfig.mesh_shape(world_size)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.mesh_shape(world_size)[:2]
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp, cp, tp): the shape of the data-parallel x context-parallel x tensor-parallel mesh of

@@ -15,8 +15,8 @@ import torch
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.platform import get_platform
 from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, UsageError, parse_args
-from hyperpar_gdn.train.global_batches import Batch, BatchSampler, load_tokens
-from hyperpar_gdn.train.rank_batches import cut_batch
+from hyperpar_gdn.train.data.global_batches import Batch, BatchSampler, load_tokens
+from hyperpar_gdn.train.data.rank_batches import cut_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 

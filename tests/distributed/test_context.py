@@ -14,6 +14,7 @@ from distributed_harness import run_ranks
 from tiny_models import tiny_model
 
 from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
+from hyperpar_gdn.distributed.cp.common import ShardDocs
 from hyperpar_gdn.distributed.decoder_layers import mixers_of, text_model_of
 from hyperpar_gdn.distributed.sequence import GlobalSequence
 from hyperpar_gdn.models import HybridLM, HybridLMConfig
@@ -44,7 +45,17 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     for _, module in mixers_of(hybrid):
         _record(module, seen)
     window = slice(rank * T // world, (rank + 1) * T // world)
-    hybrid(ids[:, window], cu_seqlens=CU)
+    views: list[tuple[int, int]] = []  # every shard view of the documents made during the forward
+    of_segment = ShardDocs.of_segment.__func__
+    ShardDocs.of_segment = classmethod(
+        lambda cls, whole, start, *rest: views.append(start) or of_segment(cls, whole, start, *rest)
+    )
+    try:
+        hybrid(ids[:, window], cu_seqlens=CU)
+    finally:
+        ShardDocs.of_segment = classmethod(of_segment)
+    out["hybrid document views"] = len(views)
+    out["hybrid gdn layers"] = sum(kind == "linear_attn" for kind, _ in mixers_of(hybrid))
     contexts = [s.get("cp_context") for s in seen]
     out["hybrid keywords"] = sorted({k for s in seen for k in s})
     out["hybrid one context"] = isinstance(contexts[0], GlobalSequence) and all(
@@ -86,11 +97,13 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     return out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_the_context_is_passed_explicitly() -> None:
-    for out in run_ranks(_worker, 2, timeout_s=90):
+    for out in run_ranks(_worker, 2, timeout_s=240):
         assert out["hybrid keywords"] == ["cp_context"], out
         assert out["hybrid one context"] and out["hybrid documents"] == CU.tolist(), out
+        # the shard's documents are computed once per forward, not once per GDN layer
+        assert out["hybrid gdn layers"] >= 2 and out["hybrid document views"] == 1, out
         assert "cp_context=" in out["disguised"], out
         assert out["transformers masks"] == ["NoneType"], out
         assert out["transformers layers"] == 4, out

@@ -2,13 +2,16 @@
 same PEFT model on one process: logits and every adapter gradient, with packed documents, on real
 gloo groups, for ``apply_context_parallel`` given the ``PeftModel`` itself.
 
-LoRA sits on every GDN projection (and PEFT's ``modules_to_save`` copies on the GDN gated norms) (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
+LoRA sits on every GDN projection (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
 ``out_proj``), every attention projection and the MLP's (the MoE model's shared expert), with
-random ``lora_B`` (PEFT's ``init_lora_weights=False``) so that every adapter changes the output.
-At cp 2 also DoRA on the same modules. The oracle is PEFT's model on one process, each document alone (transformers' CPU layers do not
-separate packed documents). Tolerances as in test_transformers_models: transformers rounds the GDN
-decay inputs to float32 in a float64 model. What CP cannot serve is refused on every rank, the
-model left as it was.
+random ``lora_B`` (PEFT's ``init_lora_weights=False``) so that every adapter changes the output,
+and PEFT's trained copies (``modules_to_save``) of the norms; at cp 2 also DoRA. The oracle is
+PEFT's model on one process, each document alone (transformers' CPU layers do not separate packed
+documents). transformers computes the GDN rule in float32 even in a float64 model, so the oracle
+is exact to about 2e-6 here (adapters a tenth of PEFT's random update, as trained ones are small
+beside the weights; with the raw random update the same float32 rounding reaches 1.4e-5). What CP
+cannot serve is refused on every rank, the model left as it was; a CP prefill of a PEFT model
+continues like PEFT's generate.
 """
 
 from __future__ import annotations

@@ -179,7 +179,9 @@ class _OwnAttention:
 
 
 def _parameters(model: Any) -> Any:
-    forward = getattr(model, "construct", None) or getattr(model, "forward", None)
+    """The parameters of the model class's own forward (``construct`` for a MindSpore Cell), not of
+    a forward installed on the instance (context parallelism's own wrapper)."""
+    forward = getattr(type(model), "construct", None) or getattr(type(model), "forward", None)
     try:
         return inspect.signature(forward).parameters
     except (TypeError, ValueError):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import statistics
 import sys
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hyperpar_gdn.cli import HelpFormatter
+from hyperpar_gdn.ops.gdn.kernels import fla_missing, gdn_rule, shard_rule
 
 SECTIONS = ("parity", "layer", "widened", "modes")
 FULL = {"parity_t": (4096, 32768), "layer_t": (8192, 32768, 131072), "widened_t": 8192, "modes_t": 16384,
@@ -53,14 +53,7 @@ SMOKE = {"parity_t": (256,), "layer_t": (64, 128), "widened_t": 128, "modes_t": 
 # --- the kernel, one argument -----------------------------------------------------------------
 def kernels_available(device: torch.device) -> dict[str, str | None]:
     """Every kernel's name -> None when it runs here, else why not."""
-    out: dict[str, str | None] = {"native": None}
-    try:
-        from hyperpar_gdn.ops.gdn.kernels import fla_missing
-    except ImportError:
-        out["fla"] = "this hyperpar_gdn has no kernel interface (hyperpar_gdn.ops.gdn.kernels)"
-        return out
-    out["fla"] = fla_missing(device.type)
-    return out
+    return {"native": None, "fla": fla_missing(device.type)}
 
 
 def rule(kernel: str, q, k, v, g, beta, *, cu_seqlens=None, final_state: bool = True):
@@ -79,21 +72,7 @@ def rule(kernel: str, q, k, v, g, beta, *, cu_seqlens=None, final_state: bool = 
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu_seqlens,
         )
-    try:
-        from hyperpar_gdn.ops.gdn.kernels import gdn_rule
-    except ImportError:
-        gdn_rule = None
-    if gdn_rule is not None:
-        return gdn_rule(
-            q, k, v, g, beta, kernel=kernel, cu_seqlens=cu_seqlens, output_final_state=final_state
-        )
-    if kernel != "native":
-        raise ValueError(f"kernel={kernel!r} needs hyperpar_gdn.ops.gdn.kernels")
-    from hyperpar_gdn.ops import chunk_gated_delta_rule
-
-    return chunk_gated_delta_rule(
-        q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=final_state, cu_seqlens=cu_seqlens
-    )
+    return gdn_rule(q, k, v, g, beta, kernel=kernel, cu_seqlens=cu_seqlens, output_final_state=final_state)
 
 
 class ZeroExchange:
@@ -109,26 +88,7 @@ class ZeroExchange:
 
 def shard(kernel: str, q, k, v, g, beta, *, widened: bool):
     """A state mode's shard call (the widened one pass, or plain with ``widened=False``)."""
-    try:
-        from hyperpar_gdn.ops.gdn.kernels import shard_rule
-    except ImportError:
-        shard_rule = None
-    if shard_rule is not None:
-        return shard_rule(q, k, v, g, beta, ZeroExchange(), kernel=kernel, widened=widened)
-    from hyperpar_gdn.ops import prepare_chunks
-    from hyperpar_gdn.ops.gdn.onepass import shard_outputs
-
-    prep = prepare_chunks(q, k, v, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=True)
-    return shard_outputs(prep, ZeroExchange(), widened=widened)
-
-
-def with_kernel(cls: Any, kernel: str, **kwargs: Any) -> Any:
-    """``cls(**kwargs)``, with ``kernel=`` when it takes one (else only ``native`` is possible)."""
-    if "kernel" in inspect.signature(cls).parameters:
-        return cls(**kwargs, kernel=kernel)
-    if kernel != "native":
-        raise ValueError(f"{cls.__name__} takes no kernel=: only native runs")
-    return cls(**kwargs)
+    return shard_rule(q, k, v, g, beta, ZeroExchange(), kernel=kernel, widened=widened)
 
 
 # --- inputs and timing -------------------------------------------------------------------------
@@ -199,13 +159,9 @@ def layer_step(module: torch.nn.Module, kernel: str, x: torch.Tensor) -> Callabl
     from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
     from hyperpar_gdn.platform import ops_for
 
-    extra = {"kernel": kernel} if "kernel" in inspect.signature(gdn_layer_forward).parameters else {}
-    if kernel != "native" and not extra:
-        raise ValueError("gdn_layer_forward takes no kernel=: only native runs")
-
     def step() -> None:
         xi = x.detach().requires_grad_(True)
-        y = gdn_layer_forward(ops_for(xi), LayerWeights.of(module), LayerDims.of(module), xi, **extra)
+        y = gdn_layer_forward(ops_for(xi), LayerWeights.of(module), LayerDims.of(module), xi, kernel=kernel)
         y.float().sum().backward()
 
     return step
@@ -273,7 +229,7 @@ def rank_step(cfg: dict, device: torch.device, kernel: str, mode: str, inner: in
         platform, dist.group.WORLD, list(range(cp)), mesh_dim_name="cp", device_type=device.type
     )
     layer = copy.deepcopy(module)
-    style = with_kernel(LinearAttentionContextParallel, kernel, mode=mode, inner_size=inner)
+    style = LinearAttentionContextParallel(mode=mode, inner_size=inner, kernel=kernel)
     style.apply(layer, mesh)
     seq = GlobalSequence.build([x.shape[1]] * cp)  # the lengths known: no exchange on the fake group
 

@@ -72,6 +72,8 @@ class TrainBackend(ABC):
     checkpoint_formats: tuple[str, ...] = ("whole",)  # what it saves; the first is the default
     shard_layout: str | None = None  # its sharded checkpoints' state/ (.checkpoint.SHARD_LAYOUTS)
     tensor_parallel: bool = False  # whether it trains with --tp above 1
+    expert_parallel: bool = False  # whether it trains with --ep above 1 and the router's loss
+    aux_share: float = 0.0  # the rank's share of the last step's weighted load-balancing loss
     tokenizer: Any = None
 
     @classmethod
@@ -92,6 +94,11 @@ class TrainBackend(ABC):
             raise NotImplementedError(
                 f"--tp {config.tp}: tensor parallelism trains on torch (HP_PLATFORM=cpu / cuda / npu); "
                 f"HP_PLATFORM={platform_name} trains with --tp 1"
+            )
+        if (config.ep > 1 or config.router_aux_loss_coef) and not cls.expert_parallel:
+            raise NotImplementedError(
+                "--ep and --router-aux-loss-coef (expert parallelism, the router's load-balancing loss) "
+                f"train on torch (HP_PLATFORM=cpu / cuda / npu); HP_PLATFORM={platform_name} trains without them"
             )
 
     @classmethod

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from hyperpar_gdn.train.checkpoint_dir import (
     write_parts,
 )
 from hyperpar_gdn.train.checkpoint_dir import __all__ as _DIRECTORY_NAMES
+from hyperpar_gdn.train.dcp_data import refusal
 from hyperpar_gdn.train.errors import CheckpointError
 
 __all__ = [
@@ -167,8 +169,13 @@ def load_checkpoint(
     parts = {}
     for name, entry in manifest["parts"].items():
         data = checked_bytes(directory / entry["file"], entry, directory / MANIFEST)
-        try:
+        try:  # as data: a pickle naming anything but tensors and plain containers is refused
             parts[name] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(
+                f"checkpoint file {directory / entry['file']} was refused unread: {refusal(err)} "
+                "(a checkpoint is read as data)"
+            ) from None
         except Exception as err:
             raise CheckpointError(
                 f"checkpoint file {directory / entry['file']} could not be read: {err}"

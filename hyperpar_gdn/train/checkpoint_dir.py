@@ -62,7 +62,8 @@ REPLICATED_LAYOUT = "replicated"
 SHARD_LAYOUTS = (DCP_LAYOUT, REPLICATED_LAYOUT)
 _CHUNK = 1 << 20  # bytes read at a time for a checksum
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_INCOMPLETE = re.compile(r"^\.step-\d+\.(tmp|old)-\d+$")  # a save in progress, or one that died
+# a save in progress or one that died, an old copy a re-save moved aside, a deletion cut short
+_INCOMPLETE = re.compile(r"^\.step-(\d+)\.(tmp|old|del)-\d+$")
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -82,8 +83,13 @@ def write_parts(directory: Path, blobs: dict[str, bytes], manifest: dict[str, An
 
 
 def install(temp: Path, directory: Path) -> Path:
-    """Commit a fully written ``temp`` directory as ``directory`` by a rename (an existing one is
-    moved aside first and deleted after); ``temp`` is removed if that fails."""
+    """Commit a fully written ``temp`` directory as ``directory`` by a rename; ``temp`` is removed
+    if that fails.
+
+    An existing ``directory`` (a re-save of the same step) is first renamed aside to
+    ``.step-N.old-<pid>`` and deleted once the new one is in place. A process killed between the
+    two renames leaves no ``step-N`` but that complete old copy, which :func:`remove_incomplete`
+    renames back: at every point of a save the newest complete checkpoint is there."""
     root = directory.parent
     try:
         fsync_path(temp)
@@ -91,8 +97,10 @@ def install(temp: Path, directory: Path) -> Path:
             old = root / f".{directory.name}.old-{os.getpid()}"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(directory, old)
+            fsync_path(root)
             os.rename(temp, directory)
-            shutil.rmtree(old, ignore_errors=True)
+            fsync_path(root)
+            _delete(old)
         else:
             os.rename(temp, directory)
         fsync_path(root)
@@ -100,6 +108,17 @@ def install(temp: Path, directory: Path) -> Path:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return directory
+
+
+def _delete(directory: Path) -> None:
+    """Remove ``directory``: first renamed to a hidden ``.<name>.del-<pid>`` (one atomic step, so
+    a process killed while deleting leaves no half ``step-N``), then deleted."""
+    step = re.search(r"step-(\d+)", directory.name)
+    assert step is not None, directory
+    doomed = directory.with_name(f".step-{step.group(1)}.del-{os.getpid()}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(directory, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def file_digest(path: Path) -> tuple[int, str]:
@@ -147,20 +166,34 @@ def prune_checkpoints(root: str | Path, keep_last: int, *, up_to: int) -> list[P
     mine = [directory for step, directory in list_checkpoints(root) if step <= up_to]
     doomed = mine[:-keep_last]
     for directory in doomed:
-        shutil.rmtree(directory)
+        _delete(directory)
     return doomed
 
 
 def remove_incomplete(root: str | Path) -> list[Path]:
-    """Delete what saves that died left under ``root`` (hidden ``.step-N.tmp-*`` / ``.old-*``
-    directories); returns them. Call it only when no save into ``root`` is in progress."""
+    """Tidy what saves that died left under ``root``; returns the directories deleted. Call it
+    only when no save into ``root`` is in progress.
+
+    A ``.step-N.old-*`` with no ``step-N`` beside it is the complete checkpoint a re-save had
+    moved aside when it died (:func:`install`): it is renamed back to ``step-N``. Every other
+    hidden leftover (``.step-N.tmp-*``: a save that did not finish; ``.old-*`` whose ``step-N``
+    is back; ``.del-*``: a deletion cut short) is deleted."""
     root = Path(root)
     if not root.is_dir():
         return []
     leftovers = sorted(child for child in root.iterdir() if child.is_dir() and _INCOMPLETE.match(child.name))
+    removed = []
     for directory in leftovers:
+        match = _INCOMPLETE.match(directory.name)
+        assert match is not None
+        step_dir = root / f"step-{match.group(1)}"
+        if match.group(2) == "old" and not step_dir.exists():
+            os.rename(directory, step_dir)
+            fsync_path(root)
+            continue
         shutil.rmtree(directory, ignore_errors=True)
-    return leftovers
+        removed.append(directory)
+    return removed
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -55,6 +55,16 @@ class TrainConfig:
         help="tensor parallelism: ranks that split every decoder block by heads and columns (the "
         "innermost mesh axis: the world is dp x cp x tp); torch only",
     )
+    ep: int = option(
+        1,
+        help="expert parallelism: ranks that split every MoE block's routed experts by expert, taken "
+        "from the data-parallel x CP ranks (ep divides dp x cp); needs --model with a MoE model; torch only",
+    )
+    router_aux_loss_coef: float | None = option(
+        None,
+        help="weight of the MoE router's load-balancing loss, counted over the whole global batch "
+        "(default: the model's router_aux_loss_coef when its config sets output_router_logits, else none)",
+    )
     cp_inner_size: int | None = option(
         None,
         help="two-level --cp-mode ulysses+<state mode>: ranks per inner (ulysses) group, e.g. a node; "
@@ -199,6 +209,24 @@ class TrainConfig:
                 raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1; got {self.tp}")
+        if self.ep < 1:
+            raise ValueError(f"--ep must be >= 1; got {self.ep}")
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"--router-aux-loss-coef must be >= 0; got {self.router_aux_loss_coef}")
+        for flag, value, unset in (
+            ("--ep", self.ep, 1),
+            ("--router-aux-loss-coef", self.router_aux_loss_coef, None),
+        ):
+            if value != unset and self.model_dir is None:
+                raise ValueError(
+                    f"{flag} {value} acts on a MoE model's experts and router; the built-in model has none: "
+                    "pass --model DIR of a Qwen3.5 MoE model"
+                )
+        if self.ep > 1 and (self.tp > 1 or self.fsdp):
+            raise NotImplementedError(
+                f"--ep {self.ep} with {'--tp' if self.tp > 1 else '--fsdp'}: expert parallelism composes "
+                "with CP and data parallelism here; drop --tp and --fsdp"
+            )
         if self.on_save_error not in SAVE_ERROR_POLICIES:
             raise ValueError(f"--on-save-error {self.on_save_error!r} is not one of stop, continue")
         if self.max_memory_gb is not None and not self.max_memory_gb > 0:
@@ -295,6 +323,12 @@ class TrainConfig:
                 f"be split into CP groups of --cp-size {cp}: {rule}"
             )
         dp = world_size // (cp * tp)
+        if (dp * cp) % self.ep:
+            raise ValueError(
+                f"--ep {self.ep} must divide the data-parallel x CP ranks dp x cp = {dp} x {cp} "
+                f"({world_size} ranks{f' / --tp {tp}' if tp > 1 else ''}): expert parallelism spans ranks "
+                "that hold different tokens"
+            )
         inner = self.cp_inner_size
         if inner is not None and (cp % inner or self.gdn_dims()[1] % inner):
             raise ValueError(

@@ -22,7 +22,8 @@ def run_header(
     cp_mode: str | None = None,
     model_config: dict[str, Any],
 ) -> list[str]:
-    """The header lines: platform, ranks as dp x cp (x tp under ``--tp``) with the CP options (or
+    """The header lines: platform, ranks as dp x cp (x tp under ``--tp``; the experts' ep under
+    ``--ep``) with the CP options (or
     "no context parallelism" at cp=1), model, dtype, tokens per step, steps, the GDN kernel under CP
     and why; then :func:`cp_advice`'s note (priced on a TP rank's heads under ``--tp``).
     ``parameters``: the whole model's (not a TP rank's share).
@@ -36,6 +37,10 @@ def run_header(
     else:
         what = f"no context parallelism{flags}"
     mesh = f"dp {dp} x cp {cp}" + (f" x tp {tp}" if tp > 1 else "")
+    if config.ep > 1:  # the experts' axis is carved out of dp x cp
+        mesh += f", experts over ep {config.ep}"
+    if config.router_aux_loss_coef:
+        flags += f", --router-aux-loss-coef {config.router_aux_loss_coef:g}"
     lines = [
         f"platform {platform}, {world_size} rank{'s' if world_size > 1 else ''} = {mesh} ({what}), "
         f"model {config.model_name}: {parameters:,} parameters, --dtype {config.dtype}, "

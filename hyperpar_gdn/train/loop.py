@@ -262,7 +262,8 @@ class Trainer:
         loss, norm = self.backend.backward(shard, scale=scale)
         # one reduction: the loss sum (each token is on one CP rank, counted on its first TP rank:
         # every TP rank holds the same loss) and the ranks gone non-finite
-        share = loss * mine if self.tp_rank == 0 else 0.0
+        # (plus the rank's share of the load-balancing loss over the global batch, if any)
+        share = loss * mine + self.backend.aux_share * total if self.tp_rank == 0 else 0.0
         loss_sum, bad_ranks = self.backend.sum_over_ranks([share, float(not is_finite(loss, norm))])
         if bad_ranks > 0:
             self.backend.discard_step()

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, TensorStorageMetadata
+from torch.distributed.checkpoint import TensorStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
@@ -62,6 +62,7 @@ from hyperpar_gdn.train.checkpoint_dir import (
     write_manifest,
     write_parts,
 )
+from hyperpar_gdn.train.dcp_data import DataLoadPlanner, DataReader, first_checkpoint_error
 from hyperpar_gdn.train.errors import CheckpointError
 from hyperpar_gdn.train.replicated_shards import INDEX as REPLICATED_INDEX
 from hyperpar_gdn.train.replicated_shards import load_replicated
@@ -129,7 +130,7 @@ def load_shards(
                     target = holder[key]
                     moved.append((holder, key, target, name))
                     holder[key] = torch.empty(target.shape, dtype=target.dtype)  # whole, on the host
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)))
+    _load_as_data(state, directory)
     with torch.no_grad():
         for holder, key, target, name in moved:
             whole = move_rows(holder[key], saved_orders.get(name), orders.get(name))
@@ -153,25 +154,46 @@ def _copy_piece(target: torch.Tensor, whole: torch.Tensor) -> None:
 def load_whole(directory: Path) -> dict[str, Any]:
     """The state under ``directory`` whole, in this process alone (no process group needed):
     ``{"model": {name: tensor}, "optimizer": {"state": ..., "param_groups": ...}}``."""
-    reader = dcp.FileSystemReader(str(directory))
+    reader = DataReader(str(directory))
     metadata = reader.read_metadata()
     # every entry DCP holds, by its flat key: an empty tensor of its size and dtype that DCP fills
-    # in place, or a placeholder that DCP replaces by the value it unpickles
+    # in place, or a placeholder that DCP replaces by the value it reads (as data)
     flat: dict[str, Any] = {
         key: torch.empty(item.size, dtype=item.properties.dtype)
         if isinstance(item, TensorStorageMetadata)
         else None
         for key, item in metadata.state_dict_metadata.items()
     }
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings():  # no_dist: DCP warns that it assumes a single process, as asked
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+        _load_as_data(flat, directory, reader=reader, no_dist=True, flatten=False)
     paths = metadata.planner_data or {}  # flat key -> its path in the saved nesting
     state: dict[str, Any] = {}
     for key, value in flat.items():
         _place(state, paths.get(key, (key,)), value)
     return state
+
+
+def _load_as_data(
+    state: dict[str, Any],
+    directory: Path,
+    *,
+    reader: DataReader | None = None,
+    no_dist: bool = False,
+    flatten: bool = True,
+) -> None:
+    """``dcp.load`` of ``state`` from ``directory`` with nothing unpickled but data
+    (:mod:`.dcp_data`); a refused entry is its one line, the same on every rank."""
+    planner = DataLoadPlanner(directory, flatten_state_dict=flatten, flatten_sharded_tensors=flatten)
+    if reader is None:
+        reader = DataReader(str(directory))
+        reader.read_metadata()  # every rank, before DCP (which would fold a refusal into its own text)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        if (refused := first_checkpoint_error(err)) is not None:
+            raise CheckpointError(str(refused)) from None
+        raise
 
 
 def _place(state: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
@@ -266,6 +288,8 @@ def check_and_load_shards(directory: Path, manifest: dict[str, Any], *, whole_st
     try:
         state = load_whole_state(directory / STATE_DIR, shard_layout(manifest))
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        if (refused := first_checkpoint_error(err)) is not None:
+            raise CheckpointError(str(refused)) from None
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(f"checkpoint {directory / STATE_DIR} could not be read: {first}") from err
     # a --tp run's fused rows, back in the single-device order (:mod:`.row_orders`)

@@ -32,6 +32,9 @@ from hyperpar_gdn.distributed.batch import ContextParallelBatch, context_paralle
 from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
+from hyperpar_gdn.expert_parallel import apply_expert_parallel, load_balancing_loss, record_router_logits
+from hyperpar_gdn.expert_parallel.grads import expert_mesh, sync_expert_parallel_grads
+from hyperpar_gdn.expert_parallel.style import is_moe_block
 from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_model_dir
 from hyperpar_gdn.models.lm import HybridLM
@@ -61,6 +64,7 @@ class TorchBackend(TrainBackend):
     checkpoint_formats = ("sharded", "whole")
     shard_layout = DCP_LAYOUT
     tensor_parallel = True
+    expert_parallel = True
 
     @classmethod
     def check(cls, config: TrainConfig, platform_name: str) -> None:
@@ -83,6 +87,7 @@ class TorchBackend(TrainBackend):
             self.model.to(self.device).train()
         else:
             self.model = HybridLM(config.model).to(self.device)
+        self.router_coef = _router_coefficient(config, self.model)  # before the parity copy
         self.reference = copy.deepcopy(self.model) if reference else None
         if self.reference is not None and self.tokenizer is not None:  # our layers, on one rank
             solo = DeviceMesh.from_group(platform, None, [platform.rank()], mesh_dim_name="cp")
@@ -95,6 +100,11 @@ class TorchBackend(TrainBackend):
             self.torch_mesh = apply_tp_option(
                 self.model, config, shape=mesh.shape, device_type=self.device.type
             )
+        self.ep_mesh = None  # --ep: the (dp cp / ep, ep, tp) mesh over the same ranks
+        if config.ep > 1:
+            dp, cp = mesh.size(0), mesh.size(1)
+            self.ep_mesh = expert_mesh((dp, cp, config.tp), config.ep, device_type=self.device.type)
+            apply_expert_parallel(self.model, self.ep_mesh["ep"])
         self._row_orders = model_row_orders(self.model)  # before AC and FSDP rename nothing yet
         if self.cp_mesh.size() > 1 or self.tokenizer is not None:
             apply_cp_mode(self, config, self.model, self.cp_mesh)
@@ -116,7 +126,8 @@ class TorchBackend(TrainBackend):
 
     # --- steps ------------------------------------------------------------------------------------
     def backward(self, shard: ContextParallelBatch, *, scale: float) -> tuple[float, float]:
-        with self._autocast():
+        routers = record_router_logits(self.model) if self.router_coef else contextlib.nullcontext([])
+        with self._autocast(), routers as router_logits:
             hidden, head = hidden_and_head(
                 self.model,
                 shard.input_ids.to(self.device),
@@ -126,9 +137,20 @@ class TorchBackend(TrainBackend):
         if self.config.dtype == "bf16":  # the head's matmuls in bf16, the rest of the loss in fp32
             hidden = hidden.to(torch.bfloat16)
         loss = context_parallel_lm_loss(hidden, head, shard.labels.to(self.device), self.cp_mesh)
-        (loss * scale).backward()
+        objective = loss * scale
+        if self.router_coef:
+            # this rank's share of the global batch's load-balancing loss: times dp, as the DP
+            # average divides it; over tp, as every TP rank adds the same share to the router's
+            # gradient, which the TP styles sum
+            top_k = self.model.config.num_experts_per_tok
+            share = load_balancing_loss(router_logits, top_k=top_k, meshes=(self.mesh["cp"], self.mesh["dp"]))
+            self.aux_share = self.router_coef * float(share.detach())
+            objective = objective + self.router_coef * share * (self.mesh["dp"].size() / self.config.tp)
+        objective.backward()
         if self.world_size > 1 and not self.config.fsdp:  # FSDP reduce-scatters them itself
-            if self.torch_mesh is None:
+            if self.ep_mesh is not None:
+                sync_expert_parallel_grads(self.model, self.mesh, self.ep_mesh)
+            elif self.torch_mesh is None:
                 sync_context_parallel_grads(self.model, self.mesh, dp_axis="dp")
             else:  # TP shards' local gradients (each TP rank its own) beside whole ones
                 sync_tp_grads(self.model, self.mesh)
@@ -142,11 +164,13 @@ class TorchBackend(TrainBackend):
         self.optimizer.zero_grad(set_to_none=True)
 
     def reference_step(self, whole: ContextParallelBatch, *, lr: float) -> float:
-        """Cross-entropy over the whole logits (an independent computation of the same loss)."""
+        """Cross-entropy over the whole logits (an independent computation of the same loss), plus
+        the router's load-balancing loss on the whole batch when it is on."""
         assert self.reference is not None and self.ref_optimizer is not None
         inputs = whole.input_ids.to(self.device)
         cu = self._on_device(whole.cu_seqlens)
-        with self._autocast():
+        routers = record_router_logits(self.reference) if self.router_coef else contextlib.nullcontext([])
+        with self._autocast(), routers as router_logits:
             if self.tokenizer is None:
                 packed = {} if cu is None else {"cu_seqlens": cu}
                 logits = self.reference(inputs, **packed)
@@ -155,6 +179,9 @@ class TorchBackend(TrainBackend):
                 logits = self.reference(input_ids=inputs, use_cache=False, **packed).logits
         labels = whole.labels.to(self.device)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        if self.router_coef:  # transformers' load_balancing_loss_func on the whole batch
+            top_k = self.reference.config.num_experts_per_tok
+            loss = loss + self.router_coef * load_balancing_loss(router_logits, top_k=top_k)
         loss.backward()
         torch_optimizer_step(self.reference, self.ref_optimizer, grad_clip=self.config.grad_clip, lr=lr)
         return loss.item()
@@ -279,3 +306,21 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     if device.type == "npu":
         return torch.npu.max_memory_allocated(device), "allocated"  # type: ignore[attr-defined]
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"
+
+
+def _router_coefficient(config: TrainConfig, model: torch.nn.Module) -> float:
+    """The load-balancing loss's weight: ``--router-aux-loss-coef``, else the model's
+    ``router_aux_loss_coef`` when its config sets ``output_router_logits``, else 0. The trainer
+    computes that loss itself over the global batch: the model's own flag is turned off."""
+    model_config = getattr(model, "config", None)
+    wants = bool(getattr(model_config, "output_router_logits", False))
+    coef = config.router_aux_loss_coef
+    if coef is None:
+        coef = float(getattr(model_config, "router_aux_loss_coef", 0.0)) if wants else 0.0
+    if coef and not any(is_moe_block(m) for m in model.modules()):
+        raise ValueError(
+            f"--router-aux-loss-coef {coef}: {config.model_name} has no MoE block (no router to balance)"
+        )
+    if wants:
+        model_config.output_router_logits = False
+    return coef

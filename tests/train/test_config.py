@@ -1,5 +1,5 @@
 """Training options: errors name the option to change; the command line maps onto TrainConfig;
-MindSpore is refused clearly; the README's first command is the embedded default."""
+MindSpore is refused clearly; the README's first command after its set-up is the embedded default."""
 
 from __future__ import annotations
 
@@ -209,7 +209,8 @@ def test_readme_first_command_runs_the_embedded_default() -> None:
     lines = [line.strip() for block in blocks for line in block.splitlines()]
     commands = [line for line in lines if line and not line.startswith("#")]
     assert commands, "README.md has no command block"
-    launch = shlex.split(commands[0].split("&&")[-1])  # after the set-up steps
+    assert "pip install" in commands[0] and "pip install" not in commands[1], commands[:2]  # one set-up
+    launch = shlex.split(commands[1].split("&&")[-1])  # the first run, after activating the set-up
     while launch and re.fullmatch(r"[A-Z_]+=\S*", launch[0]):  # environment assignments
         launch.pop(0)
     assert launch == ["torchrun", "--nproc-per-node", "2", "scripts/train.py"], commands[0]

@@ -26,7 +26,8 @@ every transfer went directly from sender to receiver, counted in forward and bac
 - ``shift_right``: ``x.nbytes`` on every rank but the last; its backward counts ``grad.nbytes`` on
   every rank but the first.
 - ``all_gather_int``: 8 bytes (one int64) per other rank.
-- ``send``: ``x.nbytes``; ``recv``: nothing; ``barrier``: nothing.
+- ``exchange``: the nbytes of its sends (``send``: ``x.nbytes``); ``recv``: nothing; ``barrier``:
+  nothing.
 - ``all_reduce_sum``: ``x.nbytes * (world - 1)``.
 
 The physical traffic of the backend's algorithm (rings, trees) differs; this is the logical volume

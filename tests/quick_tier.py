@@ -305,7 +305,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_skipped_modes_say_why",
         "test_tp_that_does_not_fit_is_one_error",
     ),
-    "tests/train/test_checkpoint.py": (
+    "tests/train/checkpoints/test_checkpoint.py": (
         "test_round_trip_and_latest_step",
         "test_missing_checkpoints_are_clear_errors",
         "test_corrupt_checkpoints_are_clear_errors",
@@ -318,7 +318,6 @@ QUICK: dict[str, tuple[str, ...]] = {
     "tests/train/test_command_line.py": (
         "test_every_field_is_an_option_with_its_default_and_type",
         "test_docs_option_table_lists_every_option_with_its_default",
-        "test_layout_is_a_deprecated_name_of_mesh_shape",
     ),
     "tests/train/test_config.py": (
         "test_readme_first_command_runs_the_embedded_default",
@@ -336,7 +335,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_documents_pack_the_rows_of_a_replica",
         "test_two_level_beside_data_parallelism",
     ),
-    "tests/train/test_header.py": (
+    "tests/train/loop/test_header.py": (
         "test_one_rank_claims_no_context_parallelism",
         "test_short_sequences_name_the_faster_choice",
         "test_the_note_goes_at_the_cost_models_break_even",
@@ -354,12 +353,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_a_bad_budget_is_refused",
         "test_tp_terms_and_refusals",
     ),
-    "tests/train/test_renamed_names.py": (
-        "test_a_renamed_module_warns_and_hands_on_its_names",
-        "test_the_moved_fault_hooks_warn_from_faults",
-        "test_the_checkpoint_module_still_names_the_directory_helpers",
-    ),
-    "tests/train/test_replicated_shards.py": (
+    "tests/train/checkpoints/test_replicated_shards.py": (
         "test_the_split_is_balanced_by_bytes",
         "test_more_ranks_than_tensors_leave_some_ranks_empty",
         "test_a_state_round_trips_whole",

@@ -2,7 +2,9 @@
 
 A decoder model keeps its blocks in ``layers`` (on the model or its inner ``model``); each block
 has a GDN mixer ``linear_attn`` or a softmax-attention mixer ``self_attn``. transformers'
-multimodal Qwen3.5 models are found by :mod:`hyperpar_gdn.integrations.transformers.discovery`.
+multimodal Qwen3.5 models are found by :mod:`hyperpar_gdn.integrations.transformers.discovery`. A
+wrapper that hands out the model it wraps through ``get_base_model()`` (PEFT's ``PeftModel``) is
+looked through.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from hyperpar_gdn.distributed.parallel_style import from_transformers
 
-__all__ = ["find_decoder", "has_mixer", "mixer_of", "mixers_of", "text_model_of"]
+__all__ = ["base_model_of", "find_decoder", "has_mixer", "mixer_of", "mixers_of", "text_model_of"]
 
 
 def text_model_of(model: Any) -> Any:
@@ -20,8 +22,16 @@ def text_model_of(model: Any) -> Any:
     return find_decoder(model)[1]
 
 
+def base_model_of(model: Any) -> Any:
+    """The model inside a wrapper that hands it out through ``get_base_model()`` (PEFT's
+    ``PeftModel``, whose adapters sit inside that model's modules), else ``model``."""
+    get_base_model = getattr(type(model), "get_base_model", None)
+    return model.get_base_model() if callable(get_base_model) else model
+
+
 def find_decoder(model: Any) -> tuple[Any, Any]:
     """(the multimodal model around it or None, the module holding the decoder ``layers``)."""
+    model = base_model_of(model)
     if from_transformers(model):
         from hyperpar_gdn.integrations.transformers.discovery import find_text_model
 

@@ -16,7 +16,7 @@ from hyperpar_gdn.distributed.cp.two_level import (
     two_level_length_error,
 )
 from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward
-from hyperpar_gdn.distributed.cp.ulysses_hidden import ulysses_hidden_forward
+from hyperpar_gdn.distributed.cp.ulysses_hidden import ulysses_hidden_error, ulysses_hidden_forward
 from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.gdn_call import (
     CallArgs,
@@ -42,7 +42,7 @@ from hyperpar_gdn.distributed.plan import (
 )
 from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence
 from hyperpar_gdn.ops.gdn.kernels import GDNKernel, kernel_for_inputs, platform_of, resolve_kernel
-from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
+from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward, wrapped_weights_error
 from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens, packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
@@ -162,7 +162,21 @@ class LinearAttentionContextParallel(ParallelStyle):
             found.append(error)
         dims = [(i, LayerDims.of(module)) for i, module in layers]
         world = cp_mesh.platform.world_size()
+        found += [NotImplementedError(e) for e in self._wrapper_errors(layers)][:1]
         return found + plan_errors(self.plan, dims, cp=cp_mesh.size(), ranks=cp_mesh.rank_list, world=world)
+
+    def _wrapper_errors(self, layers: list[tuple[int, Any]]) -> list[str]:
+        """The layers whose wrapped modules this plan would bypass (a conv or gated norm it reads
+        the weight of; ulysses_hidden: a projection it slices)."""
+        found = []
+        for i, module in layers:
+            where = f"layer {i}: linear_attn"
+            error = wrapped_weights_error(module, where)
+            if error is None and self.mode == "ulysses_hidden":
+                error = ulysses_hidden_error(module, where)
+            if error is not None:
+                found.append(error)
+        return found
 
     def make_groups(self, cp_mesh: DeviceMesh) -> None:
         """A two-level mode's inner and outer groups (made collectively, by every process, once per
@@ -318,7 +332,7 @@ class LinearAttentionContextParallel(ParallelStyle):
         """The conv state of the whole sequence ``[B, C, W]`` or, for packed prompts, of every
         prompt ``[N, C, W]`` (the same on every rank)."""
         if pieces is not None:
-            mixed = cp.xp.linear(x, call.weights.qkv)
+            mixed = call.weights.qkv(x)
             return doc_conv_states(cp, pieces, mixed, tokens.lengths, call.dims.conv_kernel_size)
         tail = shard_conv_tail(cp, call.weights, x, attention_mask, tokens.mine(cp.rank))
         return whole_conv_state(cp, tail, tokens)

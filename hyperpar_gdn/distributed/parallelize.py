@@ -22,7 +22,13 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, mixers_of, text_model_of
+from hyperpar_gdn.distributed.decoder_layers import (
+    base_model_of,
+    find_decoder,
+    mixer_of,
+    mixers_of,
+    text_model_of,
+)
 from hyperpar_gdn.distributed.layout import layout_mismatch
 from hyperpar_gdn.distributed.linear_attention_style import LinearAttentionContextParallel, layer_shape
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
@@ -68,7 +74,9 @@ def apply_context_parallel(
     ``.loss`` is this rank's term of the global mean loss.
 
     Args:
-        model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
+        model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model, or
+            any of them inside PEFT's ``PeftModel`` (its LoRA layers are called as the model holds
+            them; a wrapper the layers would bypass is refused before any change).
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         plan: a :class:`~hyperpar_gdn.CPPlan` (mode, layout, inner size, chunk size), or None to
             build one from the keywords below (give one or the other).
@@ -91,6 +99,8 @@ def apply_context_parallel(
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
+    given = model
+    model = base_model_of(model)  # a PeftModel: its hooks and forward go on the model it wraps
     plan = _plan_from(model, mesh, plan, mode, chunk_size, layout, seq_len, inner_size, dtype, kernel)
     cp_mesh = as_cp_mesh(mesh)
     outer, text_model = find_decoder(model)
@@ -139,7 +149,7 @@ def apply_context_parallel(
         elif is_parallelized(model):
             ParallelStyle.undo(model)
         raise
-    return model
+    return given
 
 
 def _plan_from(
@@ -190,6 +200,8 @@ def _plan_from(
 
 def undo_context_parallel(model: Any) -> Any:
     """Restore the single-device forward of every mixer of ``model`` (and remove its hooks)."""
+    given = model
+    model = base_model_of(model)
     _, text_model = find_decoder(model)
     for i, block in enumerate(text_model.layers):
         kind, module = mixer_of(i, block)
@@ -202,7 +214,7 @@ def undo_context_parallel(model: Any) -> Any:
         removed = remove_hooks(text_model)
     if not removed:
         ParallelStyle.undo(model)
-    return model
+    return given
 
 
 def _per_forward(original: Any, mesh: DeviceMesh, layout: str) -> Any:

@@ -15,8 +15,8 @@ import torch
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.platform import get_platform
 from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, UsageError, parse_args
-from hyperpar_gdn.train.global_batches import Batch, BatchSampler, load_tokens
-from hyperpar_gdn.train.rank_batches import cut_batch
+from hyperpar_gdn.train.data.global_batches import Batch, BatchSampler, load_tokens
+from hyperpar_gdn.train.data.rank_batches import cut_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +65,8 @@ def rank_batch(
             {"cp_layout": "zigzag"},
             "--cp-layout 'zigzag' is not a token layout; choose one of contiguous, head_tail",
         ),
-        ({"cp_mode": "ulysses+scan"}, "--cp-inner-size goes with the two-level modes"),
-        ({"cp_mode": "p2p", "cp_inner_size": 2}, "got --cp-mode p2p and --cp-inner-size 2"),
+        ({"cp_mode": "ulysses+scan"}, "--cp-mode ulysses+scan requires --cp-inner-size N"),
+        ({"cp_mode": "p2p", "cp_inner_size": 2}, "--cp-inner-size 2 goes with the two-level modes"),
     ],
 )
 def test_option_errors_name_the_option(options: dict[str, object], message: str) -> None:

@@ -46,7 +46,7 @@ from hyperpar_gdn.expert_parallel import apply_expert_parallel, load_balancing_l
 from hyperpar_gdn.expert_parallel.grads import expert_mesh
 from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
 from hyperpar_gdn.integrations.transformers.notices import hide_expected_notices, one_line_if_uncaught
-from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_trainer_setup
+from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_head, check_trainer_setup
 from hyperpar_gdn.integrations.transformers.trainer_tp import prepare_without_ddp, sync_grads
 from hyperpar_gdn.ops.gdn.kernels import check_kernel, platform_of, resolve_kernel
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
@@ -143,6 +143,7 @@ class ContextParallelMixin:
             shape = (setup.dp, setup.cp, setup.tp)
             self.cp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp", "tp"))
         try:
+            check_head(self.model)  # a PeftModel too (TRL wraps the model given with peft_config=)
             if setup.tp > 1:  # heads first, then the sequence on each TP rank's heads
                 from hyperpar_gdn.tensor_parallel import apply_tensor_parallel
 

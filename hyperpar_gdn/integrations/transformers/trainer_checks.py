@@ -15,8 +15,9 @@ from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixers_of
 from hyperpar_gdn.distributed.layout import check_layout
 from hyperpar_gdn.distributed.plan import CPPlan, check_mode, plan_errors
 from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.ops.projections import wrapper_of
 
-__all__ = ["CPSetup", "check_trainer_setup"]
+__all__ = ["CPSetup", "check_head", "check_trainer_setup"]
 
 # (TrainingArguments field, the value the CP path needs, why)
 _REQUIRED_ARGS = (
@@ -191,6 +192,18 @@ def check_trainer_setup(
         plan=plan,
         seq_len=seq_len,
     )
+
+
+def check_head(model: Any) -> None:
+    """Refuse a wrapped LM head (PEFT's LoRA on ``lm_head``): the CP loss computes the logits from
+    the head's weight in chunks (no rank holds its ``[B, T/cp, V]`` logits), which would bypass it."""
+    head = model.get_output_embeddings()
+    wrapper = wrapper_of(head)
+    if wrapper is not None:
+        raise NotImplementedError(
+            f"the LM head is wrapped by {wrapper}: the context-parallel loss computes the logits from the "
+            "head's weight, which would bypass the wrapper; leave lm_head out of the adapter's target modules"
+        )
 
 
 def _tp_rank_dims(dims: LayerDims, tp: int) -> LayerDims:

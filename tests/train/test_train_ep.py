@@ -128,3 +128,14 @@ def test_ep_checkpoint_resumes_at_other_ep_cp_dp_and_exports_whole(model_dir: Pa
         logits = exported(input_ids=PROBE, use_cache=False).logits
     err = ((logits - results[0]["logits"]).abs().max() / results[0]["logits"].abs().max()).item()
     assert err <= 1e-4, f"the exported model's logits differ from the one-process model's by {err:.1e}"
+
+
+def test_mindspore_refuses_ep_and_the_router_loss_in_one_line(model_dir: Path) -> None:
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeBackend
+
+    for options in ({"ep": 2}, {"router_aux_loss_coef": 0.01}):
+        config = TrainConfig(model_dir=str(model_dir), **options)
+        with pytest.raises(
+            NotImplementedError, match="train on torch .*HP_PLATFORM=mindspore trains without"
+        ):
+            MindSporeBackend.check(config, "mindspore")

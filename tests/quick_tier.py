@@ -283,6 +283,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "tests/tensor_parallel/test_apply.py": ("test_plan_refuses_what_it_does_not_cover",),
     "tests/test_docs.py": (
         "test_block_runs",
+        "test_every_runnable_block_prints_what_it_showed",
         "test_the_docs_have_runnable_blocks",
         "test_every_python_block_runs_or_says_it_is_a_fragment",
         "test_help_lists_the_public_api",
@@ -294,6 +295,11 @@ QUICK: dict[str, tuple[str, ...]] = {
     "tests/test_generate.py": (
         "test_bad_options",
         "test_the_builtin_prompt_and_whitespace_continuations",
+        "test_the_earlier_option_names_still_work_with_a_note",
+    ),
+    "tests/test_launcher.py": (
+        "test_a_bad_option_is_one_line_and_no_rank_starts",
+        "test_the_world_and_the_memory_plan_are_checked_before_the_ranks",
     ),
     "tests/test_packaging.py": (
         "test_core_needs_numpy_alone_and_each_framework_is_an_extra",
@@ -340,6 +346,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_short_sequences_name_the_faster_choice",
         "test_the_note_goes_at_the_cost_models_break_even",
         "test_tensor_parallelism_is_shown_and_priced",
+        "test_a_two_level_mode_shows_its_inner_size",
     ),
     "tests/train/test_memory_plan.py": (
         "test_parameters_match_the_built_model",

@@ -272,8 +272,11 @@ class MindSporePlatform(Platform):
         if self._world is None:
             return
         if self._communicating:
-            for group in self._groups.values():
-                if group is not self._world and self._rank in group.ranks:
+            # A group of one rank never gets a device communicator (nothing to exchange): MindSpore's
+            # destroy_group of one logs "Failed to destroy device communication group"; release()
+            # ends it with the rest. Newest first, as they were built on each other.
+            for group in reversed(list(self._groups.values())):
+                if group is not self._world and self._rank in group.ranks and len(group.ranks) > 1:
                     ms_comm.destroy_group(group.name)
             ms_comm.release()
             self._communicating = False

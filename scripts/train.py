@@ -12,8 +12,7 @@ Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code
 ``--check-parity`` finds a loss difference above ``--parity-tol``; 2 for a user error (a bad
 option, a missing or unreadable data file, model directory or checkpoint, a platform this
 machine lacks), which rank 0 reports in one line, without a traceback (token ids outside the
-model's vocabulary, or a run whose memory estimate exceeds the budget: every rank,
-``train.py: rank R: error: ...``); 3 when a fault stopped the run
+model's vocabulary: every rank, ``train.py: rank R: error: ...``); 3 when a fault stopped the run
 (``--max-bad-steps`` non-finite steps in a row, a checkpoint that could not be written under
 ``--on-save-error stop``, a rank that stopped answering for ``--timeout-s``), which every rank
 reports in one line (``train.py: rank R: stopped: ...``); 128 + N after signal N (SIGTERM,
@@ -47,10 +46,6 @@ if TYPE_CHECKING:
     from hyperpar_gdn.train import Trainer, TrainResult
     from hyperpar_gdn.train.loop.callbacks import TrainCallback
 
-# After a refused memory plan: every rank reached the same arithmetic at about the same time, so a
-# short wait lets the others print their line before the launcher stops them.
-BUDGET_GRACE_S = 1.0
-
 
 class _Run:
     """The script's state that the stop line reports: the options and the trainer, once built."""
@@ -79,7 +74,8 @@ def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[TrainCallback
     the tests' fault injection, ``tests/train/train_with_faults.py``)."""
     run = _Run()
     body = functools.partial(_every_rank, lambda: _run(argv, run, callbacks))
-    return run_script("train.py", body, user_errors=USER_ERRORS, where=run.where)
+    # a refused memory plan is the same arithmetic on every rank: one line, on rank 0
+    return run_script("train.py", body, user_errors=(*USER_ERRORS, MemoryBudgetError), where=run.where)
 
 
 def _every_rank(body: Callable[[], int]) -> int:
@@ -96,10 +92,6 @@ def _every_rank(body: Callable[[], int]) -> int:
     except VocabularyError as err:  # a bad input that every rank checks alone
         print_line(f"train.py: rank {launch_rank()}: error: {err}")
         _let_the_others_print()
-        return 2
-    except MemoryBudgetError as err:  # every rank finds the same estimate at once, before any communication
-        print_line(f"train.py: rank {launch_rank()}: error: {err}")
-        _let_the_others_print(grace_s=BUDGET_GRACE_S)
         return 2
 
 

@@ -74,7 +74,10 @@ def _meshes(mesh: Any) -> tuple[DeviceMesh, Any]:
 
     ours = as_cp_mesh(mesh)
     if ours.platform.name == "mindspore":
-        raise NotImplementedError("this is torch's expert parallelism; MindSpore has none")
+        raise NotImplementedError(
+            "expert parallelism runs on torch: MindSpore's MoE cell runs every expert on every token, "
+            "with no token dispatch to split"
+        )
     if isinstance(mesh, TorchDeviceMesh):
         return ours, mesh
     torch_mesh = TorchDeviceMesh.from_group(
@@ -95,8 +98,9 @@ def _shard_experts(experts: nn.Module, name: str, mesh: Any) -> None:
 
 class ExpertParallel(ParallelStyle):
     """A Qwen3.5 sparse MoE block's routed experts split by expert over a 1-D EP mesh (ours or
-    torch's); router, shared expert and its gate local. ``grouped``: the experts' computation
-    (``grouped_swiglu``: torch's grouped matmul where it runs, a loop otherwise)."""
+    torch's); router, shared expert and its gate local. ``experts_fn``: the experts' computation
+    on rows grouped by expert (:func:`~.grouped.grouped_swiglu`: torch's grouped matmul where it
+    runs, a loop otherwise; :func:`~.grouped.grouped_swiglu_loop` the reference)."""
 
     def __init__(self, *, experts_fn: Any = grouped_swiglu) -> None:
         super().__init__()

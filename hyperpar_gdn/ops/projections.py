@@ -57,9 +57,21 @@ def projection(module: Any) -> Projection:
     return module
 
 
-def wrapper_of(module: Any) -> str | None:
+def _runs(module: Any) -> Any:
+    """The module that ``module`` runs: PEFT's ``ModulesToSaveWrapper`` (a trained copy of a module,
+    ``modules_to_save=``) runs its one active copy, and hands out that copy's ``weight``."""
+    if _is(module, "peft", "ModulesToSaveWrapper") and not module.disable_adapters:
+        active = list(module.active_adapters)
+        if len(active) == 1 and active[0] in module.modules_to_save:
+            return module.modules_to_save[active[0]]
+    return module
+
+
+def wrapper_of(module: Any, *, copies: bool = True) -> str | None:
     """What wraps ``module``'s weight (its class, or its weight's class), or None when the module is
-    a plain class of torch, MindSpore, transformers or this library holding a plain tensor."""
+    a plain class of torch, MindSpore, transformers or this library holding a plain tensor, or
+    (``copies``) PEFT's ``modules_to_save`` copy of one, whose ``weight`` is the copy's."""
+    module = _runs(module) if copies else module
     if type(module).__module__.split(".", 1)[0] not in _PLAIN_PACKAGES:
         return _class_name(module)
     weight = getattr(module, "weight", None)
@@ -74,6 +86,7 @@ def linear_weight(module: Any) -> Tensor | None:
     wrapper), else None."""
     if isinstance(module, WeightLinear):
         return module.weight
+    module = _runs(module)
     if wrapper_of(module) is not None or getattr(module, "bias", None) is not None:
         return None
     if _is(module, "torch", "Linear"):

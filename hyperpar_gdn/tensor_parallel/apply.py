@@ -38,6 +38,7 @@ from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
 from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_parallel_head_error
+from hyperpar_gdn.expert_parallel.style import EP_RECORD
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.ops.projections import wrapper_of
 from hyperpar_gdn.tensor_parallel.styles import (
@@ -135,7 +136,8 @@ def tensor_parallel_plan(text_model: Any, tp: int) -> dict[str, ParallelStyle]:
         plan[f"{prefix}.{kind}"] = (
             GatedDeltaNetTensorParallel() if kind == "linear_attn" else AttentionTensorParallel()
         )
-        plan[f"{prefix}.mlp"] = MoETensorParallel() if _is_moe(block.mlp) else MLPTensorParallel()
+        if getattr(block.mlp, EP_RECORD, None) is None:  # an expert-parallel block stays whole over tp
+            plan[f"{prefix}.mlp"] = MoETensorParallel() if _is_moe(block.mlp) else MLPTensorParallel()
     if errors:
         raise ValueError(f"tensor parallelism at tp={tp}: " + "; ".join(errors))
     return plan
@@ -147,18 +149,20 @@ def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int) -> str 
     if is_parallelized(mixer):
         return "context parallelism is applied: apply tensor parallelism first, then apply_context_parallel"
     for name, module in block.named_modules():
-        wrapper = wrapper_of(module)
+        wrapper = wrapper_of(module, copies=False)
         if wrapper is not None:
             return (
                 f"{name} is wrapped by {wrapper}: tensor parallelism splits the weights of the modules "
-                "it holds, which would bypass the wrapper (adapters such as LoRA are not supported "
-                "under tensor parallelism)"
+                "it holds, which would bypass the wrapper (PEFT's adapters and modules_to_save are not "
+                "supported under tensor parallelism)"
             )
     for name, p in block.named_parameters():
         top = name.split(".", 1)[0]
         if top not in (kind, "mlp") and p.dim() != 1:
             return f"{name} {tuple(p.shape)} is not a part the tensor-parallel plan covers (norms, the mixer, the mlp)"
     error = _gdn_error(mixer, tp) if kind == "linear_attn" else _attention_error(mixer, tp)
+    if error is None and getattr(getattr(block, "mlp", None), EP_RECORD, None) is not None:
+        return None  # its experts are split over ep; every TP rank runs the block whole
     return error or _mlp_error(getattr(block, "mlp", None), tp)
 
 

@@ -12,9 +12,9 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.cli import option
+from hyperpar_gdn.cli import option, ranks
 from hyperpar_gdn.distributed.layout import LAYOUTS
-from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, TWO_LEVEL_MODES
+from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, inner_size_option_error
 from hyperpar_gdn.models.config import HybridLMConfig
 from hyperpar_gdn.ops.gdn.kernels import KERNELS
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
@@ -174,11 +174,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(CP_MODES)}")
-        if (self.cp_mode in TWO_LEVEL_MODES) != (self.cp_inner_size is not None):
-            raise ValueError(
-                f"--cp-inner-size goes with the two-level modes ({', '.join(TWO_LEVEL_MODES)}) and only then; "
-                f"got --cp-mode {self.cp_mode} and --cp-inner-size {self.cp_inner_size}"
-            )
+        inner_error = inner_size_option_error(self.cp_mode, self.cp_inner_size)
+        if inner_error is not None:
+            raise ValueError(inner_error)
         if self.gdn_kernel not in KERNELS:
             raise ValueError(
                 f"--gdn-kernel {self.gdn_kernel!r} is not a kernel; choose one of {', '.join(KERNELS)}"
@@ -221,10 +219,10 @@ class TrainConfig:
                     f"{flag} {value} acts on a MoE model's experts and router; the built-in model has none: "
                     "pass --model DIR of a Qwen3.5 MoE model"
                 )
-        if self.ep > 1 and (self.tp > 1 or self.fsdp):
+        if self.ep > 1 and self.fsdp:
             raise NotImplementedError(
-                f"--ep {self.ep} with {'--tp' if self.tp > 1 else '--fsdp'}: expert parallelism composes "
-                "with CP and data parallelism here; drop --tp and --fsdp"
+                f"--ep {self.ep} with --fsdp: expert parallelism composes with CP, TP and data parallelism "
+                "here, each rank holding its experts and the rest whole; drop --fsdp"
             )
         if self.on_save_error not in SAVE_ERROR_POLICIES:
             raise ValueError(f"--on-save-error {self.on_save_error!r} is not one of stop, continue")
@@ -300,7 +298,7 @@ class TrainConfig:
         tp = self.tp
         if world_size % tp:
             raise ValueError(
-                f"{world_size} ranks (torchrun --nproc-per-node x --nnodes) cannot be split into TP groups "
+                f"{ranks(world_size)} (torchrun --nproc-per-node x --nnodes) cannot be split into TP groups "
                 f"of --tp {tp}: --tp must divide {world_size}"
             )
         cp = world_size // tp if self.cp_size is None else self.cp_size
@@ -309,14 +307,14 @@ class TrainConfig:
             if tp > 1:
                 rule = f"--cp-size x --tp = {cp} x {tp} must divide {world_size}"
             raise ValueError(
-                f"{world_size} ranks (torchrun --nproc-per-node x --nnodes, or msrun --worker_num) cannot "
+                f"{ranks(world_size)} (torchrun --nproc-per-node x --nnodes, or msrun --worker_num) cannot "
                 f"be split into CP groups of --cp-size {cp}: {rule}"
             )
         dp = world_size // (cp * tp)
         if (dp * cp) % self.ep:
             raise ValueError(
                 f"--ep {self.ep} must divide the data-parallel x CP ranks dp x cp = {dp} x {cp} "
-                f"({world_size} ranks{f' / --tp {tp}' if tp > 1 else ''}): expert parallelism spans ranks "
+                f"({ranks(world_size)}{f' / --tp {tp}' if tp > 1 else ''}): expert parallelism spans ranks "
                 "that hold different tokens"
             )
         inner = self.cp_inner_size
@@ -330,7 +328,7 @@ class TrainConfig:
         if self.batch_size % dp:
             raise ValueError(
                 f"--batch-size {self.batch_size} must be divisible by the {dp} data-parallel replicas "
-                f"({world_size} ranks / --cp-size {cp}{f' / --tp {tp}' if tp > 1 else ''})"
+                f"({ranks(world_size)} / --cp-size {cp}{f' / --tp {tp}' if tp > 1 else ''})"
             )
         num_k_heads, num_v_heads, conv_width = self.gdn_dims()
         pieces = 2 * cp if cp > 1 and self.token_layout() == "head_tail" else cp

@@ -32,6 +32,8 @@ from hyperpar_gdn import (
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.expert_parallel import apply_expert_parallel, load_balancing_loss, record_router_logits
+from hyperpar_gdn.expert_parallel.grads import expert_mesh, expert_parameters
+from hyperpar_gdn.tensor_parallel import apply_tensor_parallel, canonical_grads
 
 B, T, E, K, COEF = 2, 32, 8, 2, 0.3
 
@@ -53,10 +55,10 @@ def _one_process(base: torch.nn.Module, ids: torch.Tensor, mesh: DeviceMesh) -> 
     return loss.detach(), logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, dp: int, ep: int, layout: str) -> dict[str, float]:
-    cp = world // dp
-    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
-    ep_mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("ep_replica", "ep"))
+def _worker(rank: int, world: int, dp: int, ep: int, layout: str, tp: int = 1) -> dict[str, float]:
+    cp = world // (dp * tp)
+    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    ep_mesh = expert_mesh((dp, cp, tp), ep, device_type="cpu")
     base = tiny_model(moe=True, num_experts=E)
     base.config.router_aux_loss_coef = base.router_aux_loss_coef = COEF
     ids = torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(4))
@@ -67,6 +69,8 @@ def _worker(rank: int, world: int, dp: int, ep: int, layout: str) -> dict[str, f
     solo_loss, solo_logits, solo_grads = _one_process(base, ids, mesh)
 
     model = apply_expert_parallel(copy.deepcopy(base), ep_mesh["ep"])
+    if tp > 1:  # heads over tp; the MoE blocks stay whole over tp (their experts over ep)
+        apply_tensor_parallel(model, mesh["tp"])
     apply_context_parallel(model, mesh["cp"], mode="p2p", layout=layout)
     dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     rows = slice(dp_rank * B // dp, (dp_rank + 1) * B // dp)
@@ -79,7 +83,7 @@ def _worker(rank: int, world: int, dp: int, ep: int, layout: str) -> dict[str, f
     loss.backward()
 
     total = loss.detach().clone()
-    dist.all_reduce(total)
+    _sum_over_tokens(total, mesh)
     positions = torch.as_tensor(TokenLayout.of(layout, [T // cp] * cp).positions(cp_rank))
     errors = {
         "loss": _rel(total, solo_loss),
@@ -87,18 +91,27 @@ def _worker(rank: int, world: int, dp: int, ep: int, layout: str) -> dict[str, f
         "transformers/loss": _rel(total, out.loss.detach()),
         "transformers/aux": _rel(load_balancing_loss(_routers(ref, ids), top_k=K), out.aux_loss.detach()),
     }
-    for name, p in model.named_parameters():
-        grad = p.grad
-        if isinstance(grad, DTensor):  # this rank's experts: summed over the ranks holding them
-            local = grad.to_local().clone()
+    experts = {id(p) for p in expert_parameters(model)}
+    summed = {}
+    for name, p in model.named_parameters():  # every rank's share, summed over the token ranks
+        local = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+        if id(p) in experts:  # this rank's experts: summed over the ranks holding them
             dist.all_reduce(local, group=ep_mesh["ep_replica"].get_group())
-            grad = DTensor.from_local(local, grad.device_mesh, grad.placements).full_tensor()
         else:
-            grad = grad.clone()
-            dist.all_reduce(grad)
+            _sum_over_tokens(local, mesh)
+        is_shard = isinstance(p.grad, DTensor)
+        summed[name] = DTensor.from_local(local, p.grad.device_mesh, p.grad.placements) if is_shard else local
+    for name, grad in canonical_grads(model, summed).items():  # whole, in transformers' row order
         errors[name] = _rel(grad, solo_grads[name])
         errors[f"transformers/{name}"] = _rel(grad, dict(ref.named_parameters())[name].grad)
     return errors
+
+
+def _sum_over_tokens(x: torch.Tensor, mesh: object) -> None:
+    """In place: summed over the (dp, cp) ranks of this TP index (the ranks holding different tokens)."""
+    for axis in ("cp", "dp"):
+        if mesh[axis].size() > 1:
+            dist.all_reduce(x, group=mesh[axis].get_group())
 
 
 def _routers(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -108,12 +121,19 @@ def _routers(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "world,dp,ep,layout",
-    [(2, 1, 2, "contiguous"), (4, 2, 2, "head_tail"), (4, 2, 4, "head_tail")],
-    ids=["dp1-cp2-ep2", "dp2-cp2-ep2", "dp2-cp2-ep4"],
+    "world,dp,ep,layout,tp",
+    [
+        (2, 1, 2, "contiguous", 1),
+        (4, 2, 2, "head_tail", 1),
+        (4, 2, 4, "head_tail", 1),
+        (4, 1, 2, "head_tail", 2),
+    ],
+    ids=["dp1-cp2-ep2", "dp2-cp2-ep2", "dp2-cp2-ep4", "cp2-tp2-ep2"],
 )
-def test_ep_cp_dp_loss_and_gradients_equal_one_process(world: int, dp: int, ep: int, layout: str) -> None:
-    for rank, errors in enumerate(run_ranks(_worker, world, dp, ep, layout, timeout_s=400)):
+def test_ep_cp_dp_loss_and_gradients_equal_one_process(
+    world: int, dp: int, ep: int, layout: str, tp: int
+) -> None:
+    for rank, errors in enumerate(run_ranks(_worker, world, dp, ep, layout, tp, timeout_s=400)):
         assert len(errors) > 40
         for key, err in errors.items():
             if key.startswith("transformers/"):

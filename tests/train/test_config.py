@@ -65,8 +65,8 @@ def rank_batch(
             {"cp_layout": "zigzag"},
             "--cp-layout 'zigzag' is not a token layout; choose one of contiguous, head_tail",
         ),
-        ({"cp_mode": "ulysses+scan"}, "--cp-inner-size goes with the two-level modes"),
-        ({"cp_mode": "p2p", "cp_inner_size": 2}, "got --cp-mode p2p and --cp-inner-size 2"),
+        ({"cp_mode": "ulysses+scan"}, "--cp-mode ulysses+scan requires --cp-inner-size N"),
+        ({"cp_mode": "p2p", "cp_inner_size": 2}, "--cp-inner-size 2 goes with the two-level modes"),
     ],
 )
 def test_option_errors_name_the_option(options: dict[str, object], message: str) -> None:

@@ -1,7 +1,8 @@
 """``--ep`` and ``--router-aux-loss-coef`` in the trainer (real gloo ranks, a tiny transformers
 Qwen3.5 MoE directory made offline: 8 experts, top-2).
 
-10 fp32 steps at (dp 1, cp 2, ep 2), (dp 2, cp 2, ep 2) and (dp 2, cp 2, ep 4, with ``--ac``), the
+10 fp32 steps at (dp 1, cp 2, ep 2), (dp 2, cp 2, ep 2), (dp 2, cp 2, ep 4, with ``--ac``) and
+(dp 2, cp 2, tp 2, ep 4: 8 ranks, the MoE blocks whole over tp, their experts over ep), the
 load-balancing loss on: every step's loss equals the ``--check-parity`` copy's, which rank 0 trains
 alone on the whole batch with transformers' loss (cross-entropy plus the coefficient times
 ``load_balancing_loss_func`` over the whole batch), within 1e-5; the gradient clipping acts, so the
@@ -52,8 +53,9 @@ def _worker(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
         (2, {"ep": 2}),
         (4, {"ep": 2, "cp_size": 2, "grad_clip": 0.05}),
         (4, {"ep": 4, "cp_size": 2, "ac": True}),
+        (8, {"ep": 4, "cp_size": 2, "tp": 2}),
     ],
-    ids=["dp1-cp2-ep2", "dp2-cp2-ep2", "dp2-cp2-ep4-ac"],
+    ids=["dp1-cp2-ep2", "dp2-cp2-ep2", "dp2-cp2-ep4-ac", "dp2-cp2-tp2-ep4"],
 )
 def test_ep_training_losses_equal_one_process(model_dir: Path, world: int, options: dict[str, Any]) -> None:
     results = run_ranks(_worker, world, {"model_dir": str(model_dir), **options}, timeout_s=600)
@@ -68,8 +70,8 @@ def test_ep_training_losses_equal_one_process(model_dir: Path, world: int, optio
 def test_ep_options_refused_in_one_line(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="--ep 2 acts on a MoE model"):
         TrainConfig(ep=2)
-    with pytest.raises(NotImplementedError, match="--ep 2 with --tp"):
-        TrainConfig(ep=2, tp=2, model_dir=str(model_dir))
+    with pytest.raises(NotImplementedError, match="--ep 2 with --fsdp"):
+        TrainConfig(ep=2, fsdp=True, model_dir=str(model_dir))
     with pytest.raises(ValueError, match=r"--ep 4 must divide the data-parallel x CP ranks dp x cp = 1 x 2"):
         TrainConfig(ep=4, model_dir=str(model_dir), seq_len=32).mesh_shape(2)
 
@@ -126,3 +128,14 @@ def test_ep_checkpoint_resumes_at_other_ep_cp_dp_and_exports_whole(model_dir: Pa
         logits = exported(input_ids=PROBE, use_cache=False).logits
     err = ((logits - results[0]["logits"]).abs().max() / results[0]["logits"].abs().max()).item()
     assert err <= 1e-4, f"the exported model's logits differ from the one-process model's by {err:.1e}"
+
+
+def test_mindspore_refuses_ep_and_the_router_loss_in_one_line(model_dir: Path) -> None:
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeBackend
+
+    for options in ({"ep": 2}, {"router_aux_loss_coef": 0.01}):
+        config = TrainConfig(model_dir=str(model_dir), **options)
+        with pytest.raises(
+            NotImplementedError, match="train on torch .*HP_PLATFORM=mindspore trains without"
+        ):
+            MindSporeBackend.check(config, "mindspore")

@@ -98,7 +98,8 @@ class TrainBackend(ABC):
         if (config.ep > 1 or config.router_aux_loss_coef) and not cls.expert_parallel:
             raise NotImplementedError(
                 "--ep and --router-aux-loss-coef (expert parallelism, the router's load-balancing loss) "
-                f"train on torch (HP_PLATFORM=cpu / cuda / npu); HP_PLATFORM={platform_name} trains without them"
+                "train on torch (HP_PLATFORM=cpu / cuda / npu): MindSpore's MoE cell runs every expert on every "
+                f"token, with no token dispatch to split; HP_PLATFORM={platform_name} trains without them"
             )
 
     @classmethod

@@ -95,16 +95,16 @@ class TorchBackend(TrainBackend):
             apply_context_parallel(self.reference, solo, mode="p2p")
         self.ref_optimizer = None if self.reference is None else build_adamw(self.reference, config)
         self.cp_mode, self.cp_plan = config.cp_mode, None
+        self.ep_mesh = None  # --ep: the (dp cp / ep, ep, tp) mesh over the same ranks
+        if config.ep > 1:  # first: tensor parallelism then leaves the MoE blocks whole over tp
+            dp, cp = mesh.size(0), mesh.size(1)
+            self.ep_mesh = expert_mesh((dp, cp, config.tp), config.ep, device_type=self.device.type)
+            apply_expert_parallel(self.model, self.ep_mesh["ep"])
         self.torch_mesh = None  # --tp: torch's (dp, cp, tp) mesh, which TP and FSDP share
         if config.tp > 1:
             self.torch_mesh = apply_tp_option(
                 self.model, config, shape=mesh.shape, device_type=self.device.type
             )
-        self.ep_mesh = None  # --ep: the (dp cp / ep, ep, tp) mesh over the same ranks
-        if config.ep > 1:
-            dp, cp = mesh.size(0), mesh.size(1)
-            self.ep_mesh = expert_mesh((dp, cp, config.tp), config.ep, device_type=self.device.type)
-            apply_expert_parallel(self.model, self.ep_mesh["ep"])
         self._row_orders = model_row_orders(self.model)  # before AC and FSDP rename nothing yet
         if self.cp_mesh.size() > 1 or self.tokenizer is not None:
             apply_cp_mode(self, config, self.model, self.cp_mesh)
@@ -140,12 +140,13 @@ class TorchBackend(TrainBackend):
         objective = loss * scale
         if self.router_coef:
             # this rank's share of the global batch's load-balancing loss: times dp, as the DP
-            # average divides it; over tp, as every TP rank adds the same share to the router's
-            # gradient, which the TP styles sum
+            # average divides it; over tp where the TP styles sum the router's gradient over the
+            # TP ranks (each adds the same share; under --ep the block stays whole over tp)
             top_k = self.model.config.num_experts_per_tok
             share = load_balancing_loss(router_logits, top_k=top_k, meshes=(self.mesh["cp"], self.mesh["dp"]))
             self.aux_share = self.router_coef * float(share.detach())
-            objective = objective + self.router_coef * share * (self.mesh["dp"].size() / self.config.tp)
+            summed_over_tp = self.config.tp if self.ep_mesh is None else 1
+            objective = objective + self.router_coef * share * (self.mesh["dp"].size() / summed_over_tp)
         objective.backward()
         if self.world_size > 1 and not self.config.fsdp:  # FSDP reduce-scatters them itself
             if self.ep_mesh is not None:

@@ -33,7 +33,8 @@ def run_header(
     mode = config.cp_mode if cp_mode is None else cp_mode
     if cp > 1:
         shown = config.cp_mode if cp_mode is None else f"auto: {cp_mode}"
-        what = f"--cp-mode {shown}, --cp-layout {config.token_layout()}{flags}"
+        inner = f", --cp-inner-size {config.cp_inner_size}" if config.cp_inner_size is not None else ""
+        what = f"--cp-mode {shown}{inner}, --cp-layout {config.token_layout()}{flags}"
     else:
         what = f"no context parallelism{flags}"
     mesh = f"dp {dp} x cp {cp}" + (f" x tp {tp}" if tp > 1 else "")

@@ -149,7 +149,8 @@ class Trainer:
             self.sampler.load_state_dict(point.parts["data"])
             torch.set_rng_state(point.parts["train"]["rng_cpu"])
             self.step = point.step
-            logger.info("resumed from %s at step %d", point.path, point.step)
+            if config.resume is not None:  # auto resume said "resuming from ..." already
+                logger.info("resumed from %s at step %d", point.path, point.step)
 
     # --- training ---------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -295,7 +296,13 @@ class Trainer:
         ):
             logger.info(line)
         if plan is not None:
-            logger.info("--cp-mode auto chose %s: %s", self.backend.cp_mode, plan.reason)
+            # the cost model's whole ranking is long: its first clause here (what was priced)
+            priced = plan.reason.split(": ", 1)[0].removeprefix(f"mode {plan.mode} ")
+            logger.info(
+                "--cp-mode auto chose %s: %s (every mode's cost: plan_context_parallel)",
+                self.backend.cp_mode,
+                priced,
+            )
 
     def _run_facts(self) -> dict[str, Any]:
         return {

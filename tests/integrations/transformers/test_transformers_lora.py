@@ -4,11 +4,14 @@ gloo groups, for ``apply_context_parallel`` given the ``PeftModel`` itself.
 
 LoRA sits on every GDN projection (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
 ``out_proj``), every attention projection and the MLP's (the MoE model's shared expert), with
-random ``lora_B`` (PEFT's ``init_lora_weights=False``) so that every adapter changes the output.
-At cp 2 also DoRA on the same modules. The oracle is PEFT's model on one process, each document alone (transformers' CPU layers do not
-separate packed documents). Tolerances as in test_transformers_models: transformers rounds the GDN
-decay inputs to float32 in a float64 model. What CP cannot serve is refused on every rank, the
-model left as it was.
+random ``lora_B`` (PEFT's ``init_lora_weights=False``) so that every adapter changes the output,
+and PEFT's trained copies (``modules_to_save``) of the norms; at cp 2 also DoRA. The oracle is
+PEFT's model on one process, each document alone (transformers' CPU layers do not separate packed
+documents). transformers computes the GDN rule in float32 even in a float64 model, so the oracle
+is exact to about 2e-6 here (adapters a tenth of PEFT's random update, as trained ones are small
+beside the weights; with the raw random update the same float32 rounding reaches 1.4e-5). What CP
+cannot serve is refused on every rank, the model left as it was; a CP prefill of a PEFT model
+continues like PEFT's generate.
 """
 
 from __future__ import annotations
@@ -57,13 +60,19 @@ def lora_model(
     rank: int = 4,
     base: torch.nn.Module | None = None,
     dora: bool = False,
+    modules_to_save: list[str] | None = None,
 ) -> torch.nn.Module:
     """``base`` (default: the tiny float64 model of tiny_models) with LoRA (``rank``, random A and
-    B; ``dora``: DoRA's magnitude too) on ``targets``."""
+    B; ``dora``: DoRA's magnitude too) on ``targets``, and trained copies of ``modules_to_save``."""
     base = tiny_model(moe=moe) if base is None else base
     torch.manual_seed(5)
     config = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, use_dora=dora
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=targets,
+        init_lora_weights=False,
+        use_dora=dora,
+        modules_to_save=modules_to_save,
     )
     model = peft.get_peft_model(base, config).to(base.dtype)
     # a tenth of PEFT's random update B A: small beside the weights, as trained ones are
@@ -113,7 +122,7 @@ def _worker(rank: int, world: int, cases: tuple[tuple[str, int | None], ...]) ->
         [("dora", False, True)] if world == 2 else []
     )
     for variant, moe, dora in variants:
-        base = lora_model(moe=moe, dora=dora)
+        base = lora_model(moe=moe, dora=dora, modules_to_save=["norm"])  # the GDN gated norms: copies
         ref_logits, ref_grads = _reference(copy.deepcopy(base), ids)
         assert all(g.abs().max() > 0 for g in ref_grads.values())  # every adapter reaches the loss
         for mode, inner in cases:

@@ -36,7 +36,8 @@ from hyperpar_gdn.integrations.transformers.trainer import ContextParallelTraine
 TOL = 1e-5
 STEPS = 2
 VOCAB = 61
-# LoRA through TRL's peft_config=: every GDN projection, attention's q and v, the MLP
+# LoRA through TRL's peft_config=: every GDN projection, attention's q and v, the MLP (and a trained
+# copy of the LM head, modules_to_save)
 LORA_TARGETS = [
     "in_proj_qkv",
     "in_proj_z",
@@ -206,7 +207,7 @@ def _sft(
         import peft
 
         kwargs["peft_config"] = peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+            r=4, lora_alpha=8, target_modules=LORA_TARGETS, task_type="CAUSAL_LM", modules_to_save=["lm_head"]
         )
     trainer = CPSFTTrainer(**kwargs, **cp) if cp is not None else SFTTrainer(**kwargs)
     trainer.train()
@@ -217,8 +218,13 @@ def _sft(
     return {
         "loss": [h["loss"] for h in logs],
         "grad_norm": [h["grad_norm"] for h in logs],
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items() if not lora or "lora_" in k},
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items() if not lora or _trained(k)},
     }
+
+
+def _trained(name: str) -> bool:
+    """A parameter PEFT trains: an adapter's, or the copy of a module in modules_to_save."""
+    return "lora_" in name or ".modules_to_save." in name
 
 
 # --- workers ------------------------------------------------------------------------------------
@@ -390,8 +396,9 @@ def test_sft_trainer_padding_free_equals_one_process(references: dict, cp2: tupl
 
 @pytest.mark.timeout(900)
 def test_sft_trainer_lora_equals_one_process(references: dict, cp2: tuple) -> None:
-    """TRL's peft_config= under CP: the logged losses and the final adapter weights equal one
-    process's; the adapter saved by save_model reloads through PEFT with the same weights."""
+    """TRL's peft_config= under CP: the logged losses and the final adapter weights (the LM head's
+    trained copy included) equal one process's; the adapter saved by save_model reloads through
+    PEFT with the same weights."""
     import peft
 
     from hyperpar_gdn.integrations.transformers.model_dir import train_tokenizer
@@ -410,7 +417,7 @@ def test_sft_trainer_lora_equals_one_process(references: dict, cp2: tuple) -> No
     base = tiny_model(moe=False, vocab_size=len(train_tokenizer())).float()
     loaded = peft.PeftModel.from_pretrained(base, save_dir.parent / "adapter")
     trained = results[0]["sft_lora"]["weights"]
-    reloaded = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    reloaded = {k: v for k, v in loaded.state_dict().items() if _trained(k)}
     assert reloaded.keys() == trained.keys()
     for name, value in reloaded.items():
         assert _rel(value, trained[name]) == 0.0, f"reloaded adapter weight {name}"

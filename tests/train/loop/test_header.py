@@ -81,3 +81,12 @@ def test_tensor_parallelism_is_shown_and_priced() -> None:
     assert lines[1].startswith("note: CP does not pay at 128 tokens per sequence over cp=2")
     assert f"a gain from about {at_tp2.break_even:,} tokens" in lines[1]
     assert "--cp-size 1 (4 data-parallel replicas" in lines[1]  # 8 ranks / tp 2
+
+
+def test_a_two_level_mode_shows_its_inner_size() -> None:
+    config = TrainConfig(cp_size=4, cp_mode="ulysses+p2p", cp_inner_size=2)
+    (first, *_) = run_header(
+        config, platform="cpu", world_size=4, dp=1, cp=4, tp=1, parameters=1234, first_step=1,
+        model_config=config.model.to_dict(),
+    )  # fmt: skip
+    assert "4 ranks = dp 1 x cp 4 (--cp-mode ulysses+p2p, --cp-inner-size 2, --cp-layout " in first, first

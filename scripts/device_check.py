@@ -237,9 +237,8 @@ def rank_step(cfg: dict, device: torch.device, kernel: str, mode: str, inner: in
     layer = copy.deepcopy(module)
     style = LinearAttentionContextParallel(mode=mode, inner_size=inner, kernel=kernel)
     style.apply(layer, mesh)
-    seq = GlobalSequence.build(
-        [x.shape[1]] * cp, rank=rank
-    )  # the lengths known: no exchange on the fake group
+    # the lengths known: no exchange on the fake group
+    seq = GlobalSequence.build([x.shape[1]] * cp, rank=rank)
 
     def step() -> None:
         xi = x.detach().requires_grad_(True)

@@ -46,6 +46,11 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_a_config_without_gdn_sizes_is_refused",
         "test_the_readme_names_the_first_runs_break_even",
     ),
+    "tests/distributed/test_rendezvous_replay.py": (
+        "test_every_mode_replays_without_deadlock_in_bounded_depth[cp4]",
+        "test_replay_finds_a_ring_of_lone_sends_deadlocked",
+        "test_replay_counts_a_chain_hop_by_hop_and_checks_shapes",
+    ),
     "tests/distributed/test_plan.py": (
         "test_mode_properties_are_defined_once",
         "test_plan_refuses_bad_fields",
@@ -219,6 +224,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "tests/platform/test_device_trace.py": (
         "test_cuda_platform_only_inside_the_trace",
         "test_only_cuda_can_be_traced",
+        "test_device_index_from_the_visible_devices",
     ),
     "tests/platform/test_flush_subnormal.py": (
         "test_torch_flush",
@@ -266,6 +272,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_load_torch_state_dict_names_what_is_wrong",
         "test_context_parallel_on_a_one_rank_mesh_and_undo",
     ),
+    "tests/platform/test_torch_ops_take.py": ("test_take_equals_index_select_with_its_gradient",),
     "tests/platform/test_torch_platform.py": (
         "test_unknown_hp_platform_lists_valid_values",
         "test_hp_platform_cpu_selects_torch_gloo",

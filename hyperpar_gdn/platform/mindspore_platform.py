@@ -167,7 +167,8 @@ class MindSporePlatform(Platform):
         ms.set_context(mode=ms.PYNATIVE_MODE)
         if self.device_target == "CPU" and str(ms.get_context("device_target")) != "CPU":
             ms.set_device("CPU")  # init_device_mesh("cpu") on a machine whose default is Ascend
-        enable_launch_blocking()
+        if self.device_target == "CPU":  # small ops run faster so on CPU; on Ascend it would
+            enable_launch_blocking()  # make every kernel synchronous
         role = os.environ.get("MS_ROLE", "").strip()
         rank_table = os.environ.get("RANK_TABLE_FILE", "").strip()
         present = [var for var in _LAUNCH_VARS if os.environ.get(var, "").strip()]

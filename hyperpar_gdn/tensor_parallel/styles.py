@@ -191,7 +191,10 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
         _shard(module, "A_log", device_mesh, 0)
         _shard(module, "dt_bias", device_mesh, 0)
         _shard(module.out_proj, "weight", device_mesh, 1)
-        canonical = torch.as_tensor(np.argsort(qkv_grouped_order(hk, dims.head_k_dim, hv, dims.head_v_dim)))
+        canonical = torch.as_tensor(  # on the weights' device once, not copied every forward
+            np.argsort(qkv_grouped_order(hk, dims.head_k_dim, hv, dims.head_v_dim)),
+            device=module.A_log.device,
+        )
 
         def weights() -> LayerWeights:
             rows = canonical.to(module.A_log.device)

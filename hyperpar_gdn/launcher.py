@@ -18,6 +18,7 @@ install -e``).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -59,16 +60,12 @@ def _check(nproc: int, train_argv: list[str]) -> None:
 
 def _torchrun(nproc: int, train_argv: list[str], error_file: Path) -> str | None:
     """Run the ranks under torchrun in this process -> None, or the one line that says why they failed."""
-    loglevel = os.environ.get("LOGLEVEL")
-    os.environ["LOGLEVEL"] = "CRITICAL"  # torchrun's own notices (its loggers read this at import)
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import get_args_parser, run
-    finally:
-        if loglevel is None:
-            os.environ.pop("LOGLEVEL")
-        else:
-            os.environ["LOGLEVEL"] = loglevel
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)  # torchrun's own notices (SIGTERM sent, a rank failed)
     args = get_args_parser().parse_args(["--nproc-per-node", str(nproc), str(SCRIPT), *train_argv])
     os.environ[ERROR_LINE_FILE] = str(error_file)
     try:

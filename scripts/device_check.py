@@ -3,6 +3,8 @@ written to one JSON file.
 
     python scripts/device_check.py --out device_check.json          # a CUDA GPU
     python scripts/device_check.py --smoke --out smoke.json         # this CPU: tiny shapes, native
+    python scripts/device_check.py --multi --out multi.json         # every GPU: NCCL, one process each
+    python scripts/device_check.py --multi --smoke --out m.json     # gloo ranks on this CPU
 
 Parts (each skipped, with the reason in the JSON, when its time budget is spent):
 
@@ -17,6 +19,10 @@ Parts (each skipped, with the reason in the JSON, when its time budget is spent)
    on the one device (torch's fake process group stands in for the others: the collectives are
    called but move nothing), forward+backward, the slowest rank's time beside the communication
    the cost model prices for a GPU node (:func:`hyperpar_gdn.plan_context_parallel`'s ``gpu``).
+
+``--multi`` instead: every CP mode (both layouts; two levels with inner 2) on real process groups
+at cp = the visible GPUs, one process each (NCCL), forward and backward against the one-device
+layer (output, input and parameter gradients), and the CP layer's time (:mod:`benchkit.multi_device`).
 
 Each mode at cp = 8 runs 8 shards of T/8 in turn: the section costs about cp x modes layer steps. The
 kernel is one argument everywhere (``native``, and ``fla`` where it imports): through
@@ -231,7 +237,8 @@ def rank_step(cfg: dict, device: torch.device, kernel: str, mode: str, inner: in
     layer = copy.deepcopy(module)
     style = LinearAttentionContextParallel(mode=mode, inner_size=inner, kernel=kernel)
     style.apply(layer, mesh)
-    seq = GlobalSequence.build([x.shape[1]] * cp)  # the lengths known: no exchange on the fake group
+    # the lengths known: no exchange on the fake group
+    seq = GlobalSequence.build([x.shape[1]] * cp, rank=rank)
 
     def step() -> None:
         xi = x.detach().requires_grad_(True)
@@ -283,6 +290,39 @@ def mode_times(cfg: dict, device: torch.device, kernels: dict, deadline: float) 
     return out
 
 
+def multi(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--multi``: :mod:`benchkit.multi_device` on one process per device, rank 0's figures to
+    ``--out``."""
+    from benchkit.multi_device import MULTI_FULL, MULTI_SMOKE, multi_worker
+    from hyperpar_gdn.platform.launch import run_ranks
+
+    if args.smoke:
+        platform, world = "cpu", args.ranks
+    elif torch.cuda.device_count() >= 2:
+        platform, world = "cuda", torch.cuda.device_count()
+    else:
+        parser.error(
+            f"--multi needs at least 2 visible GPUs (found {torch.cuda.device_count()}); "
+            "with --smoke it runs gloo ranks on this CPU"
+        )
+    if world < 2:
+        parser.error(f"--ranks={world}: --multi needs at least 2 ranks")
+    cfg = MULTI_SMOKE if args.smoke else MULTI_FULL
+    results = run_ranks(multi_worker, world, cfg, timeout_s=args.budget_s, env={"HP_PLATFORM": platform})
+    result = {
+        "platform": platform,
+        "cp": world,
+        "torch": torch.__version__,
+        "config": cfg,
+        "cases": results[0],
+    }
+    if platform == "cuda":
+        result["device"] = torch.cuda.get_device_name(0)
+    args.out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print(json.dumps({k: result[k] for k in ("platform", "cp")} | {"cases": len(results[0])}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write (required)")
@@ -295,7 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="the parts to run"
     )
+    parser.add_argument(
+        "--multi",
+        action="store_true",
+        help="every CP mode at cp = the visible GPUs under NCCL, one process each, against one device "
+        "(with --smoke: --ranks gloo ranks on this CPU)",
+    )
+    parser.add_argument("--ranks", type=int, default=4, help="with --multi --smoke: how many CPU ranks")
     args = parser.parse_args(argv)
+    if args.multi:
+        return multi(args, parser)
     cfg = SMOKE if args.smoke else FULL
     if args.smoke:
         device = torch.device("cpu")

@@ -46,6 +46,11 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_a_config_without_gdn_sizes_is_refused",
         "test_the_readme_names_the_first_runs_break_even",
     ),
+    "tests/distributed/test_rendezvous_replay.py": (
+        "test_every_mode_replays_without_deadlock_in_bounded_depth[cp4]",
+        "test_replay_finds_a_ring_of_lone_sends_deadlocked",
+        "test_replay_counts_a_chain_hop_by_hop_and_checks_shapes",
+    ),
     "tests/planning/test_choice.py": (
         "test_the_plan_is_the_rankings_first_with_the_callers_options",
         "test_devices_per_node_is_passed_in_not_read_from_the_environment",
@@ -231,6 +236,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "tests/platform/test_device_trace.py": (
         "test_cuda_platform_only_inside_the_trace",
         "test_only_cuda_can_be_traced",
+        "test_device_index_from_the_visible_devices",
     ),
     "tests/platform/test_flush_subnormal.py": (
         "test_torch_flush",
@@ -278,6 +284,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_load_torch_state_dict_names_what_is_wrong",
         "test_context_parallel_on_a_one_rank_mesh_and_undo",
     ),
+    "tests/platform/test_torch_ops_take.py": ("test_take_equals_index_select_with_its_gradient",),
     "tests/platform/test_torch_platform.py": (
         "test_unknown_hp_platform_lists_valid_values",
         "test_hp_platform_cpu_selects_torch_gloo",
@@ -288,6 +295,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "tests/tensor_parallel/test_apply.py": ("test_plan_refuses_what_it_does_not_cover",),
     "tests/test_docs.py": (
         "test_block_runs",
+        "test_every_runnable_block_prints_what_it_showed",
         "test_the_docs_have_runnable_blocks",
         "test_every_python_block_runs_or_says_it_is_a_fragment",
         "test_help_lists_the_public_api",
@@ -299,6 +307,11 @@ QUICK: dict[str, tuple[str, ...]] = {
     "tests/test_generate.py": (
         "test_bad_options",
         "test_the_builtin_prompt_and_whitespace_continuations",
+        "test_the_earlier_option_names_still_work_with_a_note",
+    ),
+    "tests/test_launcher.py": (
+        "test_a_bad_option_is_one_line_and_no_rank_starts",
+        "test_the_world_and_the_memory_plan_are_checked_before_the_ranks",
     ),
     "tests/test_packaging.py": (
         "test_core_needs_numpy_alone_and_each_framework_is_an_extra",
@@ -345,6 +358,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_short_sequences_name_the_faster_choice",
         "test_the_note_goes_at_the_cost_models_break_even",
         "test_tensor_parallelism_is_shown_and_priced",
+        "test_a_two_level_mode_shows_its_inner_size",
     ),
     "tests/planning/test_memory.py": (
         "test_parameters_match_the_built_model",

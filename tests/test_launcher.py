@@ -1,6 +1,5 @@
 """``hyperpar-train`` (hyperpar_gdn/launcher.py): a mistake in the options is one line before any
-rank starts; a rank's user error is the last line of the run and is printed once, without
-torchrun's failure report."""
+rank starts; a rank's user error is the run's only line, without torchrun's failure report."""
 
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ def test_the_world_and_the_memory_plan_are_checked_before_the_ranks(tmp_path: Pa
 def test_a_rank_error_is_the_last_line_and_printed_once(tmp_path: Path) -> None:
     result = _launch("--steps", "1", "--data", "no-such-file.txt", cwd=tmp_path)
     lines = (result.stdout + result.stderr).strip().splitlines()
-    assert lines and lines[-1].startswith("train.py: error: --data no-such-file.txt"), lines
-    assert sum("error:" in line for line in lines) == 1, lines
-    assert "ChildFailedError" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert lines == ["train.py: error: --data no-such-file.txt: no such file or directory"], (
+        lines
+    )  # no report
     assert result.returncode == 1

@@ -10,30 +10,28 @@ returns this rank's logits ``[B, T/cp, V]``.
 Per forward, the whole sequence is described once on the host (the shard lengths, the padding,
 the packed documents' boundaries: a :class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`)
 and carried to every mixer, so no layer exchanges lengths or copies a device tensor to the host:
-HybridLM's forward is wrapped to build it (and passes it to its blocks as their ``cu_seqlens``); a
-transformers model gets forward pre-hooks that build it and make its inputs right for a shard
-(:mod:`hyperpar_gdn.integrations.transformers.hooks`).
+as the ``cp_context=`` keyword. The model's adapter (:mod:`.adapters`) says where its decoder
+layers are and installs what builds that context once per forward: a wrapper of HybridLM's
+forward (:class:`~.decoder_layers.DecoderAdapter`), forward pre-hooks on a transformers model
+that also make its inputs right for a shard (:mod:`hyperpar_gdn.integrations.transformers.adapter`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
 from hyperpar_gdn.distributed.agreement import agree_on_plan, first
 from hyperpar_gdn.distributed.decoder_layers import (
+    adapter_for,
     base_model_of,
-    find_decoder,
     mixer_of,
     mixers_of,
     text_model_of,
 )
-from hyperpar_gdn.distributed.layout import layout_mismatch
 from hyperpar_gdn.distributed.linear_attention_style import LinearAttentionContextParallel, layer_shape
-from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
-from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers, is_parallelized
-from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence, exchange_lengths
+from hyperpar_gdn.distributed.mesh import as_cp_mesh
+from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_parallelized
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.planning.choice import choose_plan
@@ -110,7 +108,8 @@ def apply_context_parallel(
         inner_size=inner_size, dtype=dtype, kernel=kernel, devices_per_node=devices_per_node,
     )  # fmt: skip
     cp_mesh = as_cp_mesh(mesh)
-    outer, text_model = find_decoder(model)
+    adapter = adapter_for(model)
+    outer, text_model = adapter.decoder(model)
     mixers = mixers_of(text_model)
     linear_style = LinearAttentionContextParallel(plan=plan)
     gdn = [(i, module) for i, (kind, module) in enumerate(mixers) if kind == "linear_attn"]
@@ -130,31 +129,17 @@ def apply_context_parallel(
     agree_on_plan(cp_mesh, plan, shapes, first(errors))
     linear_style.make_groups(cp_mesh)  # two levels: collective, before anything changes
     softmax_style = SoftmaxAttentionContextParallel(layout=plan.layout)
-    holder = ContextHolder() if from_transformers(text_model) else None  # HybridLM: cp_context=
     done: list[Any] = []
     try:
-        if from_transformers(text_model):
-            from hyperpar_gdn.integrations.transformers.hooks import install_hooks
-
-            installed = install_hooks(model, outer, text_model, cp_mesh, plan.layout, holder)
-        else:
-            installed = False
-        if not installed:  # HybridLM: its forward takes cp_layout= and checks it
-            ParallelStyle._install(model, lambda original: _per_forward(original, cp_mesh, plan.layout))
+        adapter.install_forward(model, outer, text_model, cp_mesh, plan.layout)
         for kind, module in mixers:
             style = linear_style if kind == "linear_attn" else softmax_style
-            style.install(module, cp_mesh, holder=holder)
+            style.install(module, cp_mesh)
             done.append(module)
     except BaseException:  # leave the model as it was
         for module in done:
             ParallelStyle.undo(module)
-        if from_transformers(text_model):
-            from hyperpar_gdn.integrations.transformers.hooks import remove_hooks
-
-            if not remove_hooks(text_model) and is_parallelized(model):
-                ParallelStyle.undo(model)
-        elif is_parallelized(model):
-            ParallelStyle.undo(model)
+        adapter.remove_forward(model, text_model)
         raise
     return given
 
@@ -212,7 +197,7 @@ def resolve_plan(
             raise ValueError(f"devices_per_node is for mode='auto' only; got mode={mode!r}")
         return CPPlan(mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size, kernel=kernel)
     cp_mesh = as_cp_mesh(mesh)
-    _, text_model = find_decoder(base_model_of(model))
+    text_model = text_model_of(model)  # a PeftModel: the model it wraps
     gdn = [m for kind, m in mixers_of(text_model) if kind == "linear_attn"]
     if not gdn:
         raise ValueError(f"{type(model).__name__} has no GDN layers: there is no mode to choose")
@@ -238,40 +223,11 @@ def undo_context_parallel(model: Any) -> Any:
     """Restore the single-device forward of every mixer of ``model`` (and remove its hooks)."""
     given = model
     model = base_model_of(model)
-    _, text_model = find_decoder(model)
+    adapter = adapter_for(model)
+    _, text_model = adapter.decoder(model)
     for i, block in enumerate(text_model.layers):
         kind, module = mixer_of(i, block)
         style = LinearAttentionContextParallel if kind == "linear_attn" else SoftmaxAttentionContextParallel
         style.undo(module)
-    removed = False
-    if from_transformers(text_model):
-        from hyperpar_gdn.integrations.transformers.hooks import remove_hooks
-
-        removed = remove_hooks(text_model)
-    if not removed:
-        ParallelStyle.undo(model)
+    adapter.remove_forward(model, text_model)
     return given
-
-
-def _per_forward(original: Any, mesh: DeviceMesh, layout: str) -> Any:
-    """HybridLM's forward under context parallelism: it takes a ``cp_layout`` keyword (refused when
-    it is not the model's) and describes the whole sequence once per forward for every mixer: one
-    exchange of the shard lengths (every rank stops on any rank's bad input) and one host copy of
-    ``cu_seqlens``, in a :class:`GlobalSequence` passed to the blocks as ``cp_context=`` (which
-    then carries the documents: ``cu_seqlens`` goes on as None)."""
-    signature = inspect.signature(original)
-
-    def forward(*args: Any, cp_layout: str | None = None, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        input_ids, cu_seqlens = bound.arguments.get("input_ids"), bound.arguments.get("cu_seqlens")
-        error = layout_mismatch(cp_layout, layout)
-        if error is None and (input_ids is None or len(input_ids.shape) != 2):
-            error = f"input_ids must be this rank's shard [B, T/cp]; got {None if input_ids is None else tuple(input_ids.shape)}"
-        if error is None and cu_seqlens is not None and input_ids.shape[0] != 1:
-            error = f"packed documents (cu_seqlens) need batch size B=1; got B={input_ids.shape[0]}"
-        lengths = exchange_lengths(mesh, None if error else input_ids.shape[1], error)
-        bound.arguments["cu_seqlens"] = None
-        bound.arguments["cp_context"] = GlobalSequence.build(lengths, layout=layout, cu_seqlens=cu_seqlens)
-        return original(*bound.args, **bound.kwargs)
-
-    return forward

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
-from hyperpar_gdn.expert_parallel.style import EP_RECORD
+from hyperpar_gdn.expert_parallel.style import EP_RECORD, is_moe_block
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.ops.projections import wrapper_of
 from hyperpar_gdn.planning.tp_rules import (
@@ -140,7 +140,7 @@ def tensor_parallel_plan(text_model: Any, tp: int) -> dict[str, ParallelStyle]:
             GatedDeltaNetTensorParallel() if kind == "linear_attn" else AttentionTensorParallel()
         )
         if getattr(block.mlp, EP_RECORD, None) is None:  # an expert-parallel block stays whole over tp
-            plan[f"{prefix}.mlp"] = MoETensorParallel() if _is_moe(block.mlp) else MLPTensorParallel()
+            plan[f"{prefix}.mlp"] = MoETensorParallel() if is_moe_block(block.mlp) else MLPTensorParallel()
     if errors:
         raise ValueError(f"tensor parallelism at tp={tp}: " + "; ".join(errors))
     return plan
@@ -193,14 +193,10 @@ def _attention_error(mixer: nn.Module, tp: int) -> str | None:
     return attention_head_error(*attention_heads(mixer), tp)
 
 
-def _is_moe(mlp: nn.Module) -> bool:
-    return all(hasattr(mlp, n) for n in ("gate", "experts", "shared_expert", "shared_expert_gate"))
-
-
 def _mlp_error(mlp: nn.Module | None, tp: int) -> str | None:
     if mlp is None:
         return "the block has no mlp"
-    if _is_moe(mlp):
+    if is_moe_block(mlp):
         experts = mlp.experts
         sizes = {
             "moe_intermediate_size": experts.gate_up_proj.shape[1] // 2,
@@ -268,7 +264,7 @@ def _reorders(model: Any) -> dict[int, tuple[int, torch.Tensor]]:
             )
             for p in (module.in_proj_qkv.weight, module.conv1d.weight):
                 reorder[id(p)] = (0, torch.as_tensor(np.argsort(order)))
-        elif record is not None and _is_moe(module):
+        elif record is not None and is_moe_block(module):
             order = gate_up_interleaved_order(record)
             reorder[id(module.experts.gate_up_proj)] = (1, torch.as_tensor(np.argsort(order)))
     return reorder

@@ -175,7 +175,9 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
         _shard(module, "A_log", device_mesh, 0)
         _shard(module, "dt_bias", device_mesh, 0)
         _shard(module.out_proj, "weight", device_mesh, 1)
-        canonical = torch.as_tensor(qkv_local_order(dims, tp))
+        canonical = torch.as_tensor(  # on the weights' device once, not copied every forward
+            qkv_local_order(dims, tp), device=module.A_log.device
+        )
 
         def weights() -> LayerWeights:
             rows = canonical.to(module.A_log.device)

@@ -52,11 +52,11 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
-FORMAT = 1  # the whole format (.checkpoint): every part gathered and written by one rank
-SHARDED_FORMAT = 2  # the sharded format (.sharded_checkpoint): every rank writes its shard
+FORMAT = 1  # the whole format (.whole): every part gathered and written by one rank
+SHARDED_FORMAT = 2  # the sharded format (.sharded): every rank writes its shard
 FORMATS = (FORMAT, SHARDED_FORMAT)
 # How a sharded checkpoint's state/ is laid out (its manifest's "layout"; "dcp" when absent):
-# torch's DCP files (.sharded_checkpoint), or the parts of a replicated state (.replicated_shards)
+# torch's DCP files (.sharded), or the parts of a replicated state (.replicated_shards)
 DCP_LAYOUT = "dcp"
 REPLICATED_LAYOUT = "replicated"
 SHARD_LAYOUTS = (DCP_LAYOUT, REPLICATED_LAYOUT)
@@ -91,10 +91,10 @@ def install(temp: Path, directory: Path) -> Path:
     two renames leaves no ``step-N`` but that complete old copy, which :func:`remove_incomplete`
     renames back: at every point of a save the newest complete checkpoint is there."""
     root = directory.parent
+    old = root / f".{directory.name}.old-{os.getpid()}"
     try:
         fsync_path(temp)
         if directory.exists():  # replace: move the old one aside, then the new one in
-            old = root / f".{directory.name}.old-{os.getpid()}"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(directory, old)
             fsync_path(root)
@@ -106,12 +106,14 @@ def install(temp: Path, directory: Path) -> Path:
         fsync_path(root)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
+        if old.exists() and not directory.exists():  # the new one never came in: the old one back
+            os.rename(old, directory)
         raise
     return directory
 
 
 def _delete(directory: Path) -> None:
-    """Remove ``directory``: first renamed to a hidden ``.<name>.del-<pid>`` (one atomic step, so
+    """Remove ``directory``: first renamed to a hidden ``.step-N.del-<pid>`` (one atomic step, so
     a process killed while deleting leaves no half ``step-N``), then deleted."""
     step = re.search(r"step-(\d+)", directory.name)
     assert step is not None, directory

@@ -16,7 +16,12 @@ import torch
 
 from hyperpar_gdn.train.checkpoints import whole as checkpoint
 from hyperpar_gdn.train.checkpoints.whole import latest_checkpoint, load_checkpoint, save_checkpoint
-from hyperpar_gdn.train.checkpoints.directory import list_checkpoints, prune_checkpoints, remove_incomplete, resolve_checkpoint
+from hyperpar_gdn.train.checkpoints.directory import (
+    list_checkpoints,
+    prune_checkpoints,
+    remove_incomplete,
+    resolve_checkpoint,
+)
 from hyperpar_gdn.train.errors import CheckpointError
 
 
@@ -107,6 +112,27 @@ def test_a_failed_save_leaves_the_original_files_intact(
     monkeypatch.undo()
     assert len(calls) == fail_at
     assert _files(directory) == before  # no original replaced, no temporary file left behind
+    step, parts, meta = load_checkpoint(directory)
+    assert step == 7 and meta == {"run": "first"} and parts["model"]["w"][0, 0].item() == 1.0
+
+
+def test_a_refused_rename_of_a_re_save_puts_the_old_checkpoint_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old step-7 is moved aside, then moving the new one in fails: step-7 is the old one again."""
+    directory = save_checkpoint(tmp_path, 7, _parts(1.0), meta={"run": "first"})
+    real_rename = os.rename
+
+    def failing_rename(src: str | Path, dst: str | Path) -> None:
+        if ".tmp-" in str(src):
+            raise OSError(13, "Permission denied")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", failing_rename)
+    with pytest.raises(OSError, match="Permission denied"):
+        save_checkpoint(tmp_path, 7, _parts(9.0), meta={"run": "second"})
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["step-7"]
     step, parts, meta = load_checkpoint(directory)
     assert step == 7 and meta == {"run": "first"} and parts["model"]["w"][0, 0].item() == 1.0
 

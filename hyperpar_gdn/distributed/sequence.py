@@ -68,6 +68,9 @@ class GlobalSequence:
     _shard_docs: dict[tuple[int, bool], tuple[ShardDocs, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # The device tensors its layers build from the documents (masks, fla's bounds), made by the
+    # first layer that needs each (ops.gdn.varlen.forward_constants).
+    device_constants: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(

@@ -25,7 +25,8 @@ Projection = Callable[[Tensor], Tensor]
 # Classes of these packages hold their weight as they compute with it; any other class (peft,
 # bitsandbytes, torchao, ...) wraps it.
 _PLAIN_PACKAGES = ("torch", "mindspore", "transformers", "hyperpar_gdn")
-_PLAIN_WEIGHTS = ("Parameter", "Tensor", "DTensor")
+# FakeTensor: torch's tensor without data, as a trace of the code paths without a device holds them.
+_PLAIN_WEIGHTS = ("Parameter", "Tensor", "DTensor", "FakeTensor")
 
 
 class WeightLinear:

@@ -3,9 +3,11 @@ attention layer) on fake CUDA tensors with torch's fake process group, for every
 prints one JSON line per case (tests/distributed/test_fake_cuda_trace.py reads them; docs/
 backends.md's trace table comes from ``--table``).
 
-A case is a training step (forward, the loss's backward through the tracer's engine), a prefill,
-or a prefill and one decode step on the CP group, in one mode, layout and dtype. The model is built
-once under fake tensors and parallelized, then restored, case after case. Run in a process of its
+A case is a training step (forward, the loss's backward through the tracer's engine), a training
+step on packed documents (``packed``: a model with two GDN layers, the second watched as ``gdn2``,
+documents of DOC tokens that start inside the traced rank's shard), a prefill, or a prefill and one
+decode step on the CP group, in one mode, layout and dtype. A model is built once under fake
+tensors and parallelized, then restored, case after case. Run in a process of its
 own: it joins a fake default process group and leaves it at exit.
 
     python tests/distributed/fake_cuda_worker.py --cases train:p2p:contiguous:bfloat16:3 ...
@@ -35,6 +37,7 @@ from hyperpar_gdn.platform.device_trace import trace_without_device  # noqa: E40
 CP = 8
 PIECE = 8  # tokens per rank: 4 per fragment in head_tail, above the conv halo of 3
 VOCAB = 61
+DOC = 10  # packed documents: a start inside rank 3's shard in both layouts (30; 50)
 DIMS = {  # the GDN layer's: 4 q/k heads, 8 value heads (ulysses over 8 ranks), K = V = 8, conv 4
     "hidden_size": 32,
     "linear_num_key_heads": 4,
@@ -48,13 +51,13 @@ DIMS = {  # the GDN layer's: 4 q/k heads, 8 value heads (ulysses over 8 ranks), 
 }
 
 
-def config() -> Any:
+def config(layer_types: list[str]) -> Any:
     import transformers
 
     return transformers.Qwen3_5TextConfig(
         vocab_size=VOCAB,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
         intermediate_size=48,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         tie_word_embeddings=False,
@@ -65,18 +68,25 @@ def config() -> Any:
 class SequenceValues:
     """The values of the model's once-per-forward host reads (fake tensors have none): the
     shard lengths and the sequence description the model's hooks gather (positions, padding,
-    tokens, labelled positions), for a whole sequence of CP * PIECE distinct tokens."""
+    tokens, labelled positions), for a whole sequence of CP * PIECE distinct tokens (``packed``:
+    positions that restart every DOC tokens)."""
 
-    def __init__(self, layout: str) -> None:
+    def __init__(self, layout: str, packed: bool) -> None:
         self.lengths = [PIECE] * CP
         self.tokens = TokenLayout.of(layout, self.lengths)
+        self.packed = packed
 
     def __call__(self, x: torch.Tensor, where: str) -> np.ndarray:
         if "all_gather_int" in where:  # tolist() reads the gathered lengths one by one
             return np.array(PIECE)
         if x.dim() == 3:  # [channels, B, T]: the pieces in rank order
             positions = np.concatenate([self.tokens.positions(r) for r in range(CP)])
-            rows = [positions, np.ones_like(positions), positions % VOCAB, np.ones_like(positions)]
+            rows = [
+                positions % DOC if self.packed else positions,
+                np.ones_like(positions),
+                positions % VOCAB,
+                np.ones_like(positions),
+            ]
             return np.stack(rows[: x.shape[0]])[:, None, :]
         raise AssertionError(f"an unexpected host read of a {tuple(x.shape)} tensor at {where}")
 
@@ -95,6 +105,21 @@ def _dtype_checks(model: torch.nn.Module, failures: list[str]) -> None:
         mixer.register_forward_hook(check, with_kwargs=True)
 
 
+def watched_model(dtype: str, trace: FakeCudaTrace, *, packed: bool) -> Any:
+    """The model of a case (packed: two GDN layers, ``gdn`` and ``gdn2``), its mixers watched."""
+    import transformers
+
+    types = ["linear_attention"] * (2 if packed else 1) + ["full_attention"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen3_5ForCausalLM._from_config(config(types), dtype=getattr(torch, dtype))
+    layers = model.model.layers
+    for i, layer in enumerate(layers[:-1]):
+        trace.watch(layer.linear_attn, "gdn" if i == 0 else f"gdn{i + 1}")
+    trace.watch(layers[-1].self_attn, "attention")
+    return model
+
+
 def run_case(trace: FakeCudaTrace, model: Any, mesh: Any, case: dict, failures: list[str]) -> None:
     from hyperpar_gdn.inference.cp_decoding import decode_step_context_parallel, shard_cache
     from hyperpar_gdn.inference.prefill import prefill_context_parallel
@@ -105,7 +130,7 @@ def run_case(trace: FakeCudaTrace, model: Any, mesh: Any, case: dict, failures: 
     trace.mark("forward")
     applied = [True]
     try:
-        if case["kind"] == "train":
+        if case["kind"] in ("train", "packed"):
             ids = torch.randint(0, VOCAB, (1, PIECE), device="cuda")
             out = model(input_ids=ids, labels=ids, cp_layout=case["layout"])
             if out.logits.dtype != model.dtype:
@@ -185,29 +210,27 @@ def main(argv: list[str] | None = None) -> None:
         kind, mode, layout, dtype, rank, *inner = text.split(":")
         cases.append(dict(kind=kind, mode=mode, layout=layout, dtype=dtype, rank=int(rank),
                           inner_size=int(inner[0]) if inner else None))  # fmt: skip
-    import transformers
+    import transformers  # noqa: F401 (imported before the fake tensors: a model built under them is plain)
 
     results: list[dict] = []
     for rank in sorted({c["rank"] for c in cases}):
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=CP)
-        for dtype in sorted({c["dtype"] for c in cases if c["rank"] == rank}):
-            mine = [c for c in cases if c["rank"] == rank and c["dtype"] == dtype]
+        for dtype, packed in sorted(
+            {(c["dtype"], c["kind"] == "packed") for c in cases if c["rank"] == rank}
+        ):
+            mine = [
+                c for c in cases if (c["rank"], c["dtype"], c["kind"] == "packed") == (rank, dtype, packed)
+            ]
             current: dict = {}
-            values = {layout: SequenceValues(layout) for layout in ("contiguous", "head_tail")}
+            values = {layout: SequenceValues(layout, packed) for layout in ("contiguous", "head_tail")}
             trace = FakeCudaTrace(lambda x, where, v=values, c=current: v[c["layout"]](x, where))
             with trace_without_device("cuda"), trace.active():
-                torch.manual_seed(0)
-                with torch.device("cuda"):
-                    model = transformers.Qwen3_5ForCausalLM._from_config(
-                        config(), dtype=getattr(torch, dtype)
-                    )
+                model = watched_model(dtype, trace, packed=packed)
                 mesh = init_device_mesh("cuda", (CP,), mesh_dim_names=("cp",))
                 # as init_distributed sets it when it makes the group (the fake one exists already)
                 mesh.platform.collectives.timeout = timedelta(seconds=60)
-                trace.watch(model.model.layers[0].linear_attn, "gdn")
-                trace.watch(model.model.layers[1].self_attn, "attention")
                 failures: list[str] = []
                 _dtype_checks(model, failures)
                 for case in mine:

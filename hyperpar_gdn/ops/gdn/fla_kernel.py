@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn.ops.gdn.onepass import StateExchange
+from hyperpar_gdn.ops.gdn.varlen import forward_constant
 from hyperpar_gdn.platform import Tensor, ops_for
 
 # fla kernel calls of this process by kind ("chunk": a plain call, "widened": a state mode's one
@@ -45,7 +46,8 @@ def _fla():
 
 
 def _bounds(cu_seqlens: Any, like: Tensor) -> dict[str, Any]:
-    """fla's ``cu_seqlens`` (on the inputs' device) and ``cu_seqlens_cpu`` from host ints."""
+    """fla's ``cu_seqlens`` (on the inputs' device, once per forward: :func:`.varlen.forward_constant`)
+    and ``cu_seqlens_cpu`` from host ints."""
     if cu_seqlens is None:
         return {}
     import torch
@@ -53,7 +55,10 @@ def _bounds(cu_seqlens: Any, like: Tensor) -> dict[str, Any]:
     xp = ops_for(like)
     host = np.asarray(xp.to_numpy(cu_seqlens) if xp.is_tensor(cu_seqlens) else cu_seqlens, dtype=np.int64)
     cpu = torch.from_numpy(host.copy())
-    return {"cu_seqlens": cpu.to(like.device), "cu_seqlens_cpu": cpu}
+    return {
+        "cu_seqlens": forward_constant(xp, host, like=like, make=lambda: cpu.to(like.device)),
+        "cu_seqlens_cpu": cpu,
+    }
 
 
 def _call(kind: str, q, k, v, g, beta, *, cu_seqlens: Any = None, initial_state=None, final_state=False):

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn.ops.gdn.kernels import gdn_rule
-from hyperpar_gdn.ops.gdn.varlen import check_doc_starts, conv_tap_masks, packed_doc_starts
+from hyperpar_gdn.ops.gdn.varlen import check_doc_starts, conv_tap_masks, forward_constant, packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates, conv_state_of
 from hyperpar_gdn.ops.projections import Projection, projection, wrapper_of
 from hyperpar_gdn.ops.rms_norm_vjp import written_gated_rms_norm
@@ -294,7 +294,7 @@ def _conv_silu_packed(
         halo_starts = check_doc_starts(halo_doc_starts, seq_len=width - 1, name="halo_doc_starts")
         x_full = xp.cat([xp.swapaxes(halo, 1, 2), x], 2)
     keep = conv_tap_masks(np.concatenate([halo_starts, starts]), width=width)  # [W-1, T]
-    keep = xp.constant(keep.reshape(width - 1, 1, 1, t), like=x)
+    keep = forward_constant(xp, keep.reshape(width - 1, 1, 1, t), like=x)
     y = x * weight[:, width - 1 :]
     for s in range(1, width):
         y = (

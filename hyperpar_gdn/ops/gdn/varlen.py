@@ -21,6 +21,9 @@ Legend: T tokens, N chunks (or documents where said), C chunk size, W conv width
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,7 +198,7 @@ def chunk_masks(
     last = count == count[:, -1:]
 
     def const(a: np.ndarray, shape: tuple[int, ...]) -> Tensor:  # bool to the device, cast there
-        return xp.constant(a.reshape(shape), like=like)
+        return forward_constant(xp, a.reshape(shape), like=like)
 
     return ChunkMasks(
         seg_tril=const(seg_tril, (num_chunks, 1, 1, c, c)),
@@ -262,3 +265,36 @@ def conv_tap_masks(doc_starts: np.ndarray, *, width: int) -> np.ndarray:
     count = np.concatenate([[0], np.cumsum(doc_starts.astype(np.int64))])  # starts in [0, i)
     t = np.arange(width - 1, doc_starts.shape[0])
     return np.stack([count[t + 1] - count[t + 1 - s] == 0 for s in range(1, width)])
+
+
+# --- host-built constants, copied to the device once per forward ------------------------------
+
+_FORWARD_CONSTANTS: ContextVar[dict | None] = ContextVar("forward_constants", default=None)
+
+
+@contextmanager
+def forward_constants(memo: dict) -> Iterator[None]:
+    """Within it, :func:`forward_constant` keeps the device tensors it makes in ``memo`` (one
+    forward's, kept by that forward's context) and gives the same tensor to every later call with
+    the same host values, dtype and device: a mask is copied to the device once per forward, by the
+    first layer that needs it, not once per layer."""
+    token = _FORWARD_CONSTANTS.set(memo)
+    try:
+        yield
+    finally:
+        _FORWARD_CONSTANTS.reset(token)
+
+
+def forward_constant(
+    xp: TensorOps, host: np.ndarray, *, like: Tensor, make: Callable[[], Tensor] | None = None
+) -> Tensor:
+    """``host`` on the device (``make()``; by default ``xp.constant(host, like=like)``), made once per
+    forward inside :func:`forward_constants` and on every call outside it."""
+    make = make or (lambda: xp.constant(host, like=like))
+    memo = _FORWARD_CONSTANTS.get()
+    if memo is None:
+        return make()
+    key = (host.dtype.str, host.shape, host.tobytes(), str(like.dtype), str(getattr(like, "device", "")))
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]

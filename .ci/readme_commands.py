@@ -1,16 +1,16 @@
 """CI: README.md's shell commands, each from a new shell, in the README's order.
 
-Every ```bash block of README.md is one command line that starts with its own set-up,
-``python3 -m venv V && . V/bin/activate && pip install -e '.[extras]'``, so that it runs from a new
-shell in the repository's root. Each block runs under ``env -i`` (HOME, the system PATH, LANG and
-the ``--env`` variables only) with ``bash -c`` and a deadline. Cheap where it can be:
+README.md's first ```bash block is the set-up, ``python3 -m venv .venv && .venv/bin/pip install -e
+'.[extras]'``; every other block is one command line that starts with ``. .venv/bin/activate && ``
+(or makes its own environment), so that it runs from a new shell in the repository's root. Each
+block runs under ``env -i`` (HOME, the system PATH, LANG and the ``--env`` variables only) with
+``bash -c`` and a deadline. Cheap where it can be:
 
-- the set-up part is replaced by activating ``--venv`` when V is ``.venv`` and that environment
-  already satisfies every requirement of the extras (CI's ``.venv``, which .ci/run made from
-  '.[test,mindspore]', holds the torch, transformers, trainer and mindspore extras): a second
-  ``pip install -e`` would only rebuild the editable wheel to install nothing. Otherwise the
-  block runs whole, installing;
-- skipped, with the reason printed: the test-suite block (.ci/run runs that command itself) and
+- the set-up is skipped when ``--venv`` already satisfies every requirement of its extras (CI's
+  ``.venv``, which .ci/run made from '.[test,mindspore]'): a second ``pip install -e`` would only
+  rebuild the editable wheel to install nothing. Otherwise it runs, installing into ``.venv``;
+- ``. .venv/bin/activate`` activates ``--venv`` (the same environment by default);
+- skipped, with the reason printed: the test-suite block (.ci/run runs the whole suite itself) and
   the MindSpore-only block (.ci/mindspore_only runs the same step in a fresh environment without
   torch);
 - ``msrun`` gets a free ``--master_port`` (the README's commands use msrun's default port, which
@@ -38,11 +38,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETUP = re.compile(
-    r"^python3 -m venv (?P<venv>\S+) && \. (?P=venv)/bin/activate && pip install -e '\.\[(?P<extras>[\w,]+)\]' && "
-)
+SETUP = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install -e '\.\[(?P<extras>[\w,]+)\]'$")
+ACTIVATE = ". .venv/bin/activate && "
 SKIPPED = {
-    "python -m pytest": "the test suite: .ci/run runs it",
+    "python -m pytest": "the test suite: .ci/run runs the whole of it (--full)",
     ".venv-mindspore": "MindSpore alone: .ci/mindspore_only runs this step in a fresh environment without torch",
 }
 WRITTEN = ("tiny-qwen35", "tiny-qwen35-trained", "msrun_log", "mindspore_log")
@@ -105,15 +104,16 @@ def run(block: str, venv: Path, env: dict[str, str], timeout: float) -> bool:
     """Run one block from a new shell; print what ran and its last line; True if it exited 0."""
     match = SETUP.match(block)
     command = block
-    if match and match["venv"] == ".venv":
+    if match:
         why_not = satisfied(venv, match["extras"])
         if why_not is None:
-            command = f". {venv}/bin/activate && {block[match.end() :]}"
-            print(
-                f"== {block[match.end() :]}\n   (set-up '.[{match['extras']}]' already satisfied by {venv})"
-            )
-        else:
-            print(f"== {block}\n   (installing: {why_not})")
+            print(f"== {block}\n   skipped: '.[{match['extras']}]' already satisfied by {venv}")
+            return True
+        print(f"== {block}\n   (installing: {why_not})")
+        command = f"python3 -m venv {venv} && {venv}/bin/pip install -e '.[{match['extras']}]'"
+    elif block.startswith(ACTIVATE):
+        command = f". {venv}/bin/activate && {block[len(ACTIVATE) :]}"
+        print(f"== {block}")
     else:
         print(f"== {block}")
     command = command.replace("msrun ", f"msrun --master_port={free_port()} ")

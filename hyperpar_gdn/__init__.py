@@ -68,3 +68,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+# Model adapters register themselves (hyperpar_gdn.distributed.adapters); transformers' is imported
+# here, without transformers, so that every entry point finds transformers' Qwen3.5 models.
+import hyperpar_gdn.integrations.transformers  # noqa: E402, F401

@@ -4,7 +4,7 @@ A package lists what it exports and where each name lives; importing the package
 none of those modules, so a framework-free part (a config, the command line, the memory plan)
 loads without torch or MindSpore::
 
-    _EXPORTS = {"Trainer": "hyperpar_gdn.train.loop", "TrainConfig": "hyperpar_gdn.train.config"}
+    _EXPORTS = {"Trainer": "hyperpar_gdn.train.loop.trainer", "TrainConfig": "hyperpar_gdn.train.config"}
     __all__ = sorted(_EXPORTS)
     __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 

@@ -51,6 +51,9 @@ class Stopped(BaseException):  # noqa: N818 (a request, not a failure)
         return signal.Signals(self.signum).name
 
 
+# A launcher that reports a rank's error line itself (``hyperpar-train``) names a file here: rank 0
+# writes its line there instead of to the console.
+ERROR_LINE_FILE = "HP_ERROR_LINE_FILE"
 USER_ERROR_GRACE_S = 10.0  # how long ranks other than 0 wait after a user error (see run_script)
 
 
@@ -58,6 +61,11 @@ def _launched_ranks() -> int:
     """The world size the launcher set (torchrun ``WORLD_SIZE``, msrun ``MS_WORKER_NUM``), else 1."""
     value = os.environ.get("WORLD_SIZE", os.environ.get("MS_WORKER_NUM", "1"))
     return int(value) if value.strip().isdigit() else 1
+
+
+def ranks(count: int) -> str:
+    """``"1 rank"``, ``"2 ranks"``: a count of ranks in a message."""
+    return f"{count} rank{'' if count == 1 else 's'}"
 
 
 def print_line(text: str) -> None:
@@ -209,6 +217,19 @@ def _write_torchelastic_error(message: str) -> None:
         pass  # the summary then shows torchrun's generic text; the line was printed already
 
 
+def _hand_to_launcher(message: str) -> bool:
+    """Write ``message`` to the launcher's :data:`ERROR_LINE_FILE`; False when there is none."""
+    path = os.environ.get(ERROR_LINE_FILE)
+    if not path:
+        return False
+    try:
+        with open(path, "w") as file:
+            file.write(message + "\n")
+    except OSError:
+        return False
+    return True
+
+
 def run_script(
     name: str,
     body: Callable[[], int],
@@ -233,8 +254,9 @@ def run_script(
     except (UsageError, *user_errors) as err:
         message = f"{name}: error: {err}"
         if rank == 0:
-            print_line(message)
             _write_torchelastic_error(message)
+            if not _hand_to_launcher(message):
+                print_line(message)
         elif _launched_ranks() > 1:
             # The launcher stops every worker once one exits: give rank 0 (which hits the same
             # check, maybe later under load) time to print the line. Its exit ends this wait.

@@ -27,7 +27,7 @@ from benchkit.output import write_json
 from benchkit.ranks import on_ranks
 from hyperpar_gdn.cli import HelpFormatter
 from hyperpar_gdn.train import TrainConfig, Trainer
-from hyperpar_gdn.train.checkpoint import list_checkpoints
+from hyperpar_gdn.train.checkpoints.directory import list_checkpoints
 
 FORMATS = ("sharded", "whole")
 MIB = 2**20

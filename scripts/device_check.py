@@ -3,6 +3,8 @@ written to one JSON file.
 
     python scripts/device_check.py --out device_check.json          # a CUDA GPU
     python scripts/device_check.py --smoke --out smoke.json         # this CPU: tiny shapes, native
+    python scripts/device_check.py --multi --out multi.json         # every GPU: NCCL, one process each
+    python scripts/device_check.py --multi --smoke --out m.json     # gloo ranks on this CPU
 
 Parts (each skipped, with the reason in the JSON, when its time budget is spent):
 
@@ -18,6 +20,10 @@ Parts (each skipped, with the reason in the JSON, when its time budget is spent)
    called but move nothing), forward+backward, the slowest rank's time beside the communication
    the cost model prices for a GPU node (:func:`hyperpar_gdn.plan_context_parallel`'s ``gpu``).
 
+``--multi`` instead: every CP mode (both layouts; two levels with inner 2) on real process groups
+at cp = the visible GPUs, one process each (NCCL), forward and backward against the one-device
+layer (output, input and parameter gradients), and the CP layer's time (:mod:`benchkit.multi_device`).
+
 Each mode at cp = 8 runs 8 shards of T/8 in turn: the section costs about cp x modes layer steps. The
 kernel is one argument everywhere (``native``, and ``fla`` where it imports): through
 ``hyperpar_gdn.ops.gdn.kernels`` when the package has it, else ours directly.
@@ -27,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import statistics
 import sys
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from hyperpar_gdn.cli import HelpFormatter
+from hyperpar_gdn.ops.gdn.kernels import fla_missing, gdn_rule, shard_rule
 
 SECTIONS = ("parity", "layer", "widened", "modes")
 FULL = {"parity_t": (4096, 32768), "layer_t": (8192, 32768, 131072), "widened_t": 8192, "modes_t": 16384,
@@ -53,14 +59,7 @@ SMOKE = {"parity_t": (256,), "layer_t": (64, 128), "widened_t": 128, "modes_t": 
 # --- the kernel, one argument -----------------------------------------------------------------
 def kernels_available(device: torch.device) -> dict[str, str | None]:
     """Every kernel's name -> None when it runs here, else why not."""
-    out: dict[str, str | None] = {"native": None}
-    try:
-        from hyperpar_gdn.ops.gdn.kernels import fla_missing
-    except ImportError:
-        out["fla"] = "this hyperpar_gdn has no kernel interface (hyperpar_gdn.ops.gdn.kernels)"
-        return out
-    out["fla"] = fla_missing(device.type)
-    return out
+    return {"native": None, "fla": fla_missing(device.type)}
 
 
 def rule(kernel: str, q, k, v, g, beta, *, cu_seqlens=None, final_state: bool = True):
@@ -79,21 +78,7 @@ def rule(kernel: str, q, k, v, g, beta, *, cu_seqlens=None, final_state: bool = 
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu_seqlens,
         )
-    try:
-        from hyperpar_gdn.ops.gdn.kernels import gdn_rule
-    except ImportError:
-        gdn_rule = None
-    if gdn_rule is not None:
-        return gdn_rule(
-            q, k, v, g, beta, kernel=kernel, cu_seqlens=cu_seqlens, output_final_state=final_state
-        )
-    if kernel != "native":
-        raise ValueError(f"kernel={kernel!r} needs hyperpar_gdn.ops.gdn.kernels")
-    from hyperpar_gdn.ops import chunk_gated_delta_rule
-
-    return chunk_gated_delta_rule(
-        q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=final_state, cu_seqlens=cu_seqlens
-    )
+    return gdn_rule(q, k, v, g, beta, kernel=kernel, cu_seqlens=cu_seqlens, output_final_state=final_state)
 
 
 class ZeroExchange:
@@ -109,26 +94,7 @@ class ZeroExchange:
 
 def shard(kernel: str, q, k, v, g, beta, *, widened: bool):
     """A state mode's shard call (the widened one pass, or plain with ``widened=False``)."""
-    try:
-        from hyperpar_gdn.ops.gdn.kernels import shard_rule
-    except ImportError:
-        shard_rule = None
-    if shard_rule is not None:
-        return shard_rule(q, k, v, g, beta, ZeroExchange(), kernel=kernel, widened=widened)
-    from hyperpar_gdn.ops import prepare_chunks
-    from hyperpar_gdn.ops.gdn.onepass import shard_outputs
-
-    prep = prepare_chunks(q, k, v, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=True)
-    return shard_outputs(prep, ZeroExchange(), widened=widened)
-
-
-def with_kernel(cls: Any, kernel: str, **kwargs: Any) -> Any:
-    """``cls(**kwargs)``, with ``kernel=`` when it takes one (else only ``native`` is possible)."""
-    if "kernel" in inspect.signature(cls).parameters:
-        return cls(**kwargs, kernel=kernel)
-    if kernel != "native":
-        raise ValueError(f"{cls.__name__} takes no kernel=: only native runs")
-    return cls(**kwargs)
+    return shard_rule(q, k, v, g, beta, ZeroExchange(), kernel=kernel, widened=widened)
 
 
 # --- inputs and timing -------------------------------------------------------------------------
@@ -199,13 +165,9 @@ def layer_step(module: torch.nn.Module, kernel: str, x: torch.Tensor) -> Callabl
     from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward
     from hyperpar_gdn.platform import ops_for
 
-    extra = {"kernel": kernel} if "kernel" in inspect.signature(gdn_layer_forward).parameters else {}
-    if kernel != "native" and not extra:
-        raise ValueError("gdn_layer_forward takes no kernel=: only native runs")
-
     def step() -> None:
         xi = x.detach().requires_grad_(True)
-        y = gdn_layer_forward(ops_for(xi), LayerWeights.of(module), LayerDims.of(module), xi, **extra)
+        y = gdn_layer_forward(ops_for(xi), LayerWeights.of(module), LayerDims.of(module), xi, kernel=kernel)
         y.float().sum().backward()
 
     return step
@@ -273,9 +235,10 @@ def rank_step(cfg: dict, device: torch.device, kernel: str, mode: str, inner: in
         platform, dist.group.WORLD, list(range(cp)), mesh_dim_name="cp", device_type=device.type
     )
     layer = copy.deepcopy(module)
-    style = with_kernel(LinearAttentionContextParallel, kernel, mode=mode, inner_size=inner)
+    style = LinearAttentionContextParallel(mode=mode, inner_size=inner, kernel=kernel)
     style.apply(layer, mesh)
-    seq = GlobalSequence.build([x.shape[1]] * cp)  # the lengths known: no exchange on the fake group
+    # the lengths known: no exchange on the fake group
+    seq = GlobalSequence.build([x.shape[1]] * cp, rank=rank)
 
     def step() -> None:
         xi = x.detach().requires_grad_(True)
@@ -327,6 +290,39 @@ def mode_times(cfg: dict, device: torch.device, kernels: dict, deadline: float) 
     return out
 
 
+def multi(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--multi``: :mod:`benchkit.multi_device` on one process per device, rank 0's figures to
+    ``--out``."""
+    from benchkit.multi_device import MULTI_FULL, MULTI_SMOKE, multi_worker
+    from hyperpar_gdn.platform.launch import run_ranks
+
+    if args.smoke:
+        platform, world = "cpu", args.ranks
+    elif torch.cuda.device_count() >= 2:
+        platform, world = "cuda", torch.cuda.device_count()
+    else:
+        parser.error(
+            f"--multi needs at least 2 visible GPUs (found {torch.cuda.device_count()}); "
+            "with --smoke it runs gloo ranks on this CPU"
+        )
+    if world < 2:
+        parser.error(f"--ranks={world}: --multi needs at least 2 ranks")
+    cfg = MULTI_SMOKE if args.smoke else MULTI_FULL
+    results = run_ranks(multi_worker, world, cfg, timeout_s=args.budget_s, env={"HP_PLATFORM": platform})
+    result = {
+        "platform": platform,
+        "cp": world,
+        "torch": torch.__version__,
+        "config": cfg,
+        "cases": results[0],
+    }
+    if platform == "cuda":
+        result["device"] = torch.cuda.get_device_name(0)
+    args.out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print(json.dumps({k: result[k] for k in ("platform", "cp")} | {"cases": len(results[0])}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write (required)")
@@ -339,7 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="the parts to run"
     )
+    parser.add_argument(
+        "--multi",
+        action="store_true",
+        help="every CP mode at cp = the visible GPUs under NCCL, one process each, against one device "
+        "(with --smoke: --ranks gloo ranks on this CPU)",
+    )
+    parser.add_argument("--ranks", type=int, default=4, help="with --multi --smoke: how many CPU ranks")
     args = parser.parse_args(argv)
+    if args.multi:
+        return multi(args, parser)
     cfg = SMOKE if args.smoke else FULL
     if args.smoke:
         device = torch.device("cpu")

@@ -4,6 +4,7 @@ Launch with one process per device, on any platform:
 
     torchrun --nproc-per-node 4 scripts/selfcheck.py              # HP_PLATFORM picks cpu/cuda/npu
     torchrun --nproc-per-node 4 scripts/selfcheck.py --tp 2       # cp 2 x tp 2
+    torchrun --nproc-per-node 4 scripts/selfcheck.py --ep 4       # and a MoE block over ep 4
     HP_PLATFORM=mindspore msrun --worker_num=4 --local_worker_num=4 scripts/selfcheck.py
 
 Every rank builds the same layer and input, runs the whole sequence on its own device (the
@@ -22,6 +23,11 @@ them over; the two-level modes need at least 4 ranks).
 the TP ranks (:mod:`hyperpar_gdn.tensor_parallel`) before each mode runs over the cp = W / N ranks
 on its TP rank's heads, and its gradients are made whole over tp before the comparison. The
 head-parallel modes then need the value heads divisible by tp x cp; the two-level ones cp >= 4.
+
+``--ep N`` (torch, with transformers): one more row, a Qwen3.5 sparse MoE block (8 experts or
+``N``, top-2, hidden ``--hidden``) with its routed experts split over N consecutive ranks
+(:mod:`hyperpar_gdn.expert_parallel`), each rank bringing its own tokens of the batch: its output
+and input-gradient shards and every parameter gradient against the whole block on one device.
 """
 
 from __future__ import annotations
@@ -112,6 +118,22 @@ def split_heads(platform: Platform, layer: Any, tp_mesh: Any) -> None:
     parallelize_module(layer, as_tp_mesh(tp_mesh), GatedDeltaNetTensorParallel())
 
 
+def whole_grads_over(platform: Platform, layer: Any, tp_mesh: Any) -> Any:
+    """What makes the gradients of ``layer``, split by heads over ``tp_mesh``, whole and in the
+    one-device layout (collective): ``compare_with_reference``'s ``whole_grads``."""
+    if platform.name == "mindspore":
+        from hyperpar_gdn.tensor_parallel.mindspore_apply import whole_parameters
+
+        def whole(grads: dict[str, Any]) -> dict[str, Any]:
+            arrays = whole_parameters(layer, grads, tp_mesh)
+            return {name: platform.from_numpy(value, dtype="float32") for name, value in arrays.items()}
+
+        return whole
+    from hyperpar_gdn.tensor_parallel import canonical_grads
+
+    return lambda grads: canonical_grads(layer, grads)
+
+
 def main() -> int:
     """Exit code: 0, 1 when a mode fails, 2 after a user error (one line on rank 0)."""
     from hyperpar_gdn.cli import run_script
@@ -144,6 +166,12 @@ def _main() -> int:
         default=1,
         help="tensor-parallel ranks: the world is cp x tp, the layer split by heads over tp",
     )
+    add(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks: also check a MoE block with its experts split over ep ranks (torch)",
+    )
     add("--seed", type=int, default=0, help="weights and input")
     add("--tolerance", type=float, default=1e-4, help="max error relative to each tensor's scale")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout (seconds)")
@@ -159,9 +187,12 @@ def _main() -> int:
     platform = get_platform()
     resolve_kernel(args.gdn_kernel, platform=platform.name)  # an error on every rank alike, before the group
     tp = check_tp(args)
+    check_ep(args, platform.name)
     platform.init_distributed(timeout_s=args.timeout_s)
     rank, world = platform.rank(), platform.world_size()
     error = world_error(args, world, tp)
+    if error is None and world % args.ep:
+        error = f"--ep {args.ep} must divide the {world} launched ranks (the experts' ranks hold different tokens)"
     if error is not None:  # every rank alike, before any collective
         platform.destroy()
         raise ValueError(error)
@@ -200,7 +231,7 @@ def _main() -> int:
             layer = LinearAttentionContextParallel(plan=plan).apply(layer, mesh)
             start = time.perf_counter()
             reference = build_layer(platform, args)
-            split = {} if tp == 1 else {"tp_mesh": tp_mesh}
+            split = {} if tp == 1 else {"whole_grads": whole_grads_over(platform, layer, tp_mesh)}
             errors = compare_with_reference(platform, mesh, layer, reference, x, cotangent, **split)
             elapsed = time.perf_counter() - start
             worst_name, worst = max(errors.items(), key=lambda item: item[1])
@@ -208,12 +239,88 @@ def _main() -> int:
             name = mode if plan.inner_size is None else f"{mode} (inner {plan.inner_size})"
             result = "ok" if passed[mode] else "FAIL"
             rows.append((name, f"{worst:.2e} ({worst_name})", f"{elapsed:.2f}s", result))
+        if args.ep > 1:
+            start = time.perf_counter()
+            worst_name, worst = check_moe_block(args, platform)
+            passed["moe"] = worst <= args.tolerance
+            result = "ok" if passed["moe"] else "FAIL"
+            elapsed = f"{time.perf_counter() - start:.2f}s"
+            rows.append((f"MoE block, ep {args.ep}", f"{worst:.2e} ({worst_name})", elapsed, result))
     finally:
         if rank == 0:
             _print_table(platform.name, world, tp, args, rows)
         platform.destroy()
     ok, total = sum(passed.values()), len(passed)
     return 0 if ok == total else 1
+
+
+def check_ep(args: argparse.Namespace, platform: str) -> None:
+    """``--ep``, checked from the options alone (every rank alike, before the process group)."""
+    if args.ep < 1:
+        raise ValueError(f"--ep {args.ep} must be at least 1")
+    if args.ep > 1 and platform == "mindspore":
+        raise ValueError(f"--ep {args.ep}: expert parallelism runs on torch (HP_PLATFORM=cpu / cuda / npu)")
+    if args.ep > 1 and args.seq_len % args.ep:
+        raise ValueError(
+            f"--ep {args.ep} splits the {args.seq_len} tokens (--seq-len) over its ranks: divide it"
+        )
+
+
+def check_moe_block(args: argparse.Namespace, platform: Platform) -> tuple[str, float]:
+    """(worst tensor, its error relative to its scale) of a Qwen3.5 MoE block with its experts over
+    ``--ep`` consecutive ranks, each on its slice of the tokens, against the whole block (fp64)."""
+    import copy
+
+    import torch
+    from torch.distributed.tensor import DTensor
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    from hyperpar_gdn.expert_parallel import ExpertParallel
+
+    experts = max(8, args.ep)
+    config = Qwen3_5MoeTextConfig(
+        hidden_size=args.hidden, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )  # fmt: skip
+    config._experts_implementation = "eager"  # transformers' reference loop over experts
+    platform.manual_seed(args.seed)
+    block = Qwen3_5MoeSparseMoeBlock(config).to(torch.float64)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(args.batch_size, args.seq_len, args.hidden, generator=gen, dtype=torch.float64)
+    cotangent = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    x_ref = x.clone().requires_grad_()
+    reference = copy.deepcopy(block)
+    (reference(x_ref) * cotangent).sum().backward()
+
+    world = platform.world_size()
+    mesh = init_device_mesh(platform.name, (world // args.ep, args.ep), mesh_dim_names=("replica", "ep"))
+    ExpertParallel().apply(block, mesh["ep"])
+    ep_rank, t = mesh["ep"].get_local_rank(), args.seq_len // args.ep
+    mine = slice(ep_rank * t, (ep_rank + 1) * t)
+    x_mine = x[:, mine].clone().requires_grad_()
+    out = block(x_mine)
+    (out * cotangent[:, mine]).sum().backward()
+    group = mesh["ep"].get_group()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+    errors = {
+        "output": rel(out.detach(), reference(x)[:, mine].detach()),
+        "input grad": rel(x_mine.grad, x_ref.grad[:, mine]),
+    }
+    for name, p in block.named_parameters():
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        else:
+            grad = platform.collectives.all_reduce_sum(grad.clone(), group)
+        errors[name] = rel(grad, dict(reference.named_parameters())[name].grad)
+    return max(errors.items(), key=lambda item: item[1])
 
 
 def _auto_row(

@@ -12,8 +12,7 @@ Every option: ``python scripts/train.py --help`` and docs/training.md. Exit code
 ``--check-parity`` finds a loss difference above ``--parity-tol``; 2 for a user error (a bad
 option, a missing or unreadable data file, model directory or checkpoint, a platform this
 machine lacks), which rank 0 reports in one line, without a traceback (token ids outside the
-model's vocabulary, or a run whose memory estimate exceeds the budget: every rank,
-``train.py: rank R: error: ...``); 3 when a fault stopped the run
+model's vocabulary: every rank, ``train.py: rank R: error: ...``); 3 when a fault stopped the run
 (``--max-bad-steps`` non-finite steps in a row, a checkpoint that could not be written under
 ``--on-save-error stop``, a rank that stopped answering for ``--timeout-s``), which every rank
 reports in one line (``train.py: rank R: stopped: ...``); 128 + N after signal N (SIGTERM,
@@ -40,16 +39,12 @@ from hyperpar_gdn.platform.host_memory import keep_freed_host_memory
 from hyperpar_gdn.train.command_line import parse_args
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.errors import FAULTS, USER_ERRORS, VocabularyError
-from hyperpar_gdn.train.faults import RankTimeoutError
+from hyperpar_gdn.train.loop.faults import RankTimeoutError
 from hyperpar_gdn.train.memory_check import MemoryBudgetError, check_memory, plan_lines
 
 if TYPE_CHECKING:
     from hyperpar_gdn.train import Trainer, TrainResult
-    from hyperpar_gdn.train.callbacks import TrainCallback
-
-# After a refused memory plan: every rank reached the same arithmetic at about the same time, so a
-# short wait lets the others print their line before the launcher stops them.
-BUDGET_GRACE_S = 1.0
+    from hyperpar_gdn.train.loop.callbacks import TrainCallback
 
 
 class _Run:
@@ -66,7 +61,7 @@ class _Run:
         text = f" at step {step} of {self.config.steps}"
         if self.config.save is None:
             return text + "; no checkpoints (--save DIR keeps them)"
-        from hyperpar_gdn.train.checkpoint import MANIFEST, list_checkpoints
+        from hyperpar_gdn.train.checkpoints.directory import MANIFEST, list_checkpoints
 
         saved = [d for _, d in list_checkpoints(self.config.save) if (d / MANIFEST).is_file()]
         if not saved:
@@ -75,11 +70,12 @@ class _Run:
 
 
 def main(argv: Sequence[str] | None = None, *, callbacks: Sequence[TrainCallback] = ()) -> int:
-    """The script; ``callbacks``: hooks into the training loop (:mod:`hyperpar_gdn.train.callbacks`;
+    """The script; ``callbacks``: hooks into the training loop (:mod:`hyperpar_gdn.train.loop.callbacks`;
     the tests' fault injection, ``tests/train/train_with_faults.py``)."""
     run = _Run()
     body = functools.partial(_every_rank, lambda: _run(argv, run, callbacks))
-    return run_script("train.py", body, user_errors=USER_ERRORS, where=run.where)
+    # a refused memory plan is the same arithmetic on every rank: one line, on rank 0
+    return run_script("train.py", body, user_errors=(*USER_ERRORS, MemoryBudgetError), where=run.where)
 
 
 def _every_rank(body: Callable[[], int]) -> int:
@@ -96,10 +92,6 @@ def _every_rank(body: Callable[[], int]) -> int:
     except VocabularyError as err:  # a bad input that every rank checks alone
         print_line(f"train.py: rank {launch_rank()}: error: {err}")
         _let_the_others_print()
-        return 2
-    except MemoryBudgetError as err:  # every rank finds the same estimate at once, before any communication
-        print_line(f"train.py: rank {launch_rank()}: error: {err}")
-        _let_the_others_print(grace_s=BUDGET_GRACE_S)
         return 2
 
 
@@ -133,7 +125,7 @@ def _run(argv: Sequence[str] | None, run: _Run, callbacks: Sequence[TrainCallbac
         keep_freed_host_memory()
     trainer_class: type[Trainer] = Trainer
     if name == "mindspore":
-        from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+        from hyperpar_gdn.train.backends.mindspore_backend import MindSporeTrainer
 
         trainer_class = MindSporeTrainer
     result: TrainResult | None = None

@@ -66,6 +66,12 @@ def test_every_python_block_runs_or_says_it_is_a_fragment() -> None:
     assert not bare, bare
 
 
+def test_every_runnable_block_prints_what_it_showed() -> None:
+    """A reader who runs a block sees it succeed: each ends with a line it prints."""
+    silent = [name for name, _, code in BLOCKS if "print(" not in code]
+    assert not silent, silent
+
+
 @pytest.mark.parametrize("name, ranks, code", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_block_runs(name: str, ranks: int, code: str) -> None:
     if "transformers" in code:  # import once here: the forked ranks inherit it (tens of seconds each)

@@ -1,6 +1,6 @@
 """scripts/generate.py on 2 gloo ranks with a model directory from scripts/make_tiny_qwen35.py, every
 run in one launch: its greedy continuation equals transformers' one-device ``generate`` in every
-mode (scan included) and layout (``--layout``, and its default), decoding on one device and on the
+mode (scan included) and layout (``--cp-layout``, and its default), decoding on one device and on the
 CP group (with the K/V cache bytes per rank); the JSON holds the timings; sampling is reproducible
 from its seed; scripts/plot_generate.py draws the JSON; bad options are refused. With ``--tp 2`` on
 4 ranks (cp 2 x tp 2, the model split by heads) the continuation, on the first CP rank's TP group
@@ -21,6 +21,8 @@ import pytest
 import torch
 from distributed_harness import run_ranks
 
+from hyperpar_gdn.inference import generate_options, generate_run
+
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +30,7 @@ PROMPT = "The river runs past the old mill, and the mill wheel turns all day lon
 
 
 def load_script() -> Any:
+    """scripts/generate.py as a module (its ``main``)."""
     spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -70,13 +73,22 @@ def _runs(even: int) -> dict[str, list[str]]:
     sample = ["--sample", "--temperature", "2.0", "--max-new-tokens", "12"]
     return {
         # T odd: the default layout is contiguous
-        "ulysses": ["--mode", "ulysses", "--min-prompt-tokens", str(even + 1), *greedy, "--repeats", "2"]
+        "ulysses": ["--cp-mode", "ulysses", "--min-prompt-tokens", str(even + 1), *greedy, "--repeats", "2"]
         + ["--compare-one-device"],
         # T divisible by 2cp, attention layers: the default layout is head_tail
+        # the earlier spelling of --cp-mode, still read
         "scan": ["--mode", "scan", "--min-prompt-tokens", str(even), *greedy],
-        "all_gather": ["--mode", "all_gather", "--layout", "contiguous", "--min-prompt-tokens", str(even)]
+        "auto": ["--cp-mode", "auto", "--min-prompt-tokens", str(even), *greedy],
+        "all_gather": [
+            "--cp-mode",
+            "all_gather",
+            "--cp-layout",
+            "contiguous",
+            "--min-prompt-tokens",
+            str(even),
+        ]
         + greedy,
-        "cp-group": ["--layout", "head_tail", "--min-prompt-tokens", str(even), "--decode-on", "cp-group"]
+        "cp-group": ["--cp-layout", "head_tail", "--min-prompt-tokens", str(even), "--decode-on", "cp-group"]
         + greedy,
         "seed1": [*sample, "--seed", "1"],
         "seed1-again": [*sample, "--seed", "1"],
@@ -118,7 +130,7 @@ def _expected(model_dir: Path, ids: list[int], new_tokens: int) -> list[int]:
 def test_greedy_continuation_equals_transformers(
     runs: dict[str, Any], model_dir: Path, prompt_ids: list[int], name: str, mode: str, layout: str
 ) -> None:
-    """Every mode and layout (``--layout``, or its default from T) continues the prompt (repeated
+    """Every mode and layout (``--cp-layout``, or its default from T) continues the prompt (repeated
     up to ``--min-prompt-tokens``) as transformers' ``generate`` does."""
     result = runs[name]
     t = result["prompt_tokens"]
@@ -182,14 +194,14 @@ def test_plot_draws_every_run(runs: dict[str, Any], tmp_path: Path) -> None:
 def test_head_tail_needs_2cp_pieces(model_dir: Path, tmp_path: Path) -> None:
     """--layout head_tail with T not divisible by 2cp: one error naming T and the way out (raised by
     every rank alike, before any communication); a prompt beyond the position range likewise."""
-    script = load_script()
-    args = script.parse_args(["--model", str(model_dir), "--prompt-file", "p", "--layout", "head_tail"])
+    script = generate_options
+    args = script.parse_args(["--model", str(model_dir), "--prompt-file", "p", "--cp-layout", "head_tail"])
     assert script.token_layout(args, 12, 2) == "head_tail"
     with pytest.raises(
-        ValueError, match=re.escape("--layout head_tail cuts the prompt's T=10 tokens into 2 x cp")
+        ValueError, match=re.escape("--cp-layout head_tail cuts the prompt's T=10 tokens into 2 x cp")
     ):
         script.token_layout(args, 10, 2)
-    args.layout = None  # the default: head_tail when T divides (the tiny model has attention layers)
+    args.cp_layout = None  # the default: head_tail when T divides (the tiny model has attention layers)
     cases = ((12, 2), (10, 2), (12, 1), (8, 2))  # T=8: pieces of 2 tokens, under the conv halo of 3
     assert [script.token_layout(args, t, cp) for t, cp in cases] == ["head_tail"] + ["contiguous"] * 3
     script.check_prompt_length(args, 4096)
@@ -204,8 +216,8 @@ def test_tp2_continuation_equals_transformers(model_dir: Path, prompt_ids: list[
     prompt.write_text(PROMPT)
     even = 4 * (len(prompt_ids) // 4 + 1)
     runs = {
-        "one-device": ["--layout", "contiguous"],
-        "cp-group": ["--mode", "scan", "--layout", "head_tail", "--decode-on", "cp-group"],
+        "one-device": ["--cp-layout", "contiguous"],
+        "cp-group": ["--cp-mode", "scan", "--cp-layout", "head_tail", "--decode-on", "cp-group"],
     }
     common = ["--model", str(model_dir), "--prompt-file", str(prompt), "--tp", "2", "--max-new-tokens", "12"]
     argvs = [
@@ -230,13 +242,17 @@ def test_tp2_continuation_equals_transformers(model_dir: Path, prompt_ids: list[
         (["--tp", "2", "--compare-one-device"], "--compare-one-device times rank 0 alone; with --tp 2"),
         (["--sample", "--temperature", "0"], "--temperature=0.0 must be > 0"),
         (["--top-k", "3"], "--top-k 3 only apply to sampling; add --sample"),
+        (["--cp-mode", "ulysses+p2p"], "--cp-mode ulysses+p2p requires --cp-inner-size N"),
+        (["--cp-inner-size", "2"], "--cp-inner-size 2 goes with the two-level modes"),
+        (["--mode", "p2p", "--cp-mode", "scan"], "--mode is the earlier name of --cp-mode: give one of them"),
+        (["--layout", "zigzag"], "--layout (now --cp-layout) 'zigzag' is not one of contiguous, head_tail"),
     ],
 )
 def test_bad_options(option: list[str], message: str) -> None:
     from hyperpar_gdn.cli import UsageError
 
     with pytest.raises(UsageError, match=re.escape(message)):
-        load_script().parse_args(["--model", "m", "--prompt-file", "p", *option])
+        generate_options.parse_args(["--model", "m", "--prompt-file", "p", *option])
 
 
 def test_the_builtin_prompt_and_whitespace_continuations() -> None:
@@ -246,14 +262,38 @@ def test_the_builtin_prompt_and_whitespace_continuations() -> None:
 
     from hyperpar_gdn.corpus import BUILTIN_CORPUS
 
-    script = load_script()
-    args = script.parse_args(["--model", "m"])
+    args = generate_options.parse_args(["--model", "m"])
     assert args.prompt_file is None
-    script.check_paths(argparse.Namespace(model=ROOT, prompt_file=None))  # no prompt file to check
-    text = script.prompt_text(args)
+    generate_options.check_paths(argparse.Namespace(model=ROOT, prompt_file=None))  # no prompt file to check
+    text = generate_options.prompt_text(args)
     assert text.strip() and BUILTIN_CORPUS.startswith(text) and "\n\n" not in text
-    assert script.shown_text("the mill", [5, 6]) == "the mill"
+    assert generate_run.shown_text("the mill", [5, 6]) == "the mill"
     assert (
-        script.shown_text("\n\n ", [198, 198, 220])
+        generate_run.shown_text("\n\n ", [198, 198, 220])
         == "'\\n\\n ' (whitespace only; token ids [198, 198, 220])"
     )
+
+
+def test_auto_runs_the_mode_the_cost_model_picks(
+    runs: dict[str, Any], model_dir: Path, prompt_ids: list[int]
+) -> None:
+    from hyperpar_gdn.distributed.plan import MODES
+
+    result = runs["auto"]
+    assert result["mode_asked"] == "auto" and result["mode"] in MODES, result
+    assert result["new_tokens"] == _expected(model_dir, _repeated(prompt_ids, result["prompt_tokens"]), 16)
+
+
+def test_the_earlier_option_names_still_work_with_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--mode`` and ``--layout``, the names generate.py had, set --cp-mode and --cp-layout and
+    say so in one line each."""
+    args = generate_options.parse_args(["--model", "m", "--mode", "scan", "--layout", "contiguous"])
+    assert (args.cp_mode, args.cp_layout) == ("scan", "contiguous")
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == [
+        "generate.py: note: --mode is now --cp-mode, as in train.py",
+        "generate.py: note: --layout is now --cp-layout, as in train.py",
+    ], notes
+    args = generate_options.parse_args(["--model", "m", "--cp-mode", "ulysses+scan", "--cp-inner-size", "2"])
+    assert (args.cp_mode, args.cp_inner_size) == ("ulysses+scan", 2)
+    assert generate_options.parse_args(["--model", "m", "--cp-mode", "auto"]).cp_mode == "auto"

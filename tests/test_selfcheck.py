@@ -7,6 +7,7 @@ one error."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import re
 from pathlib import Path
@@ -100,3 +101,18 @@ def test_tp_that_does_not_fit_is_one_error() -> None:
     )
     with pytest.raises(ValueError, match="--k-heads 3 must be divisible by tp"):
         script.check_tp(argparse.Namespace(tp=2, k_heads=3, v_heads=6, seq_len=64))
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_check_a_moe_block_at_ep2(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    small = ["--seq-len", "64", "--hidden", "32", "--head-dim", "16", "--ep", "2"]
+    result = run_script("scripts/selfcheck.py", *small, ranks=2, cwd=tmp_path, timeout=280)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert re.search(r"^MoE block, ep 2\s+\S+ \([\w.]+\)\s+[\d.]+s\s+ok$", out, re.M), out
+    script = _script()
+    with pytest.raises(ValueError, match="--ep 3 splits the 64 tokens"):
+        script.check_ep(argparse.Namespace(ep=3, seq_len=64), "cpu")
+    with pytest.raises(ValueError, match="expert parallelism runs on torch"):
+        script.check_ep(argparse.Namespace(ep=2, seq_len=64), "mindspore")

@@ -91,9 +91,9 @@ CASES = {
     "gen-ulysses-heads-3ranks": (
         "generate.py",
         3,
-        [*GEN, "--mode", "ulysses"],
+        [*GEN, "--cp-mode", "ulysses"],
         {},
-        "--mode ulysses splits the GDN heads over cp=3 ranks, but tiny has 2 key and 4 value heads",
+        "--cp-mode ulysses splits the GDN heads over cp=3 ranks, but tiny has 2 key and 4 value heads",
     ),
     "gen-prompt-beyond-positions-2ranks": (
         "generate.py",

@@ -107,10 +107,11 @@ def tiny_config(
     vocab_size: int = 61,
     layer_types: Sequence[str] = (LINEAR, LINEAR, LINEAR, FULL),
     pad_token_id: int | None = None,
+    num_experts: int = 4,
 ) -> Any:
     """A 4-layer transformers Qwen3.5 text config (hidden 32; GDN ``num_k_heads`` key heads and
     ``num_v_heads`` value heads of 8; attention 4 heads and 2 K/V heads of 16, half of each rotated), dense
-    (intermediate 48) or MoE (4 experts, 2 per token, eager experts: the grouped matmul refuses
+    (intermediate 48) or MoE (``num_experts`` experts, 2 per token, eager experts: the grouped matmul refuses
     float64)."""
     import transformers
 
@@ -136,7 +137,7 @@ def tiny_config(
         return transformers.Qwen3_5TextConfig(**common, intermediate_size=48)
     config = transformers.Qwen3_5MoeTextConfig(
         **common,
-        num_experts=4,
+        num_experts=num_experts,
         num_experts_per_tok=2,
         moe_intermediate_size=24,
         shared_expert_intermediate_size=24,
@@ -154,12 +155,18 @@ def _causal_lm(config: Any) -> torch.nn.Module:
 
 
 def tiny_model(
-    *, moe: bool, num_k_heads: int = 2, num_v_heads: int = 4, vocab_size: int = 61
+    *, moe: bool, num_k_heads: int = 2, num_v_heads: int = 4, vocab_size: int = 61, num_experts: int = 4
 ) -> torch.nn.Module:
     """transformers' causal LM of :func:`tiny_config`, seeded, in float64, moved off its init
     (0.05) with a slow decay."""
     torch.manual_seed(0)
-    config = tiny_config(moe=moe, num_k_heads=num_k_heads, num_v_heads=num_v_heads, vocab_size=vocab_size)
+    config = tiny_config(
+        moe=moe,
+        num_k_heads=num_k_heads,
+        num_v_heads=num_v_heads,
+        vocab_size=vocab_size,
+        num_experts=num_experts,
+    )
     model = _causal_lm(config)
     model = model.to(torch.float64)
     move_off_init(model, 0.05, dt_bias_shift=-4.0)

@@ -10,26 +10,30 @@ returns this rank's logits ``[B, T/cp, V]``.
 Per forward, the whole sequence is described once on the host (the shard lengths, the padding,
 the packed documents' boundaries: a :class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`)
 and carried to every mixer, so no layer exchanges lengths or copies a device tensor to the host:
-HybridLM's forward is wrapped to build it (and passes it to its blocks as their ``cu_seqlens``); a
-transformers model gets forward pre-hooks that build it and make its inputs right for a shard
-(:mod:`hyperpar_gdn.integrations.transformers.hooks`).
+as the ``cp_context=`` keyword. The model's adapter (:mod:`.adapters`) says where its decoder
+layers are and installs what builds that context once per forward: a wrapper of HybridLM's
+forward (:class:`~.decoder_layers.DecoderAdapter`), forward pre-hooks on a transformers model
+that also make its inputs right for a shard (:mod:`hyperpar_gdn.integrations.transformers.adapter`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import replace
 from typing import Any
 
-from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, mixers_of, text_model_of
-from hyperpar_gdn.distributed.layout import layout_mismatch
+from hyperpar_gdn.distributed.decoder_layers import (
+    adapter_for,
+    base_model_of,
+    mixer_of,
+    mixers_of,
+    text_model_of,
+)
 from hyperpar_gdn.distributed.linear_attention_style import LinearAttentionContextParallel, layer_shape
-from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
-from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers, is_parallelized
+from hyperpar_gdn.distributed.mesh import as_cp_mesh
+from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_parallelized
 from hyperpar_gdn.distributed.plan import CPPlan, agree_on_plan, check_mode, first
 from hyperpar_gdn.distributed.planner import choose_plan
-from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence, exchange_lengths
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
 
 __all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
@@ -68,7 +72,9 @@ def apply_context_parallel(
     ``.loss`` is this rank's term of the global mean loss.
 
     Args:
-        model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model.
+        model: ``HybridLM``, or transformers' Qwen3.5 causal LM / text model / multimodal model, or
+            any of them inside PEFT's ``PeftModel`` (its LoRA layers are called as the model holds
+            them; a wrapper the layers would bypass is refused before any change).
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         plan: a :class:`~hyperpar_gdn.CPPlan` (mode, layout, inner size, chunk size), or None to
             build one from the keywords below (give one or the other).
@@ -91,9 +97,12 @@ def apply_context_parallel(
 
     Returns ``model``, changed in place; :func:`undo_context_parallel` restores it.
     """
+    given = model
+    model = base_model_of(model)  # a PeftModel: its hooks and forward go on the model it wraps
     plan = _plan_from(model, mesh, plan, mode, chunk_size, layout, seq_len, inner_size, dtype, kernel)
     cp_mesh = as_cp_mesh(mesh)
-    outer, text_model = find_decoder(model)
+    adapter = adapter_for(model)
+    outer, text_model = adapter.decoder(model)
     mixers = mixers_of(text_model)
     linear_style = LinearAttentionContextParallel(plan=plan)
     gdn = [(i, module) for i, (kind, module) in enumerate(mixers) if kind == "linear_attn"]
@@ -113,33 +122,19 @@ def apply_context_parallel(
     agree_on_plan(cp_mesh, plan, shapes, first(errors))
     linear_style.make_groups(cp_mesh)  # two levels: collective, before anything changes
     softmax_style = SoftmaxAttentionContextParallel(layout=plan.layout)
-    holder = ContextHolder() if from_transformers(text_model) else None  # HybridLM: cp_context=
     done: list[Any] = []
     try:
-        if from_transformers(text_model):
-            from hyperpar_gdn.integrations.transformers.hooks import install_hooks
-
-            installed = install_hooks(model, outer, text_model, cp_mesh, plan.layout, holder)
-        else:
-            installed = False
-        if not installed:  # HybridLM: its forward takes cp_layout= and checks it
-            ParallelStyle._install(model, lambda original: _per_forward(original, cp_mesh, plan.layout))
+        adapter.install_forward(model, outer, text_model, cp_mesh, plan.layout)
         for kind, module in mixers:
             style = linear_style if kind == "linear_attn" else softmax_style
-            style.install(module, cp_mesh, holder=holder)
+            style.install(module, cp_mesh)
             done.append(module)
     except BaseException:  # leave the model as it was
         for module in done:
             ParallelStyle.undo(module)
-        if from_transformers(text_model):
-            from hyperpar_gdn.integrations.transformers.hooks import remove_hooks
-
-            if not remove_hooks(text_model) and is_parallelized(model):
-                ParallelStyle.undo(model)
-        elif is_parallelized(model):
-            ParallelStyle.undo(model)
+        adapter.remove_forward(model, text_model)
         raise
-    return model
+    return given
 
 
 def _plan_from(
@@ -190,40 +185,13 @@ def _plan_from(
 
 def undo_context_parallel(model: Any) -> Any:
     """Restore the single-device forward of every mixer of ``model`` (and remove its hooks)."""
-    _, text_model = find_decoder(model)
+    given = model
+    model = base_model_of(model)
+    adapter = adapter_for(model)
+    _, text_model = adapter.decoder(model)
     for i, block in enumerate(text_model.layers):
         kind, module = mixer_of(i, block)
         style = LinearAttentionContextParallel if kind == "linear_attn" else SoftmaxAttentionContextParallel
         style.undo(module)
-    removed = False
-    if from_transformers(text_model):
-        from hyperpar_gdn.integrations.transformers.hooks import remove_hooks
-
-        removed = remove_hooks(text_model)
-    if not removed:
-        ParallelStyle.undo(model)
-    return model
-
-
-def _per_forward(original: Any, mesh: DeviceMesh, layout: str) -> Any:
-    """HybridLM's forward under context parallelism: it takes a ``cp_layout`` keyword (refused when
-    it is not the model's) and describes the whole sequence once per forward for every mixer: one
-    exchange of the shard lengths (every rank stops on any rank's bad input) and one host copy of
-    ``cu_seqlens``, in a :class:`GlobalSequence` passed to the blocks as ``cp_context=`` (which
-    then carries the documents: ``cu_seqlens`` goes on as None)."""
-    signature = inspect.signature(original)
-
-    def forward(*args: Any, cp_layout: str | None = None, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        input_ids, cu_seqlens = bound.arguments.get("input_ids"), bound.arguments.get("cu_seqlens")
-        error = layout_mismatch(cp_layout, layout)
-        if error is None and (input_ids is None or len(input_ids.shape) != 2):
-            error = f"input_ids must be this rank's shard [B, T/cp]; got {None if input_ids is None else tuple(input_ids.shape)}"
-        if error is None and cu_seqlens is not None and input_ids.shape[0] != 1:
-            error = f"packed documents (cu_seqlens) need batch size B=1; got B={input_ids.shape[0]}"
-        lengths = exchange_lengths(mesh, None if error else input_ids.shape[1], error)
-        bound.arguments["cu_seqlens"] = None
-        bound.arguments["cp_context"] = GlobalSequence.build(lengths, layout=layout, cu_seqlens=cu_seqlens)
-        return original(*bound.args, **bound.kwargs)
-
-    return forward
+    adapter.remove_forward(model, text_model)
+    return given

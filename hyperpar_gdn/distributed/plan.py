@@ -34,6 +34,7 @@ __all__ = [
     "agree_on_plan",
     "first",
     "head_split_error",
+    "inner_size_option_error",
     "plan_errors",
 ]
 
@@ -89,6 +90,20 @@ def check_mode(mode: object, *, allow_auto: bool = False) -> str:
     if mode not in choices:
         raise ValueError(f"mode={mode!r} is not a context-parallel mode; choose one of {', '.join(choices)}")
     return mode  # type: ignore[return-value]
+
+
+def inner_size_option_error(mode: str, inner_size: int | None) -> str | None:
+    """The scripts' rule for ``--cp-mode`` and ``--cp-inner-size``, as a message, or None: a
+    two-level mode requires the inner size, and no other mode takes one."""
+    two_level = ", ".join(TWO_LEVEL_MODES)
+    if mode in TWO_LEVEL_MODES and inner_size is None:
+        return (
+            f"--cp-mode {mode} requires --cp-inner-size N: the ranks of each inner (ulysses) group, "
+            "e.g. one node's"
+        )
+    if mode not in TWO_LEVEL_MODES and inner_size is not None:
+        return f"--cp-inner-size {inner_size} goes with the two-level modes ({two_level}) only; got --cp-mode {mode}"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,5 +5,7 @@
   passed explicitly to the mixers);
 - :mod:`.packed`: several prompts packed in one row, a cache per prompt;
 - :mod:`.cp_decoding`: decoding with each rank keeping its share of the attention K/V cache;
-- :mod:`.decoding`: this package's models' decoding state, one step, greedy generation.
+- :mod:`.decoding`: this package's models' decoding state, one step, greedy generation;
+- ``scripts/generate.py``'s run: :mod:`.generate_options`, :mod:`.engine`, :mod:`.sampling`,
+  :mod:`.generate_run`.
 """

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
+from hyperpar_gdn.distributed.decoder_layers import base_model_of, mixer_of, text_model_of
 from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import applied_layout, from_transformers, is_parallelized
@@ -44,8 +44,8 @@ from hyperpar_gdn.inference.decoding import (
     state_from_prefill,
 )
 from hyperpar_gdn.inference.packed import packed_bounds, packed_positions
-from hyperpar_gdn.ops.blocks import lm_logits
 from hyperpar_gdn.ops.prefill_states import PrefillStates
+from hyperpar_gdn.ops.projections import Projection, WeightLinear
 from hyperpar_gdn.platform import Tensor, ops_for
 
 __all__ = ["prefill_context_parallel", "prompt_lengths"]
@@ -77,7 +77,8 @@ def prefill_context_parallel(
     Args:
         model: under :func:`~hyperpar_gdn.apply_context_parallel` (any mode, either layout):
             transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``, or ``HybridLM``
-            (torch or MindSpore) or the MindSpore ``Qwen3_5ForCausalLM``.
+            (torch or MindSpore) or the MindSpore ``Qwen3_5ForCausalLM``; a transformers model may sit
+            inside PEFT's ``PeftModel`` (its adapters apply, the head's included).
         mesh: the CP mesh the model was parallelized over.
         input_ids: the whole prompt ``[B, T]``, the same on every rank (``layout="head_tail"``:
             T divisible by 2*cp).
@@ -106,6 +107,7 @@ def prefill_context_parallel(
     # the one forward; each check is a helper below.
     cp_mesh = as_cp_mesh(mesh)
     check_prompt(input_ids)
+    model = base_model_of(model)  # a PeftModel: the transformers model it wraps (adapters inside)
     text_model = text_model_of(model)
     transformers_model = from_transformers(model)
     if transformers_model:
@@ -133,11 +135,11 @@ def prefill_context_parallel(
         if transformers_model:
             positions = None if cu is None else packed_positions(cu)
             hidden = hf.prefill_hidden(text_model, input_ids, mask_np, index, states, positions)
-            head = model.lm_head.weight
+            head = model.lm_head  # called: a wrapper around it applies
         else:
             parts = lm_parts(model)
             hidden = last_hidden(parts, _take_tokens(xp, input_ids, index), states)
-            head = parts.head
+            head = WeightLinear(parts.head)
         logits = _end_logits(cp_mesh, hidden, head, index, ends)  # [B, len(ends), V]
     if cu is not None:
         return logits[0], hf.dynamic_caches(model, text_model, states, cu)
@@ -146,16 +148,17 @@ def prefill_context_parallel(
     return logits[:, 0], state_from_prefill(model, states, t)
 
 
-def _end_logits(cp_mesh: Any, hidden: Tensor, head: Tensor, index: np.ndarray, ends: list[int]) -> Tensor:
-    """The logits ``[B, E, V]`` of the tokens at global positions ``ends`` (E of them) on every
-    rank: each from the rank holding it (``index``: this rank's global positions), zeros from the
-    others, summed."""
+def _end_logits(cp_mesh: Any, hidden: Tensor, head: Projection, index: np.ndarray, ends: list[int]) -> Tensor:
+    """The logits ``[B, E, V]`` (fp32 at least) of the tokens at global positions ``ends`` (E of
+    them) on every rank: each from the rank holding it (``index``: this rank's global positions),
+    zeros from the others, summed. ``head``: ``[..., C] -> [..., V]``."""
     hx = ops_for(hidden)
     where = {int(p): i for i, p in enumerate(index)}
     rows = []
     for end in ends:
         i = where.get(end, len(index) - 1)  # any row of ours stands in; it is zeroed below
-        logits = lm_logits(hx, hidden[:, i : i + 1], head)[:, 0]  # [B, V]
+        logits = head(hidden[:, i : i + 1])[:, 0]  # [B, V]
+        logits = hx.cast(logits, hx.compute_dtype(logits))
         rows.append(logits if end in where else hx.zeros(tuple(logits.shape), like=logits))
     out = hx.stack(rows, 1)
     if cp_mesh.size() > 1:

@@ -19,10 +19,11 @@ from typing import Any
 
 from hyperpar_gdn.models.block_config import DecoderSizes
 
-__all__ = ["Qwen35Config"]
+__all__ = ["MODEL_TYPES", "Qwen35Config", "read_config"]
 
 DENSE, MOE = "qwen3_5_text", "qwen3_5_moe_text"
 MULTIMODAL = {"qwen3_5": DENSE, "qwen3_5_moe": MOE}
+MODEL_TYPES = (DENSE, MOE, *MULTIMODAL)  # what a Qwen3.5 directory's config.json may name
 ARCHITECTURES = {DENSE: "Qwen3_5ForCausalLM", MOE: "Qwen3_5MoeForCausalLM"}
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -69,14 +70,7 @@ class Qwen35Config(DecoderSizes):
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Qwen35Config:
         """The config of the model directory ``path`` (its ``config.json``)."""
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"{path}: no config.json there (expected a transformers model directory)")
-        try:
-            config = json.loads(file.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{file} is not valid JSON ({err})") from None
-        return cls.from_dict(config, where=str(file))
+        return cls.from_dict(read_config(path), where=str(Path(path) / "config.json"))
 
     @classmethod
     def from_dict(
@@ -93,10 +87,7 @@ class Qwen35Config(DecoderSizes):
                 text["tie_word_embeddings"] = config["tie_word_embeddings"]
             return cls.from_dict(text, where=f"{where}: text_config", sizes_only=sizes_only)
         if model_type not in (DENSE, MOE):
-            raise ValueError(
-                f"{where}: model_type {model_type!r} is not a Qwen3.5 model; supported: "
-                f"{', '.join([DENSE, MOE, *MULTIMODAL])}"
-            )
+            raise ValueError(_not_qwen35(model_type, where))
         if not sizes_only:
             _refuse_unsupported(config, where)
         n = _int(config, "num_hidden_layers", where)
@@ -181,6 +172,29 @@ class Qwen35Config(DecoderSizes):
             "intermediate_size": self.moe_intermediate_size,
             "shared_intermediate_size": self.shared_expert_intermediate_size,
         }
+
+
+def read_config(path: str | Path, *, option: str = "") -> dict[str, Any]:
+    """``path/config.json`` of a Qwen3.5 model directory as a dict, multimodal ones whole, checked:
+    it exists, is JSON and names a Qwen3.5 model type (:data:`MODEL_TYPES`). The one reader of
+    a model directory's config (no transformers, no framework); ``option`` (``"--model"``)
+    begins its errors."""
+    where = f"{option} {path}" if option else str(path)
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{where}: no config.json there (expected a transformers model directory)")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: config.json is not valid JSON ({err})") from None
+    if not isinstance(config, dict) or config.get("model_type") not in MODEL_TYPES:
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        raise ValueError(_not_qwen35(model_type, where))
+    return config
+
+
+def _not_qwen35(model_type: Any, where: str) -> str:
+    return f"{where}: model_type {model_type!r} is not a Qwen3.5 model; supported: {', '.join(MODEL_TYPES)}"
 
 
 def _int(config: dict[str, Any], name: str, where: str) -> int:

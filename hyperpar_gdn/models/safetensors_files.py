@@ -49,9 +49,8 @@ def write_weights(path: str | Path, arrays: Mapping[str, np.ndarray]) -> Path:
 def _read_file(file: Path) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
-    header_len = int.from_bytes(file.open("rb").read(8), "little")
     with file.open("rb") as f:
-        f.seek(8)
+        header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
     out = {}
     with safe_open(str(file), framework="numpy") as f:

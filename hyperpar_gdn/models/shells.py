@@ -26,9 +26,10 @@ from typing import Any
 
 from hyperpar_gdn.models.config import LINEAR, check_layer_type
 from hyperpar_gdn.ops.attention.softmax import causal_attention, init_attention_dims
-from hyperpar_gdn.ops.blocks import decoder_block, swiglu
+from hyperpar_gdn.ops.blocks import decoder_block, swiglu_of
 from hyperpar_gdn.ops.gdn.layer import init_layer_dims, layer_forward
 from hyperpar_gdn.ops.prefill_states import PrefillStates
+from hyperpar_gdn.ops.projections import projection
 from hyperpar_gdn.platform import ops_for
 
 __all__ = ["AttentionShell", "DecoderBlockShell", "GatedDeltaNetShell", "MLPShell"]
@@ -216,7 +217,8 @@ class MLPShell:
         self.down_proj = self._linear(intermediate_size, hidden_size)
 
     def forward(self, x: Any) -> Any:
-        return swiglu(ops_for(x), x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        parts = (projection(self.gate_proj), projection(self.up_proj), projection(self.down_proj))
+        return swiglu_of(ops_for(x), x, *parts)
 
     def _linear(self, in_features: int, out_features: int) -> Any:
         """A linear layer without bias, weight ``[out, in]``."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from hyperpar_gdn.ops.projections import Projection, WeightLinear
 from hyperpar_gdn.ops.rms_norm_vjp import written_rms_norm
 from hyperpar_gdn.platform import Tensor, TensorOps
 
-__all__ = ["decoder_block", "lm_logits", "rms_norm", "sparse_moe", "swiglu"]
+__all__ = ["decoder_block", "lm_logits", "rms_norm", "sparse_moe", "swiglu", "swiglu_of"]
 
 
 def rms_norm(xp: TensorOps, x: Tensor, weight: Tensor, eps: float, *, zero_centred: bool = False) -> Tensor:
@@ -41,7 +42,13 @@ def rms_norm(xp: TensorOps, x: Tensor, weight: Tensor, eps: float, *, zero_centr
 
 def swiglu(xp: TensorOps, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """``down(silu(gate(x)) * up(x))``: x ``[..., C]``, gate and up ``[I, C]``, down ``[C, I]``."""
-    return xp.linear(xp.silu(xp.linear(x, gate)) * xp.linear(x, up), down)
+    return swiglu_of(xp, x, WeightLinear(gate), WeightLinear(up), WeightLinear(down))
+
+
+def swiglu_of(xp: TensorOps, x: Tensor, gate: Projection, up: Projection, down: Projection) -> Tensor:
+    """:func:`swiglu` of the projections themselves (an MLP's modules, called as the model holds
+    them): ``[..., C] -> [..., I]`` for gate and up, ``[..., I] -> [..., C]`` for down."""
+    return down(xp.silu(gate(x)) * up(x))
 
 
 def sparse_moe(

@@ -5,7 +5,7 @@ names no framework: it calls the platform's tensor functions and collectives. Fr
 here, one file per framework and concern (``torch_*.py``, ``mindspore_*.py``), each imported only
 when its framework is used, and in the per-framework model and training files of
 :mod:`hyperpar_gdn.models` (``models/*.py`` torch, ``models/mindspore/``) and
-:mod:`hyperpar_gdn.train` (``mindspore_loop.py`` for MindSpore). Under ``HP_PLATFORM=mindspore``
+:mod:`hyperpar_gdn.train` (``backends/mindspore_backend.py`` for MindSpore). Under ``HP_PLATFORM=mindspore``
 nothing of the core, of this package or of ``models/mindspore`` imports torch.
 
 ``get_platform()`` returns the backend chosen by ``HP_PLATFORM`` (``cpu``, ``cuda``, ``npu``,

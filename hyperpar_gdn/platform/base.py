@@ -279,6 +279,19 @@ def check_all_to_all_splits(
     return send, recv
 
 
+def check_peers(
+    sends: Sequence[tuple[Any, int]], recvs: Sequence[tuple[Any, int]], rank: int, world: int
+) -> None:
+    """Validate an exchange's peers (group ranks) before any communication: each another rank
+    of the group. Raises ValueError naming the value."""
+    for what, pairs in (("send dst", sends), ("recv src", recvs)):
+        for _, peer in pairs:
+            if not 0 <= peer < world or peer == rank:
+                raise ValueError(
+                    f"{what}={peer} must be another group rank in [0, {world}); this is rank {rank}"
+                )
+
+
 class Collectives(ABC):
     """Differentiable collectives over one process group (the CP axis of a mesh).
 
@@ -323,12 +336,27 @@ class Collectives(ABC):
         the last rank's ``x`` goes nowhere). The gradient travels the opposite way."""
 
     @abstractmethod
-    def send(self, x: Tensor, dst: int, group: Group) -> None:
-        """Blocking send to group rank ``dst`` (not differentiable; for hand-written backwards)."""
+    def exchange(
+        self, sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], group: Group
+    ) -> list[Tensor]:
+        """One round of point-to-point messages, posted at once: send each ``(x, dst)`` to group
+        rank ``dst`` and receive from each ``(like, src)`` a new tensor shaped like ``like``
+        (returned in ``recvs`` order); not differentiable (for hand-written backwards). On NCCL
+        and HCCL a send completes only when its peer has posted the receive: one batch per round
+        lets every rank post all of it, so no order of the ranks' rounds deadlocks and a round
+        costs one latency. Two messages between the same pair in one round match in order.
 
-    @abstractmethod
+        Example (a ring of 3): rank r calls ``exchange([(x, (r + 1) % 3)], [(x, (r - 1) % 3)], g)``
+        and gets ``[x of rank r - 1]``."""
+
+    def send(self, x: Tensor, dst: int, group: Group) -> None:
+        """Send ``x`` to group rank ``dst``: an :meth:`exchange` of one send."""
+        self.exchange([(x, dst)], [], group)
+
     def recv(self, like: Tensor, src: int, group: Group) -> Tensor:
-        """Blocking receive of a tensor shaped like ``like`` from group rank ``src``."""
+        """Receive a tensor shaped like ``like`` from group rank ``src``: an :meth:`exchange` of
+        one receive."""
+        return self.exchange([], [(like, src)], group)[0]
 
     @abstractmethod
     def barrier(self, group: Group) -> None: ...

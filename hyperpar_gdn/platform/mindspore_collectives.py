@@ -19,10 +19,12 @@ What each collective is built from (measured on CPU, see docs/backends.md):
   world group). Its backward is a reduce-scatter: ``reduce_scatter_tensor`` on Ascend; on CPU,
   which has none, an even ``all_to_all`` of the gradient followed by a sum over senders in group
   rank order (deterministic, as the torch platform's).
-- ``shift_right``: one ``isend`` to the next rank and one ``irecv`` from the previous one.
+- ``shift_right`` and ``exchange`` (point-to-point rounds): one ``batch_isend_irecv`` on Ascend;
+  on CPU every ``isend``, then every ``irecv``, all posted before waiting.
 - ``all_gather_int``: the list ``all_gather`` of one int64 per rank (not differentiable).
-- ``all_reduce_sum``: an all-gather and a sum in group rank order (MCCL's AllReduce fails on
-  float64); it returns a NEW tensor and leaves ``x`` unchanged (see the method).
+- ``all_reduce_sum``: the native ``all_reduce``, but for float64 on CPU (MCCL's AllReduce fails
+  on float64: an all-gather and a sum in group rank order there); it returns a NEW tensor and
+  leaves ``x`` unchanged (see the method).
 
 Byte accounting (``bytes_sent``) follows :mod:`.torch_collectives` exactly: the logical payload of
 this rank's data that lands on OTHER ranks, in forward and backward.
@@ -40,7 +42,13 @@ import mindspore.ops.communication as comm_ops
 import numpy as np
 from mindspore import nn, ops
 
-from hyperpar_gdn.platform.base import CollectiveError, Collectives, Group, check_all_to_all_splits
+from hyperpar_gdn.platform.base import (
+    CollectiveError,
+    Collectives,
+    Group,
+    check_all_to_all_splits,
+    check_peers,
+)
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,14 @@ def _named(what: str, group: MindSporeGroup, rank: int) -> Iterator[None]:
 
 def _nbytes(x: ms.Tensor) -> int:
     return math.prod(x.shape) * x.itemsize
+
+
+def _received(result: object, buf: ms.Tensor) -> tuple[ms.Tensor, object]:
+    """(the received tensor, the handle) from what ``irecv`` returned: a handle when the
+    communication ops write in place (the tensor is then ``buf``), else ``(tensor, handle)``."""
+    if isinstance(result, tuple):
+        return result[0], result[1]
+    return buf, result
 
 
 def _row_bytes(x: ms.Tensor) -> int:
@@ -186,29 +202,24 @@ class MindSporeCollectives(Collectives):
         return _ShiftRightCell(self, g)(x)
 
     # --- raw, not differentiable ------------------------------------------------------------------
-    def send(self, x: ms.Tensor, dst: int, group: Group | None) -> None:
-        """Blocking send of ``x`` to GROUP rank ``dst`` (MCCL buffers it: it returns before the
-        receiver has posted its receive)."""
-        g, rank = self._resolve(group, "send")
-        if not 0 <= dst < g.size or dst == rank:
-            raise ValueError(
-                f"send dst={dst} must be another group rank in [0, {g.size}); this is rank {rank}"
-            )
-        with _named(f"send to group rank {dst}", g, self._rank):
-            comm_ops.send(x.contiguous(), dst=g.ranks[dst], group=g.name)
-        self.bytes_sent += _nbytes(x)
-
-    def recv(self, like: ms.Tensor, src: int, group: Group | None) -> ms.Tensor:
-        """Blocking receive from GROUP rank ``src`` into a new tensor shaped like ``like``."""
-        g, rank = self._resolve(group, "recv")
-        if not 0 <= src < g.size or src == rank:
-            raise ValueError(
-                f"recv src={src} must be another group rank in [0, {g.size}); this is rank {rank}"
-            )
-        buf = ops.zeros(tuple(like.shape), like.dtype)
-        with _named(f"recv from group rank {src}", g, self._rank):
-            comm_ops.recv(buf, src=g.ranks[src], group=g.name)
-        return buf
+    def exchange(
+        self,
+        sends: Sequence[tuple[ms.Tensor, int]],
+        recvs: Sequence[tuple[ms.Tensor, int]],
+        group: Group | None,
+    ) -> list[ms.Tensor]:
+        """:meth:`Collectives.exchange`. On Ascend one ``batch_isend_irecv`` (HCCL's send and
+        receive are strongly synchronized: posted one by one they would serialize); on CPU every
+        ``isend`` then every ``irecv``, waited together (MCCL buffers sends). Received tensors are
+        the values the receives return (the buffers only where the communication ops write in
+        place)."""
+        g, rank = self._resolve(group, "exchange")
+        check_peers(sends, recvs, rank, g.size)
+        for x, _ in sends:
+            self.bytes_sent += _nbytes(x)
+        what = f"exchange (send to {[d for _, d in sends]}, receive from {[s for _, s in recvs]})"
+        with _named(what, g, self._rank):
+            return self._exchange(g, [(x.contiguous(), d) for x, d in sends], recvs)
 
     def barrier(self, group: Group | None) -> None:
         g, _ = self._resolve(group, "barrier")
@@ -217,7 +228,7 @@ class MindSporeCollectives(Collectives):
                 comm_ops.barrier(group=g.name)
 
     def all_reduce_sum(self, x: ms.Tensor, group: Group | None = None) -> ms.Tensor:
-        """The sum of ``x`` over the group (not differentiable), summed in group rank order.
+        """The sum of ``x`` over the group (not differentiable).
 
         Unlike the torch platform this is NOT in place: MindSpore tensors handed out by autograd
         are not meant to be written to, so ``x`` is left unchanged. Use the return value (as
@@ -225,11 +236,17 @@ class MindSporeCollectives(Collectives):
         g, _ = self._resolve(group, "all_reduce_sum")
         if g.size == 1:
             return x.copy()
-        gathered = self._all_gather(x, g)  # counts x.nbytes * (world - 1), as an all-reduce does
-        total = gathered[0]
-        for j in range(1, g.size):
-            total = total + gathered[j]
-        return total
+        if x.dtype == ms.float64 and not self.native_all_to_all:  # MCCL's AllReduce fails on float64
+            gathered = self._all_gather(x, g)  # counts x.nbytes * (world - 1), as an all-reduce does
+            total = gathered[0]
+            for j in range(1, g.size):
+                total = total + gathered[j]
+            return total
+        self.bytes_sent += _nbytes(x) * (g.size - 1)
+        buf = x.copy()
+        with _named("all_reduce_sum", g, self._rank):
+            result = comm_ops.all_reduce(buf, op="sum", group=g.name)
+        return result[0] if isinstance(result, tuple) else buf  # out of place, or written into buf
 
     # --- implementations (also used by the backwards) ---------------------------------------------
     def _resolve(self, group: Group | None, what: str) -> tuple[MindSporeGroup, int]:
@@ -277,7 +294,8 @@ class MindSporeCollectives(Collectives):
         for j in range(g.size):
             if j != rank and recv[j]:
                 parts[j] = ops.zeros((recv[j], *rows), x.dtype)
-                handles.append((comm_ops.irecv(parts[j], src=g.ranks[j], group=g.name), parts[j]))
+                parts[j], handle = _received(comm_ops.irecv(parts[j], src=g.ranks[j], group=g.name), parts[j])
+                handles.append((handle, parts[j]))
         if recv[rank]:
             parts[rank] = x[offsets[rank] : offsets[rank + 1]]
         for handle, _ in handles:
@@ -317,24 +335,43 @@ class MindSporeCollectives(Collectives):
             total = total + parts[j]
         return total
 
+    def _exchange(
+        self, g: MindSporeGroup, sends: list[tuple[ms.Tensor, int]], recvs: Sequence[tuple[ms.Tensor, int]]
+    ) -> list[ms.Tensor]:
+        bufs = [ops.zeros(tuple(like.shape), like.dtype) for like, _ in recvs]
+        if not sends and not recvs:
+            return []
+        if self.native_all_to_all:  # Ascend: one batch of HCCL point-to-point
+            batch = [comm_ops.P2POp("isend", x, g.ranks[d], group=g.name) for x, d in sends]
+            batch += [
+                comm_ops.P2POp("irecv", b, g.ranks[s], group=g.name)
+                for b, (_, s) in zip(bufs, recvs, strict=True)
+            ]
+            for handle in comm_ops.batch_isend_irecv(batch):
+                handle.wait()
+            return bufs  # batch_isend_irecv has no out-of-place form: it fills the buffers
+        handles = [comm_ops.isend(x, dst=g.ranks[d], group=g.name) for x, d in sends]
+        out = []
+        for buf, (_, src) in zip(bufs, recvs, strict=True):
+            got, handle = _received(comm_ops.irecv(buf, src=g.ranks[src], group=g.name), buf)
+            out.append(got)
+            handles.append(handle)
+        for handle in handles:
+            handle.wait()
+        return out
+
     def _shift(self, x: ms.Tensor, g: MindSporeGroup, *, step: int) -> ms.Tensor:
         rank = g.group_rank(self._rank)
-        out = ops.zeros(tuple(x.shape), x.dtype)
         send_to, recv_from = rank + step, rank - step
-        handles = []
         if 0 <= send_to < g.size:
             self.bytes_sent += _nbytes(x)
         if math.prod(x.shape) == 0 or g.size == 1:  # same shape on every rank: all skip together
-            return out
+            return ops.zeros(tuple(x.shape), x.dtype)
+        sends = [(x.contiguous(), send_to)] if 0 <= send_to < g.size else []
+        recvs = [(x, recv_from)] if 0 <= recv_from < g.size else []
         with _named("shift_right" if step > 0 else "shift_right backward", g, self._rank):
-            if 0 <= send_to < g.size:
-                part = x.contiguous()
-                handles.append((comm_ops.isend(part, dst=g.ranks[send_to], group=g.name), part))
-            if 0 <= recv_from < g.size:
-                handles.append((comm_ops.irecv(out, src=g.ranks[recv_from], group=g.name), out))
-            for handle, _ in handles:
-                handle.wait()
-        return out
+            got = self._exchange(g, sends, recvs)
+        return got[0] if got else ops.zeros(tuple(x.shape), x.dtype)
 
     def __repr__(self) -> str:
         world = None if self._world is None else list(self._world.ranks)

@@ -167,7 +167,8 @@ class MindSporePlatform(Platform):
         ms.set_context(mode=ms.PYNATIVE_MODE)
         if self.device_target == "CPU" and str(ms.get_context("device_target")) != "CPU":
             ms.set_device("CPU")  # init_device_mesh("cpu") on a machine whose default is Ascend
-        enable_launch_blocking()
+        if self.device_target == "CPU":  # small ops run faster so on CPU; on Ascend it would
+            enable_launch_blocking()  # make every kernel synchronous
         role = os.environ.get("MS_ROLE", "").strip()
         rank_table = os.environ.get("RANK_TABLE_FILE", "").strip()
         present = [var for var in _LAUNCH_VARS if os.environ.get(var, "").strip()]
@@ -271,8 +272,11 @@ class MindSporePlatform(Platform):
         if self._world is None:
             return
         if self._communicating:
-            for group in self._groups.values():
-                if group is not self._world and self._rank in group.ranks:
+            # A group of one rank never gets a device communicator (nothing to exchange): MindSpore's
+            # destroy_group of one logs "Failed to destroy device communication group"; release()
+            # ends it with the rest. Newest first, as they were built on each other.
+            for group in reversed(list(self._groups.values())):
+                if group is not self._world and self._rank in group.ranks and len(group.ranks) > 1:
                     ms_comm.destroy_group(group.name)
             ms_comm.release()
             self._communicating = False

@@ -26,7 +26,8 @@ every transfer went directly from sender to receiver, counted in forward and bac
 - ``shift_right``: ``x.nbytes`` on every rank but the last; its backward counts ``grad.nbytes`` on
   every rank but the first.
 - ``all_gather_int``: 8 bytes (one int64) per other rank.
-- ``send``: ``x.nbytes``; ``recv``: nothing; ``barrier``: nothing.
+- ``exchange``: the nbytes of its sends (``send``: ``x.nbytes``); ``recv``: nothing; ``barrier``:
+  nothing.
 - ``all_reduce_sum``: ``x.nbytes * (world - 1)``.
 
 The physical traffic of the backend's algorithm (rings, trees) differs; this is the logical volume
@@ -35,6 +36,7 @@ the traffic estimates of docs/modes.md use.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -44,11 +46,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hyperpar_gdn.platform.base import CollectiveError, Collectives, Group, check_all_to_all_splits
+from hyperpar_gdn.platform.base import (
+    CollectiveError,
+    Collectives,
+    Group,
+    check_all_to_all_splits,
+    check_peers,
+)
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older builds (the
 # torch that a torch-npu release pins) may have only the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# torch before 2.6 (which torch-npu releases may pin) names point-to-point peers by global rank only
+_GROUP_PEERS = "group_peer" in inspect.signature(dist.P2POp.__init__).parameters
+
+
+def _p2p_op(op: Any, tensor: torch.Tensor, peer: int, group: Group | None) -> dist.P2POp:
+    """A ``P2POp`` with the peer given as a GROUP rank (as the global rank on older torch)."""
+    if _GROUP_PEERS:
+        return dist.P2POp(op, tensor, group=group, group_peer=peer)
+    return dist.P2POp(
+        op, tensor, peer=dist.get_global_rank(group, peer) if group is not None else peer, group=group
+    )
 
 
 def _rank_and_size(group: Group | None, what: str) -> tuple[int, int]:
@@ -172,28 +193,40 @@ class TorchCollectives(Collectives):
         return _ShiftRight.apply(x, group, self)
 
     # --- raw, not differentiable ------------------------------------------------------------------
-    def send(self, x: torch.Tensor, dst: int, group: Group | None) -> None:
-        """Blocking send of ``x`` to GROUP rank ``dst``."""
-        rank, world = _rank_and_size(group, "send")
-        if not 0 <= dst < world or dst == rank:
-            raise ValueError(
-                f"send dst={dst} must be another group rank in [0, {world}); this is rank {rank}"
-            )
-        with _named(f"send to group rank {dst}", group):
-            self._wait(dist.isend(x.detach().contiguous(), group=group, group_dst=dst))
-        self.bytes_sent += x.numel() * x.element_size()
+    def exchange(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]],
+        recvs: Sequence[tuple[torch.Tensor, int]],
+        group: Group | None,
+    ) -> list[torch.Tensor]:
+        """:meth:`Collectives.exchange`: one ``batch_isend_irecv`` of every send and receive (NCCL
+        groups them, so their order does not matter and the round costs one latency)."""
+        rank, world = _rank_and_size(group, "exchange")
+        check_peers(sends, recvs, rank, world)
+        what = f"exchange (send to {[d for _, d in sends]}, receive from {[s for _, s in recvs]})"
+        return self._batch(sends, recvs, group, what)
 
-    def recv(self, like: torch.Tensor, src: int, group: Group | None) -> torch.Tensor:
-        """Blocking receive from GROUP rank ``src`` into a new tensor shaped like ``like``."""
-        rank, world = _rank_and_size(group, "recv")
-        if not 0 <= src < world or src == rank:
-            raise ValueError(
-                f"recv src={src} must be another group rank in [0, {world}); this is rank {rank}"
-            )
-        buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        with _named(f"recv from group rank {src}", group):
-            self._wait(dist.irecv(buf, group=group, group_src=src))
-        return buf
+    def _batch(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]],
+        recvs: Sequence[tuple[torch.Tensor, int]],
+        group: Group | None,
+        what: str,
+    ) -> list[torch.Tensor]:
+        """One ``batch_isend_irecv`` of checked sends and receives (the exchange and the shift)."""
+        ops, out = [], []
+        for x, dst in sends:
+            x = x.detach().contiguous()
+            ops.append(_p2p_op(dist.isend, x, dst, group))
+            self.bytes_sent += x.numel() * x.element_size()
+        for like, src in recvs:
+            out.append(torch.empty(like.shape, dtype=like.dtype, device=like.device))
+            ops.append(_p2p_op(dist.irecv, out[-1], src, group))
+        if ops:
+            with _named(what, group):
+                for work in dist.batch_isend_irecv(ops):
+                    self._wait(work)
+        return out
 
     def barrier(self, group: Group | None) -> None:
         _rank_and_size(group, "barrier")
@@ -224,7 +257,11 @@ class TorchCollectives(Collectives):
             self._wait(collective(*args, async_op=True, **kwargs))
 
     def _wait(self, work: Any) -> None:
-        if self.timeout is None:
+        """Wait for ``work``. On gloo with the timeout (gloo does not bound point-to-point waits by
+        itself). On NCCL and HCCL a plain ``wait()``, which only orders the current stream after the
+        work: a wait with a timeout would block the host until the kernel ends (draining the queue
+        every message); the process group's timeout and the backend's watchdog bound a hang."""
+        if self.device.type != "cpu" or self.timeout is None:
             work.wait()
         else:
             work.wait(timeout=self.timeout)
@@ -266,15 +303,9 @@ class TorchCollectives(Collectives):
     def _shift(self, x: torch.Tensor, group: Group | None, *, step: int) -> torch.Tensor:
         rank, world = _rank_and_size(group, "shift_right")
         x = x.contiguous()
-        out = torch.zeros_like(x)
-        ops = []
-        if 0 <= rank + step < world:
-            ops.append(dist.P2POp(dist.isend, x, group=group, group_peer=rank + step))
-            self.bytes_sent += x.numel() * x.element_size()
-        if 0 <= rank - step < world:
-            ops.append(dist.P2POp(dist.irecv, out, group=group, group_peer=rank - step))
-        if ops and x.numel():  # same shape on every rank: all skip an empty exchange together
-            with _named("shift_right" if step > 0 else "shift_right backward", group):
-                for work in dist.batch_isend_irecv(ops):
-                    self._wait(work)
-        return out
+        sends = [(x, rank + step)] if 0 <= rank + step < world else []
+        recvs = [(x, rank - step)] if 0 <= rank - step < world else []
+        if not x.numel():  # same shape on every rank: all skip an empty exchange together
+            return torch.zeros_like(x)
+        got = self._batch(sends, recvs, group, "shift_right" if step > 0 else "shift_right backward")
+        return got[0] if got else torch.zeros_like(x)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hyperpar_gdn.platform.base import IGNORE_INDEX, AttentionKernel, TensorOps
 from hyperpar_gdn.platform.torch_attention import attention_kernel_for
+
+SLICED_RUNS = 64  # take(): up to this many slices instead of an index copied to the device
 
 
 class _CustomVJP(torch.autograd.Function):
@@ -124,6 +127,16 @@ class TorchOps(TensorOps):
         return x if repeats == 1 else x.repeat_interleave(repeats, dim=dim)
 
     def take(self, x: torch.Tensor, index: Any, dim: int) -> torch.Tensor:
+        """A host index made of at most ``SLICED_RUNS`` ascending runs (head and channel blocks)
+        is taken as slices, without copying the index to the device; others by ``index_select``."""
+        if not isinstance(index, torch.Tensor):
+            host = np.asarray(index, dtype=np.int64).reshape(-1)
+            breaks = np.flatnonzero(np.diff(host) != 1) + 1
+            if host.size and breaks.size < SLICED_RUNS and host.min() >= 0:
+                starts = np.concatenate([[0], breaks])
+                ends = np.concatenate([breaks, [host.size]])
+                parts = [x.narrow(dim, int(host[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+                return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
         return torch.index_select(x, dim, torch.as_tensor(index, dtype=torch.int64, device=x.device))
 
     def add_rows(self, x: torch.Tensor, index: Any, rows: torch.Tensor) -> torch.Tensor:

@@ -120,17 +120,30 @@ class TorchPlatform(Platform):
 
     @property
     def device(self) -> torch.device:
+        """This process's device: index ``LOCAL_RANK`` among the visible ones, or index 0 when the
+        launcher made only one device visible to each process (``CUDA_VISIBLE_DEVICES`` or
+        ``ASCEND_RT_VISIBLE_DEVICES`` per process)."""
         if self.name == "cpu":
             return torch.device("cpu")
+        if traced(self.name):  # a trace without the device: no device count to read
+            return torch.device(self.name, self.local_rank)
+        count = torch.cuda.device_count() if self.name == "cuda" else torch.npu.device_count()  # type: ignore[attr-defined]
+        if count == 1:
+            return torch.device(self.name, 0)
+        if not 0 <= self.local_rank < count:
+            raise ValueError(
+                f"LOCAL_RANK={self.local_rank} but this process sees {count} {self.name} devices; "
+                "give each process one visible device or launch at most that many processes per node"
+            )
         return torch.device(self.name, self.local_rank)
 
     def _set_device(self) -> None:
         if traced(self.name):  # a trace without the device (device_trace.py): nothing to select
             return
         if self.name == "cuda":
-            torch.cuda.set_device(self.local_rank)
+            torch.cuda.set_device(self.device)
         elif self.name == "npu":
-            torch.npu.set_device(self.local_rank)  # type: ignore[attr-defined]
+            torch.npu.set_device(self.device)  # type: ignore[attr-defined]
 
     # --- process groups ---------------------------------------------------------------------------
     def init_distributed(self, *, timeout_s: float = 600.0, store: dist.Store | None = None) -> None:
@@ -157,7 +170,7 @@ class TorchPlatform(Platform):
         self.collectives.timeout = timeout  # point-to-point waits honour it too
         self.collectives.device = self.device
         present = [var for var in _LAUNCH_VARS if os.environ.get(var, "").strip()]
-        device_id = self.device if self.name == "cuda" else None
+        device_id = None if self.name == "cpu" else self.device  # binds NCCL/HCCL to it eagerly
         if len(present) == len(_LAUNCH_VARS) and store is not None:
             rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
             dist.init_process_group(

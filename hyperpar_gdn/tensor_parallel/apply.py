@@ -38,7 +38,9 @@ from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
 from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_parallel_head_error
+from hyperpar_gdn.expert_parallel.style import EP_RECORD, is_moe_block
 from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.ops.projections import wrapper_of
 from hyperpar_gdn.tensor_parallel.styles import (
     TP_RECORD,
     AttentionTensorParallel,
@@ -139,7 +141,8 @@ def tensor_parallel_plan(text_model: Any, tp: int) -> dict[str, ParallelStyle]:
         plan[f"{prefix}.{kind}"] = (
             GatedDeltaNetTensorParallel() if kind == "linear_attn" else AttentionTensorParallel()
         )
-        plan[f"{prefix}.mlp"] = MoETensorParallel() if _is_moe(block.mlp) else MLPTensorParallel()
+        if getattr(block.mlp, EP_RECORD, None) is None:  # an expert-parallel block stays whole over tp
+            plan[f"{prefix}.mlp"] = MoETensorParallel() if is_moe_block(block.mlp) else MLPTensorParallel()
     if errors:
         raise ValueError(f"tensor parallelism at tp={tp}: " + "; ".join(errors))
     return plan
@@ -150,11 +153,21 @@ def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int) -> str 
         return "tensor parallelism is already applied"
     if is_parallelized(mixer):
         return "context parallelism is applied: apply tensor parallelism first, then apply_context_parallel"
+    for name, module in block.named_modules():
+        wrapper = wrapper_of(module, copies=False)
+        if wrapper is not None:
+            return (
+                f"{name} is wrapped by {wrapper}: tensor parallelism splits the weights of the modules "
+                "it holds, which would bypass the wrapper (PEFT's adapters and modules_to_save are not "
+                "supported under tensor parallelism)"
+            )
     for name, p in block.named_parameters():
         top = name.split(".", 1)[0]
         if top not in (kind, "mlp") and p.dim() != 1:
             return f"{name} {tuple(p.shape)} is not a part the tensor-parallel plan covers (norms, the mixer, the mlp)"
     error = _gdn_error(mixer, tp) if kind == "linear_attn" else _attention_error(mixer, tp)
+    if error is None and getattr(getattr(block, "mlp", None), EP_RECORD, None) is not None:
+        return None  # its experts are split over ep; every TP rank runs the block whole
     return error or _mlp_error(getattr(block, "mlp", None), tp)
 
 
@@ -182,14 +195,10 @@ def _attention_error(mixer: nn.Module, tp: int) -> str | None:
     return attention_head_error(*attention_heads(mixer), tp)
 
 
-def _is_moe(mlp: nn.Module) -> bool:
-    return all(hasattr(mlp, n) for n in ("gate", "experts", "shared_expert", "shared_expert_gate"))
-
-
 def _mlp_error(mlp: nn.Module | None, tp: int) -> str | None:
     if mlp is None:
         return "the block has no mlp"
-    if _is_moe(mlp):
+    if is_moe_block(mlp):
         experts = mlp.experts
         sizes = {
             "moe_intermediate_size": experts.gate_up_proj.shape[1] // 2,
@@ -257,7 +266,7 @@ def _reorders(model: Any) -> dict[int, tuple[int, torch.Tensor]]:
             )
             for p in (module.in_proj_qkv.weight, module.conv1d.weight):
                 reorder[id(p)] = (0, torch.as_tensor(np.argsort(order)))
-        elif record is not None and _is_moe(module):
+        elif record is not None and is_moe_block(module):
             order = gate_up_interleaved_order(record)
             reorder[id(module.experts.gate_up_proj)] = (1, torch.as_tensor(np.argsort(order)))
     return reorder

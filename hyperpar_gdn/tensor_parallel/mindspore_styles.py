@@ -42,6 +42,7 @@ from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_p
 from hyperpar_gdn.models.mindspore.moe import expert_weights
 from hyperpar_gdn.ops.blocks import rms_norm, sparse_moe
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
+from hyperpar_gdn.ops.projections import WeightLinear
 from hyperpar_gdn.platform import ops_for
 
 __all__ = [
@@ -225,15 +226,15 @@ class GatedDeltaNetTensorParallel(TensorParallel):
 
         def weights() -> LayerWeights:
             return LayerWeights(
-                qkv=cell.in_proj_qkv.weight,
-                z=cell.in_proj_z.weight,
-                b=cell.in_proj_b.weight,
-                a=cell.in_proj_a.weight,
+                qkv=WeightLinear(cell.in_proj_qkv.weight),
+                z=WeightLinear(cell.in_proj_z.weight),
+                b=WeightLinear(cell.in_proj_b.weight),
+                a=WeightLinear(cell.in_proj_a.weight),
                 conv=cell.conv1d.weight,
                 a_log=cell.A_log,
                 dt_bias=cell.dt_bias,
                 norm=sum_grad(cell.norm.weight),
-                out=cell.out_proj.weight,
+                out=WeightLinear(cell.out_proj.weight),
             )
 
         cell._hyperpar_tp_weights = weights

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from hyperpar_gdn.distributed.parallel_style import from_transformers, refuse_unhandled
 from hyperpar_gdn.ops.blocks import swiglu
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, layer_forward
+from hyperpar_gdn.ops.projections import WeightLinear
 from hyperpar_gdn.platform import ops_for
 from hyperpar_gdn.tensor_parallel.comm import copy_to_tp, reduce_from_tp, sum_grad_over_tp
 
@@ -190,19 +191,23 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
         _shard(module, "A_log", device_mesh, 0)
         _shard(module, "dt_bias", device_mesh, 0)
         _shard(module.out_proj, "weight", device_mesh, 1)
-        canonical = torch.as_tensor(np.argsort(qkv_grouped_order(hk, dims.head_k_dim, hv, dims.head_v_dim)))
+        canonical = torch.as_tensor(  # on the weights' device once, not copied every forward
+            np.argsort(qkv_grouped_order(hk, dims.head_k_dim, hv, dims.head_v_dim)),
+            device=module.A_log.device,
+        )
 
         def weights() -> LayerWeights:
+            rows = canonical.to(module.A_log.device)
             return LayerWeights(
-                qkv=local(module.in_proj_qkv.weight).index_select(0, canonical.to(module.A_log.device)),
-                z=local(module.in_proj_z.weight),
-                b=local(module.in_proj_b.weight),
-                a=local(module.in_proj_a.weight),
-                conv=local(module.conv1d.weight).index_select(0, canonical.to(module.A_log.device)),
+                qkv=WeightLinear(local(module.in_proj_qkv.weight).index_select(0, rows)),
+                z=WeightLinear(local(module.in_proj_z.weight)),
+                b=WeightLinear(local(module.in_proj_b.weight)),
+                a=WeightLinear(local(module.in_proj_a.weight)),
+                conv=local(module.conv1d.weight).index_select(0, rows),
                 a_log=local(module.A_log),
                 dt_bias=local(module.dt_bias),
                 norm=sum_grad_over_tp(module.norm.weight, group),
-                out=local(module.out_proj.weight),
+                out=WeightLinear(local(module.out_proj.weight)),
             )
 
         setattr(module, TP_RECORD, dims)

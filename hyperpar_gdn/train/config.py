@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.cli import option
+from hyperpar_gdn.cli import option, ranks
 from hyperpar_gdn.distributed.layout import LAYOUTS
-from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, TWO_LEVEL_MODES
+from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, inner_size_option_error
 from hyperpar_gdn.models.config import HybridLMConfig
 from hyperpar_gdn.ops.gdn.kernels import KERNELS
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
@@ -54,6 +53,16 @@ class TrainConfig:
         1,
         help="tensor parallelism: ranks that split every decoder block by heads and columns (the "
         "innermost mesh axis: the world is dp x cp x tp); torch only",
+    )
+    ep: int = option(
+        1,
+        help="expert parallelism: ranks that split every MoE block's routed experts by expert, taken "
+        "from the data-parallel x CP ranks (ep divides dp x cp); needs --model with a MoE model; torch only",
+    )
+    router_aux_loss_coef: float | None = option(
+        None,
+        help="weight of the MoE router's load-balancing loss, counted over the whole global batch "
+        "(default: the model's router_aux_loss_coef when its config sets output_router_logits, else none)",
     )
     cp_inner_size: int | None = option(
         None,
@@ -165,11 +174,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"--cp-mode {self.cp_mode!r} is not a mode; choose one of {', '.join(CP_MODES)}")
-        if (self.cp_mode in TWO_LEVEL_MODES) != (self.cp_inner_size is not None):
-            raise ValueError(
-                f"--cp-inner-size goes with the two-level modes ({', '.join(TWO_LEVEL_MODES)}) and only then; "
-                f"got --cp-mode {self.cp_mode} and --cp-inner-size {self.cp_inner_size}"
-            )
+        inner_error = inner_size_option_error(self.cp_mode, self.cp_inner_size)
+        if inner_error is not None:
+            raise ValueError(inner_error)
         if self.gdn_kernel not in KERNELS:
             raise ValueError(
                 f"--gdn-kernel {self.gdn_kernel!r} is not a kernel; choose one of {', '.join(KERNELS)}"
@@ -199,6 +206,24 @@ class TrainConfig:
                 raise ValueError(f"--cp-size must be >= 1; got {self.cp_size}")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1; got {self.tp}")
+        if self.ep < 1:
+            raise ValueError(f"--ep must be >= 1; got {self.ep}")
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"--router-aux-loss-coef must be >= 0; got {self.router_aux_loss_coef}")
+        for flag, value, unset in (
+            ("--ep", self.ep, 1),
+            ("--router-aux-loss-coef", self.router_aux_loss_coef, None),
+        ):
+            if value != unset and self.model_dir is None:
+                raise ValueError(
+                    f"{flag} {value} acts on a MoE model's experts and router; the built-in model has none: "
+                    "pass --model DIR of a Qwen3.5 MoE model"
+                )
+        if self.ep > 1 and self.fsdp:
+            raise NotImplementedError(
+                f"--ep {self.ep} with --fsdp: expert parallelism composes with CP, TP and data parallelism "
+                "here, each rank holding its experts and the rest whole; drop --fsdp"
+            )
         if self.on_save_error not in SAVE_ERROR_POLICIES:
             raise ValueError(f"--on-save-error {self.on_save_error!r} is not one of stop, continue")
         if self.max_memory_gb is not None and not self.max_memory_gb > 0:
@@ -266,15 +291,6 @@ class TrainConfig:
             return has_softmax_attention(self.model_dir)
         return "full_attention" in self.model.layer_types
 
-    def layout(self, world_size: int) -> tuple[int, int]:
-        """Deprecated: :meth:`mesh_shape` (``layout`` also names the token layout); (dp, cp)."""
-        warnings.warn(
-            "TrainConfig.layout(world_size) is now TrainConfig.mesh_shape(world_size)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.mesh_shape(world_size)[:2]
-
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp, cp, tp): the shape of the data-parallel x context-parallel x tensor-parallel mesh of
         ``world_size`` ranks (tp innermost); checks the options that depend on the world size (the
@@ -282,7 +298,7 @@ class TrainConfig:
         tp = self.tp
         if world_size % tp:
             raise ValueError(
-                f"{world_size} ranks (torchrun --nproc-per-node x --nnodes) cannot be split into TP groups "
+                f"{ranks(world_size)} (torchrun --nproc-per-node x --nnodes) cannot be split into TP groups "
                 f"of --tp {tp}: --tp must divide {world_size}"
             )
         cp = world_size // tp if self.cp_size is None else self.cp_size
@@ -291,10 +307,16 @@ class TrainConfig:
             if tp > 1:
                 rule = f"--cp-size x --tp = {cp} x {tp} must divide {world_size}"
             raise ValueError(
-                f"{world_size} ranks (torchrun --nproc-per-node x --nnodes, or msrun --worker_num) cannot "
+                f"{ranks(world_size)} (torchrun --nproc-per-node x --nnodes, or msrun --worker_num) cannot "
                 f"be split into CP groups of --cp-size {cp}: {rule}"
             )
         dp = world_size // (cp * tp)
+        if (dp * cp) % self.ep:
+            raise ValueError(
+                f"--ep {self.ep} must divide the data-parallel x CP ranks dp x cp = {dp} x {cp} "
+                f"({ranks(world_size)}{f' / --tp {tp}' if tp > 1 else ''}): expert parallelism spans ranks "
+                "that hold different tokens"
+            )
         inner = self.cp_inner_size
         if inner is not None and (cp % inner or self.gdn_dims()[1] % inner):
             raise ValueError(
@@ -306,7 +328,7 @@ class TrainConfig:
         if self.batch_size % dp:
             raise ValueError(
                 f"--batch-size {self.batch_size} must be divisible by the {dp} data-parallel replicas "
-                f"({world_size} ranks / --cp-size {cp}{f' / --tp {tp}' if tp > 1 else ''})"
+                f"({ranks(world_size)} / --cp-size {cp}{f' / --tp {tp}' if tp > 1 else ''})"
             )
         num_k_heads, num_v_heads, conv_width = self.gdn_dims()
         pieces = 2 * cp if cp > 1 and self.token_layout() == "head_tail" else cp

@@ -3,13 +3,13 @@ catches them before torch is imported (its memory check runs first, see :mod:`.m
 
 - :data:`USER_ERRORS`: what a user can fix (an option, a file, a directory, the platform);
   ``scripts/train.py`` reports them on rank 0 with exit code 2.
-- :data:`FAULTS`: what stopped a run (:mod:`.faults`); every rank reports them, exit code 3.
+- :data:`FAULTS`: what stopped a run (:mod:`.loop.faults`); every rank reports them, exit code 3.
 """
 
 from __future__ import annotations
 
 from hyperpar_gdn.platform.base import PlatformUnavailableError
-from hyperpar_gdn.train.faults import RankTimeoutError, SaveError, TrainingStopped
+from hyperpar_gdn.train.loop.faults import RankTimeoutError, SaveError, TrainingStopped
 
 __all__ = ["FAULTS", "USER_ERRORS", "CheckpointError", "VocabularyError"]
 

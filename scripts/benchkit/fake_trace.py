@@ -18,7 +18,8 @@ as it runs on a GPU. :class:`FakeCudaTrace` records:
   is recorded and answered by ``host_values`` (fake tensors have no values);
 - every copy of host memory to the device (``torch.as_tensor(numpy_array, device=cuda)``): a
   plain (pageable, blocking) copy synchronises the stream on CUDA;
-- factory calls inside a watched module that make a tensor on another device than the trace's.
+- factory calls inside a watched module that make a tensor on another device than the trace's;
+- every blocking wait on a process group's work (``Work.wait`` with a timeout).
 
 Two things of torch 2.13's CPU build stand in the way and are worked around here, only while a
 trace runs: (1) autograd records a stream for every tensor through the device's guard, and a
@@ -207,7 +208,7 @@ class FakeCudaTrace:
     once-per-forward exchange (fake tensors have no values; ``tolist()`` reads element by element).
     Watch modules with :meth:`watch` (hooks; their scope covers the backward of what they made);
     run the backward with :meth:`backward`. Results: :attr:`collectives`, :attr:`reads`,
-    :attr:`copies`, :attr:`misplaced`."""
+    :attr:`copies`, :attr:`misplaced`, :attr:`waits`."""
 
     def __init__(self, host_values: Callable[[torch.Tensor, str], Any] | None = None) -> None:
         self.host_values = host_values
@@ -215,6 +216,7 @@ class FakeCudaTrace:
         self.reads: list[Event] = []
         self.copies: list[Event] = []
         self.misplaced: list[Event] = []
+        self.waits: list[Event] = []
         self._scopes: list[str] = []
         self._spans: list[tuple[int, int, str]] = []  # forward sequence numbers of each scope's nodes
         self._phase = "forward"
@@ -273,6 +275,7 @@ class FakeCudaTrace:
         self.reads.clear()
         self.copies.clear()
         self.misplaced.clear()
+        self.waits.clear()
         self._spans.clear()
         self.mark("forward")
 
@@ -299,14 +302,54 @@ class FakeCudaTrace:
             "reads": events(self.reads),
             "copies": events(self.copies),
             "misplaced": events(self.misplaced),
+            "waits": events(self.waits),
         }
 
     # --- the modes ------------------------------------------------------------------------------
     @contextmanager
     def active(self) -> Iterator[FakeCudaTrace]:
-        with cuda_guard_for_trace(), self.fake_mode, _Reads(self), _Ops(self):
+        with cuda_guard_for_trace(), self._works(), self.fake_mode, _Reads(self), _Ops(self):
             self._probe = torch.zeros((), requires_grad=True)
             yield self
+
+    @contextmanager
+    def _works(self) -> Iterator[None]:
+        """Record every blocking wait on a process group's work: ``Work.wait(timeout=...)``, which
+        on NCCL holds the host until the kernel ends (a plain ``wait()`` orders the stream only).
+        The works of ``batch_isend_irecv`` and of collectives started with ``async_op=True``."""
+        names = ("batch_isend_irecv", "all_to_all_single", "all_gather_into_tensor", "all_reduce", "barrier")
+        names += ("all_gather_single",) if hasattr(dist, "all_gather_single") else ()
+        originals = {name: getattr(dist, name) for name in names}
+        trace = self
+
+        class Timed:
+            def __init__(self, work: Any) -> None:
+                self._work = work
+
+            def wait(self, *args: Any, **kwargs: Any) -> Any:
+                if args or kwargs.get("timeout") is not None:
+                    trace.waits.append(Event("wait(timeout)", trace.scope, trace._phase, (), _where()))
+                return self._work.wait()
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._work, name)
+
+        def wrap(function: Callable) -> Callable:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                out = function(*args, **kwargs)
+                if isinstance(out, list):
+                    return [Timed(w) for w in out]
+                return out if out is None else Timed(out)
+
+            return call
+
+        for name, function in originals.items():
+            setattr(dist, name, wrap(function))
+        try:
+            yield
+        finally:
+            for name, function in originals.items():
+                setattr(dist, name, function)
 
     def host_read(self, kind: str, x: torch.Tensor) -> np.ndarray:
         event = Event(kind, self.scope, self._phase, tuple(x.shape), _where())

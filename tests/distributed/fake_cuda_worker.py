@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                         config(), dtype=getattr(torch, dtype)
                     )
                 mesh = init_device_mesh("cuda", (CP,), mesh_dim_names=("cp",))
+                # as init_distributed sets it when it makes the group (the fake one exists already)
+                mesh.platform.collectives.timeout = timedelta(seconds=60)
                 trace.watch(model.model.layers[0].linear_attn, "gdn")
                 trace.watch(model.model.layers[1].self_attn, "attention")
                 failures: list[str] = []

@@ -5,6 +5,8 @@ scripts/benchkit/fake_trace.py). A training step (forward and backward) in every
 layouts (the two-level modes with inner_size 2 and 4, contiguous), bf16 and fp32; a prefill and
 one decode step on the CP group in every one-level mode and both layouts (bf16). Checked:
 
+- no blocking wait on a process group's work anywhere (``Work.wait`` with a timeout holds the host
+  on NCCL) and no copy of host memory to the device inside a layer;
 - no host read of a device value inside a layer (the tracer raises there); outside, once per
   forward, the shard lengths' exchange and the sequence description (positions, padding,
   tokens, labels) of the model's hooks, and nothing else;
@@ -72,6 +74,9 @@ def test_every_case_runs_without_a_host_read_in_a_layer(traced: list[dict]) -> N
     for case in traced:
         assert case["error"] is None and not case["failures"], (_name(case), case["error"], case["failures"])
         assert not case["misplaced"], (_name(case), case["misplaced"])
+        assert case["waits"] == [], (_name(case), case["waits"])  # no blocking wait anywhere
+        copies = [c for c in case["copies"] if c[1] != "model"]
+        assert copies == [], (_name(case), copies)  # no host-to-device copy inside a layer
         inside = [r for r in case["reads"] if r[1] != "model"]
         assert not inside, (_name(case), inside)
         # outside the layers, once per forward (a decode case is a prefill, then a step that reads none):

@@ -230,10 +230,19 @@ def _check_case(world: int, case: Case, results: list[dict]) -> dict[str, object
         "messages": [_messages(e) for e in layer],
         "held": [max((e.filled for e in _state_exchanges(events)), default=0) for events in layer],
         "model_held": cost.summary_bytes,
-        "forward_sends": [sum(e.op == "send" for e in ev if e.segment.startswith("fwd")) for ev in layer],
-        "backward_sends": [sum(e.op == "send" for e in ev if e.segment.startswith("bwd")) for ev in layer],
+        "forward_sends": [_state_sends(ev, "fwd", case.layout) for ev in layer],
+        "backward_sends": [_state_sends(ev, "bwd", case.layout) for ev in layer],
         "wait_s": [r[case.name]["wait_s"] for r in results],
     }
+
+
+def _state_sends(events: list[Event], phase: str, layout: str) -> int:
+    """The messages a GDN layer's state exchange sends in ``phase`` (``fwd``, ``bwd``): its
+    point-to-point rounds, past the conv halo's exchange (the first exchange of the forward; in
+    the contiguous layout a point-to-point round, the last one of the backward)."""
+    rest = [e for e in events if e.segment.startswith(phase) and e.op != "all_to_all"]
+    rest = rest[1:] if phase == "fwd" else rest[:-1] if layout == "contiguous" else rest
+    return sum(len(e.sends) for e in rest if e.op in ("send", "batch"))
 
 
 def _state_exchanges(events: list[Event]) -> list[Event]:

@@ -22,7 +22,7 @@ from tiny_models import TINY_LM, move_off_init  # noqa: E402
 from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM  # noqa: E402
 from hyperpar_gdn.models.mindspore import HybridLM, load_torch_state_dict  # noqa: E402
 from hyperpar_gdn.platform import ops_for  # noqa: E402
-from hyperpar_gdn.train.mindspore_adamw import AdamW, clip_grad_norm  # noqa: E402
+from hyperpar_gdn.train.backends.mindspore_adamw import AdamW, clip_grad_norm  # noqa: E402
 
 # Relative to the tensor's largest entry (gradients: to the largest gradient). fp32: docs/maths.md's
 # 1e-4; measured 3.3e-5 (each module agrees to 3e-6, the 4 blocks of perturbed weights amplify it).
@@ -147,7 +147,7 @@ def test_adamw_with_clipping_follows_torch() -> None:
 TWO_GROUP_STEPS = r"""
 import mindspore as ms
 import numpy as np
-from hyperpar_gdn.train.mindspore_adamw import AdamW
+from hyperpar_gdn.train.backends.mindspore_adamw import AdamW
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 shapes = [(6, 5), (5,), (3,)]

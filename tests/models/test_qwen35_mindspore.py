@@ -128,6 +128,29 @@ def test_save_pretrained_round_trip(model_dir: Path, tmp_path: Path) -> None:
     assert error <= 1e-6, error
 
 
+def test_save_pretrained_replaces_a_directory_only_when_whole(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that fails after its weights are written leaves the earlier directory as it was and
+    nothing beside it; the next save replaces it."""
+    model = Qwen3_5ForCausalLM.from_pretrained(model_dir)
+    out = model.save_pretrained(tmp_path / "saved")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(Path, "write_text", _disk_full)  # config.json, after model.safetensors
+    with pytest.raises(OSError, match="No space left"):
+        model.save_pretrained(out)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"]
+    (out / "model.safetensors").write_bytes(b"stale")
+    model.save_pretrained(out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _disk_full(*args: object, **kwargs: object) -> None:
+    raise OSError(28, "No space left on device")
+
+
 def test_parameter_names_are_transformers(model_dir: Path) -> None:
     names = {name for name, _ in Qwen3_5ForCausalLM.from_pretrained(model_dir).parameters_and_names()}
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

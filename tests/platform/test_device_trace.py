@@ -30,3 +30,18 @@ def test_cuda_platform_only_inside_the_trace() -> None:
 def test_only_cuda_can_be_traced() -> None:
     with pytest.raises(ValueError, match="name='npu'.*cuda"), trace_without_device("npu"):
         pass
+
+
+def test_device_index_from_the_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOCAL_RANK picks among several visible devices; with one visible device (a launcher that
+    gives each process its own) it is index 0; more processes than devices is an error."""
+    with trace_without_device("cuda"):
+        platform = TorchPlatform("cuda")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert platform.device == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert platform.device == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="LOCAL_RANK=3 but this process sees 2 cuda devices"):
+        _ = platform.device

@@ -201,3 +201,30 @@ def test_bad_arguments_raise_before_communicating() -> None:
     assert "src=2" in messages[5]
     assert "contiguous" in messages[6]
     assert messages[7] == "2.0"
+
+
+def _ring_exchange(rank: int, world_size: int, group_peers: bool) -> dict[str, object]:
+    """One round of a ring over the subgroup [1, 2, 3] (both directions at once), with peers
+    passed as group ranks or, as on torch without ``group_peer=``, as global ranks."""
+    from hyperpar_gdn.platform import torch_collectives
+
+    torch_collectives._GROUP_PEERS = group_peers
+    collectives = get_platform().collectives
+    group = get_platform().new_group([1, 2, 3])
+    if rank == 0:
+        return {}
+    me = rank - 1
+    x = torch.full((2,), float(rank))
+    got = collectives.exchange(
+        [(x, (me + 1) % 3), (10 * x, (me + 2) % 3)], [(x, (me + 2) % 3), (x, (me + 1) % 3)], group
+    )
+    return {"got": [t.tolist() for t in got], "bytes": collectives.reset_bytes()}
+
+
+@pytest.mark.parametrize("group_peers", [True, False], ids=["group_peer", "global-peers"])
+def test_exchange_is_one_round_in_both_directions(group_peers: bool) -> None:
+    results = run_ranks(_ring_exchange, 4, group_peers, timeout_s=60)
+    for rank in (1, 2, 3):
+        before, after = (rank - 2) % 3 + 1, rank % 3 + 1  # global ranks of group ranks me -/+ 1
+        assert results[rank]["got"] == [[float(before)] * 2, [10.0 * after] * 2], f"rank {rank}"
+        assert results[rank]["bytes"] == 2 * 2 * 4

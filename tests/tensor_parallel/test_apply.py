@@ -327,6 +327,20 @@ def test_plan_refuses_what_it_does_not_cover() -> None:
         tensor_parallel_plan(model.model, 2)
 
 
+def test_plan_refuses_lora() -> None:
+    import peft
+
+    from hyperpar_gdn.distributed.decoder_layers import text_model_of
+
+    for target, where in (
+        ("in_proj_z", "layer 0: linear_attn.in_proj_z"),
+        ("o_proj", "layer 3: self_attn.o_proj"),
+    ):
+        model = peft.get_peft_model(tiny_model(moe=False), peft.LoraConfig(r=2, target_modules=[target]))
+        with pytest.raises(ValueError, match=rf"{where} is wrapped by peft\.tuners\.lora\.layer\.Linear"):
+            tensor_parallel_plan(text_model_of(model), 2)
+
+
 def _dp_cp_tp_worker(rank: int, world: int) -> float:
     """FSDP2 over the flattened (dp, cp) axis of a torch (dp, cp, tp) = (2, 2, 2) mesh, TP, CP (p2p,
     head_tail), MoE model: each replica half the batch, each CP rank its pieces; the gradients

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -70,11 +69,3 @@ def test_docs_option_table_lists_every_option_with_its_default() -> None:
             assert shown == field.default, f"{path}: {flag} defaults to {field.default}, not {shown}"
         else:  # None: the table says in words what it means
             assert re.search(r"[a-z]", shown), f"{path}: {flag} has no default in the table"
-
-
-def test_layout_is_a_deprecated_name_of_mesh_shape() -> None:
-    config = TrainConfig(cp_size=2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert config.layout(8) == config.mesh_shape(8)[:2] == (4, 2)
-    assert [w.category for w in caught] == [DeprecationWarning]

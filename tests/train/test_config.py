@@ -1,5 +1,5 @@
 """Training options: errors name the option to change; the command line maps onto TrainConfig;
-MindSpore is refused clearly; the README's first command is the embedded default."""
+MindSpore is refused clearly; the README's first command after its set-up is the embedded default."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.platform import get_platform
 from hyperpar_gdn.train import MODEL_SIZES, TrainConfig, Trainer, UsageError, parse_args
-from hyperpar_gdn.train.global_batches import Batch, BatchSampler, load_tokens
-from hyperpar_gdn.train.rank_batches import cut_batch
+from hyperpar_gdn.train.data.global_batches import Batch, BatchSampler, load_tokens
+from hyperpar_gdn.train.data.rank_batches import cut_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +65,8 @@ def rank_batch(
             {"cp_layout": "zigzag"},
             "--cp-layout 'zigzag' is not a token layout; choose one of contiguous, head_tail",
         ),
-        ({"cp_mode": "ulysses+scan"}, "--cp-inner-size goes with the two-level modes"),
-        ({"cp_mode": "p2p", "cp_inner_size": 2}, "got --cp-mode p2p and --cp-inner-size 2"),
+        ({"cp_mode": "ulysses+scan"}, "--cp-mode ulysses+scan requires --cp-inner-size N"),
+        ({"cp_mode": "p2p", "cp_inner_size": 2}, "--cp-inner-size 2 goes with the two-level modes"),
     ],
 )
 def test_option_errors_name_the_option(options: dict[str, object], message: str) -> None:
@@ -209,7 +209,8 @@ def test_readme_first_command_runs_the_embedded_default() -> None:
     lines = [line.strip() for block in blocks for line in block.splitlines()]
     commands = [line for line in lines if line and not line.startswith("#")]
     assert commands, "README.md has no command block"
-    launch = shlex.split(commands[0].split("&&")[-1])  # after the set-up steps
+    assert "pip install" in commands[0] and "pip install" not in commands[1], commands[:2]  # one set-up
+    launch = shlex.split(commands[1].split("&&")[-1])  # the first run, after activating the set-up
     while launch and re.fullmatch(r"[A-Z_]+=\S*", launch[0]):  # environment assignments
         launch.pop(0)
     assert launch == ["torchrun", "--nproc-per-node", "2", "scripts/train.py"], commands[0]

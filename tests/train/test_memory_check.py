@@ -41,7 +41,7 @@ def test_a_run_over_the_budget_is_refused_on_every_rank_quickly(tmp_path: Path) 
     seconds = time.perf_counter() - start
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "error: the step needs an estimated" in line]
-    assert sorted(line.split(":")[1].strip() for line in lines) == ["rank 0", "rank 1"], result.stderr
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: "), result.stderr  # rank 0 alone
     for line in lines:
         assert "over the budget of 0.01 GiB per rank (--max-memory-gb 0.01)" in line, line
         assert "--cp-size " in line and " ranks) " in line, line

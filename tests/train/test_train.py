@@ -116,7 +116,7 @@ def test_resume_from_a_corrupt_or_missing_checkpoint_fails_clearly(tmp_path: Pat
     run_ranks(_train, 1, whole, timeout_s=60)
     model = (
         tmp_path / "step-2" / "model.pt"
-    )  # the whole format (tests/train/test_sharded_checkpoint.py: shards)
+    )  # the whole format (tests/train/checkpoints/test_sharded_checkpoint.py: shards)
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF
     model.write_bytes(bytes(data))

@@ -23,9 +23,10 @@ from distributed_harness import run_ranks, run_script, script_command, script_en
 
 from hyperpar_gdn.integrations.transformers.model_dir import train_tokenizer, write_tiny_qwen35
 from hyperpar_gdn.train import SaveError, TrainConfig, Trainer, TrainingStopped, load_checkpoint
-from hyperpar_gdn.train.checkpoint import list_checkpoints, nonfinite_entries
-from hyperpar_gdn.train.fault_injection import INJECT_NAN_ENV, InjectNaN
-from hyperpar_gdn.train.global_batches import TokenStream, VocabularyError, check_vocabulary
+from hyperpar_gdn.train.checkpoints.directory import list_checkpoints
+from hyperpar_gdn.train.checkpoints.whole import nonfinite_entries
+from hyperpar_gdn.train.data.global_batches import TokenStream, VocabularyError, check_vocabulary
+from hyperpar_gdn.train.loop.fault_injection import INJECT_NAN_ENV, InjectNaN
 
 TINY = {"seq_len": 32, "batch_size": 2, "warmup_steps": 1}
 

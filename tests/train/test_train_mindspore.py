@@ -199,7 +199,7 @@ def test_packed_documents_follow_the_torch_run() -> None:
 
 
 def _ms_train(config: TrainConfig) -> Any:
-    from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeTrainer
 
     trainer = MindSporeTrainer(config)  # one process: a 1-rank local world, no msrun
     try:
@@ -246,8 +246,8 @@ def test_save_and_resume_continue_the_same_curve(
 def test_checkpoint_options_match_torchs() -> None:
     """MindSpore saves sharded by default, as torch does, and takes --async-save and
     --checkpoint-format whole (tests/train/test_train_mindspore_sharded.py runs them)."""
-    from hyperpar_gdn.train.mindspore_loop import MindSporeBackend
-    from hyperpar_gdn.train.torch_backend import TorchBackend
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeBackend
+    from hyperpar_gdn.train.backends.torch_backend import TorchBackend
 
     assert MindSporeBackend.checkpoint_formats[0] == TorchBackend.checkpoint_formats[0] == "sharded"
     for options in ({}, {"async_save": True}, {"checkpoint_format": "whole"}):
@@ -255,7 +255,7 @@ def test_checkpoint_options_match_torchs() -> None:
 
 
 def test_wrong_platform_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeTrainer
 
     monkeypatch.setenv("HP_PLATFORM", "cpu")
     with pytest.raises(
@@ -327,7 +327,7 @@ def test_msrun_gives_up_on_a_dead_worker_and_a_rerun_resumes(tmp_path: Path) -> 
 
 def test_bf16_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     """MindSpore 2.10 has no bf16 matmul on CPU: ``--dtype bf16`` fails before any process group."""
-    from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeTrainer
 
     monkeypatch.setenv("HP_PLATFORM", "mindspore")
     with pytest.raises(

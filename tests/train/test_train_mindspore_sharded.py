@@ -29,9 +29,9 @@ from msrun_harness import run_msrun  # noqa: E402
 from torch_training import torch_losses, torch_resume_error  # noqa: E402
 
 from hyperpar_gdn.train import CheckpointError, TrainConfig, load_checkpoint  # noqa: E402
-from hyperpar_gdn.train.checkpoint import read_manifest  # noqa: E402
-from hyperpar_gdn.train.convert import convert  # noqa: E402
-from hyperpar_gdn.train.replicated_shards import read_part  # noqa: E402
+from hyperpar_gdn.train.checkpoints.convert import convert  # noqa: E402
+from hyperpar_gdn.train.checkpoints.directory import read_manifest
+from hyperpar_gdn.train.checkpoints.replicated_shards import read_part  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "msrun_train_worker.py"
 OPTIONS: dict[str, Any] = {"seq_len": 32, "batch_size": 2, "steps": 4, "seed": 5, "save_every": 2}
@@ -47,7 +47,7 @@ def _flags(options: dict[str, Any]) -> list[str]:
 
 
 def _ms_train(**options: Any) -> list[float]:
-    from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeTrainer
 
     trainer = MindSporeTrainer(TrainConfig(**{**OPTIONS, **options}))  # a 1-rank local world
     try:
@@ -144,7 +144,9 @@ def test_each_rank_writes_its_part_and_the_manifest_says_the_world_size() -> Non
     model = whole["model"]
     optimizer = whole["optimizer"]
     assert len(keys[0] | keys[1]) == len(model) + 2 * len(optimizer["names"])
-    assert optimizer["steps"] == 2 and optimizer["format"].startswith("hyperpar_gdn.train.mindspore_loop")
+    assert optimizer["steps"] == 2 and optimizer["format"].startswith(
+        "hyperpar_gdn.train.backends.mindspore_backend"
+    )
     from hyperpar_gdn.models.lm import HybridLM
     from hyperpar_gdn.train import MODEL_SIZES
 
@@ -152,7 +154,7 @@ def test_each_rank_writes_its_part_and_the_manifest_says_the_world_size() -> Non
 
 
 def test_a_flipped_byte_in_a_part_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeTrainer
 
     root, _ = _runs()
     _cp2("two")
@@ -207,7 +209,7 @@ def test_the_converter_reads_it_and_torch_refuses_it_in_one_line(
 def test_a_torch_sharded_checkpoint_is_refused_on_mindspore_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hyperpar_gdn.train.mindspore_loop import MindSporeTrainer
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeTrainer
 
     monkeypatch.setenv("HP_PLATFORM", "cpu")
     run_ranks(torch_losses, 1, {**OPTIONS, "steps": 2, "save": str(tmp_path)}, timeout_s=120)

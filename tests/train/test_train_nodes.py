@@ -32,7 +32,7 @@ import torch
 from distributed_harness import free_port, run_ranks, script_command, script_env
 
 from hyperpar_gdn.train import TrainConfig, Trainer, load_checkpoint
-from hyperpar_gdn.train.fault_injection import KILL_AT_STEP_ENV, kill_step
+from hyperpar_gdn.train.loop.fault_injection import KILL_AT_STEP_ENV, kill_step
 
 STEPS = 16
 SAVE_EVERY = 4

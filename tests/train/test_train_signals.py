@@ -81,7 +81,7 @@ def test_a_stop_during_a_sharded_write_is_a_stop_not_a_failed_save(tmp_path: Pat
     from torch.distributed.checkpoint import FileSystemWriter
 
     from hyperpar_gdn.cli import Stopped
-    from hyperpar_gdn.train.saves import settle
+    from hyperpar_gdn.train.checkpoints.saves import settle
 
     class StoppedWriter(FileSystemWriter):
         def write_data(self, plan, planner):  # type: ignore[no-untyped-def]

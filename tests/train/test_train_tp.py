@@ -140,7 +140,7 @@ def _resume_worker(rank: int, world: int, model: str, root: str) -> dict[str, li
         1
     ].losses
     if rank == 0:  # the converter, as a user runs it
-        from hyperpar_gdn.train.convert import main
+        from hyperpar_gdn.train.checkpoints.convert import main
 
         assert main([step2, os.path.join(root, "converted"), "--to", "whole"]) == 0
     dist.barrier()
@@ -152,8 +152,8 @@ def _resume_worker(rank: int, world: int, model: str, root: str) -> dict[str, li
 
 
 def test_tp_checkpoints_resume_at_other_meshes(model_dir: Path, tmp_path: Path) -> None:
-    from hyperpar_gdn.train.checkpoint import load_checkpoint
-    from hyperpar_gdn.train.convert import convert
+    from hyperpar_gdn.train.checkpoints.convert import convert
+    from hyperpar_gdn.train.checkpoints.whole import load_checkpoint
 
     losses = run_ranks(_resume_worker, 4, str(model_dir), str(tmp_path), timeout_s=400)[0]
     straight = losses["straight"]
@@ -193,8 +193,8 @@ def test_tp_checkpoints_resume_at_other_meshes(model_dir: Path, tmp_path: Path) 
 
 def test_tp_is_refused_where_it_does_not_run() -> None:
     """MindSpore trains with --tp 1 (one line, before any process group); torch takes --tp."""
-    from hyperpar_gdn.train.mindspore_loop import MindSporeBackend
-    from hyperpar_gdn.train.torch_backend import TorchBackend
+    from hyperpar_gdn.train.backends.mindspore_backend import MindSporeBackend
+    from hyperpar_gdn.train.backends.torch_backend import TorchBackend
 
     with pytest.raises(NotImplementedError) as caught:
         MindSporeBackend.check(TrainConfig(tp=2), "mindspore")

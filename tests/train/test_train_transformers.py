@@ -17,7 +17,7 @@ from distributed_harness import run_ranks
 from hyperpar_gdn import undo_context_parallel
 from hyperpar_gdn.integrations.transformers.model_dir import load_model_dir
 from hyperpar_gdn.train import TrainConfig, Trainer
-from hyperpar_gdn.train.global_batches import load_tokens, read_documents
+from hyperpar_gdn.train.data.global_batches import load_tokens, read_documents
 
 transformers = pytest.importorskip("transformers")
 

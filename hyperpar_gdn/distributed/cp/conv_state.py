@@ -38,7 +38,7 @@ def shard_conv_tail(
         stop = f.local_start + f.length
         x_tail = x[:, stop - keep : stop]
         mask_tail = None if attention_mask is None else attention_mask[:, stop - keep : stop]
-        mixed = xp.linear(mask_padding(xp, x_tail, mask_tail), w.qkv)
+        mixed = w.qkv(mask_padding(xp, x_tail, mask_tail))
         tails.append(xp.pad_dim(mixed, 1, width - keep, 0))
     return tails[0] if len(tails) == 1 else xp.cat(tails, 1)
 

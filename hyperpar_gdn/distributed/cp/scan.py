@@ -24,11 +24,10 @@ lambda_i = A_{i+1}^T lambda_{i+1} + g_{i+1} with g_j = dS_in of fragment j from 
 lambda_{n-1} = 0: the same exclusive scan over the adjoint maps (A_j^T, g_j) in the opposite
 order. A's own gradient is the shard's (see :mod:`hyperpar_gdn.ops.gdn.onepass`), as in p2p.
 
-Messages of a round go out in a fixed global order (blocking sends may wait for their receive):
-messages from fragments i with i // d even first, then the others, each in fragment order; a rank
-runs the sends and receives it takes part in in that order. Within each half every fragment is
-either a sender or a receiver, so contiguous shards exchange in two steps per round, and no rank
-waits in a cycle (every message waits only for messages earlier in the global order).
+A rank posts all its messages of a round at once (one :meth:`~hyperpar_gdn.platform.Collectives.exchange`):
+on backends whose sends wait for the matching receive (NCCL, HCCL) no order of the ranks can then
+deadlock, and a round costs one latency: ceil(log2 n) rounds in sequence. Two messages between
+the same ranks in one round (head_tail) are sent and received in fragment order, so they match.
 
 Packed documents: a document starting inside a fragment makes its A zero past the start (the
 shard's widened pass does that), which cuts the chain; nothing else changes.
@@ -63,12 +62,6 @@ def _compose(xp, later: Affine | None, earlier: Affine) -> Affine:
     return (None if a1 is None else xp.matmul(a2, a1)), xp.matmul(a2, b1) + b2
 
 
-def _messages(owners: tuple[int, ...], d: int) -> list[int]:
-    """The senders i (message i -> i + d) of the round of stride d, in the global order."""
-    senders = range(len(owners) - d)
-    return [i for i in senders if (i // d) % 2 == 0] + [i for i in senders if (i // d) % 2 == 1]
-
-
 def exclusive_scan(cp: CPGroup, owners: tuple[int, ...], maps: dict[int, Affine]) -> dict[int, Tensor]:
     """Elements 0..n-1 in order, element i held by rank ``owners[i]``; ``maps``: this rank's
     elements' maps (element 0's A is ignored). Returns, for each of this rank's elements i, the
@@ -80,20 +73,23 @@ def exclusive_scan(cp: CPGroup, owners: tuple[int, ...], maps: dict[int, Affine]
     d = 1
     while d < n:
         received: dict[int, Affine] = {}
-        for src in _messages(owners, d):
+        sends, recvs, into = [], [], []  # this rank's messages of the round, posted as one batch
+        for src in range(n - d):
             dst = src + d
             sender, receiver = owners[src], owners[dst]
             if sender == receiver == cp.rank:
                 received[dst] = inclusive[src]
             elif sender == cp.rank:
                 a, b = inclusive[src]
-                cp.comm.send(b if a is None else xp.cat([b, a], -1), receiver, cp.group)
+                sends.append((b if a is None else xp.cat([b, a], -1), receiver))
             elif receiver == cp.rank:
                 dv, dk = like.shape[-1], like.shape[-2]
-                anchored = src < d
-                shape = (*like.shape[:-1], dv if anchored else dv + dk)
-                got = cp.comm.recv(xp.zeros(shape, like=like), sender, cp.group)
-                received[dst] = (None, got) if anchored else (got[..., dv:], got[..., :dv])
+                shape = (*like.shape[:-1], dv if src < d else dv + dk)  # src < d: anchored, B only
+                recvs.append((xp.zeros(shape, like=like), sender))
+                into.append((src, dst))
+        for (src, dst), got in zip(into, cp.comm.exchange(sends, recvs, cp.group), strict=True):
+            dv = like.shape[-1]
+            received[dst] = (None, got) if src < d else (got[..., dv:], got[..., :dv])
         for i, p in received.items():
             exclusive[i] = _compose(xp, exclusive[i], p)
             if i + 2 * d < n:  # P_i is sent again next round

@@ -71,11 +71,13 @@ class P2PExchange:
                 s_in, s_out = xp.zeros(s_exts[slot].shape, like=s_ext), s_exts[slot]
             else:
                 s_in = (
-                    s_outs[prev[1]] if prev[0] == cp.rank else cp.comm.recv(s_exts[slot], prev[0], cp.group)
+                    s_outs[prev[1]]
+                    if prev[0] == cp.rank
+                    else cp.comm.exchange([], [(s_exts[slot], prev[0])], cp.group)[0]
                 )
                 s_out = xp.matmul(ms[slot], s_in) + s_exts[slot]
             if nxt is not None and nxt[0] != cp.rank:
-                cp.comm.send(s_out, nxt[0], cp.group)
+                cp.comm.exchange([(s_out, nxt[0])], [], cp.group)
             s_ins.append(s_in)
             s_outs.append(s_out)
         self.saved = (chain, s_ins, ms)
@@ -110,14 +112,14 @@ class P2PExchange:
             elif nxt[0] == cp.rank:
                 ds_out = to_previous[nxt[1]]
             else:
-                ds_out = cp.comm.recv(s_ins[slot], nxt[0], cp.group)
+                ds_out = cp.comm.exchange([], [(s_ins[slot], nxt[0])], cp.group)[0]
             ds_outs[slot] = ds_out
             if prev is not None:
                 grad = ds_ins[slot] + xp.matmul(_t(xp, ms[slot]), ds_out)
                 if prev[0] == cp.rank:
                     to_previous[slot] = grad
                 else:
-                    cp.comm.send(grad, prev[0], cp.group)
+                    cp.comm.exchange([(grad, prev[0])], [], cp.group)
         return ds_outs[0] if n == 1 else xp.cat(ds_outs, 0)
 
 

@@ -39,18 +39,46 @@ from hyperpar_gdn.distributed.cp.ulysses import (
     to_token_blocks,
 )
 from hyperpar_gdn.distributed.layout import TokenLayout
-from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gated_rms_norm, mask_padding
+from hyperpar_gdn.ops.gdn.layer import PROJECTIONS, LayerDims, LayerWeights, gated_rms_norm, mask_padding
+from hyperpar_gdn.ops.projections import Projection, linear_weight, wrapper_of
 from hyperpar_gdn.platform import Tensor, TensorOps
 
 
 def _own_weights(xp: TensorOps, w: LayerWeights, mine: HeadShare, dims: LayerDims) -> tuple[Tensor, Tensor]:
     """(input rows ``[width + hv*Dv, hidden]``: this rank's conv channels, beta and decay logits
     (what ulysses sends it, in that order), then its output gate; output columns ``[hidden,
-    hv*Dv]``) of the layer's weights."""
+    hv*Dv]``) of the layer's weights. The projections must be plain linear layers
+    (:func:`ulysses_hidden_error` refuses the others before any change)."""
+    qkv, z, b, a, out = (_weight(p) for p in (w.qkv, w.z, w.b, w.a, w.out))
     heads = slice(mine.v_start, mine.v_start + mine.v_count)
     gate = slice(mine.v_start * dims.head_v_dim, (mine.v_start + mine.v_count) * dims.head_v_dim)
-    w_in = xp.cat([xp.take(w.qkv, mine.conv_channels(dims), 0), w.b[heads], w.a[heads], w.z[gate]], 0)
-    return w_in, w.out[:, gate]
+    w_in = xp.cat([xp.take(qkv, mine.conv_channels(dims), 0), b[heads], a[heads], z[gate]], 0)
+    return w_in, out[:, gate]
+
+
+def _weight(p: Projection) -> Tensor:
+    weight = linear_weight(p)
+    if weight is None:
+        raise NotImplementedError(f"mode 'ulysses_hidden': {_refusal('a projection', p)}")
+    return weight
+
+
+def _refusal(name: str, module: object) -> str:
+    wrapper = wrapper_of(module) or type(module).__qualname__
+    return (
+        f"{name} is {wrapper}, not a plain linear layer: ulysses_hidden projects this rank's heads with "
+        "rows of the projection weights, which would bypass it; use mode='ulysses' (the same head split, "
+        "calling the module)"
+    )
+
+
+def ulysses_hidden_error(module: object, where: str) -> str | None:
+    """Why ulysses_hidden cannot serve the GDN layer ``module`` (``where``: how the error names
+    it), or None: every projection must be a plain linear layer."""
+    for name in PROJECTIONS:
+        if linear_weight(getattr(module, name)) is None:
+            return f"mode 'ulysses_hidden': {_refusal(f'{where}.{name}', getattr(module, name))}"
+    return None
 
 
 def ulysses_hidden_forward(

@@ -1,6 +1,7 @@
 """transformers' Qwen3.5 models under context parallelism: everything that names a transformers
 class or keyword lives in this package.
 
+- :mod:`.adapter`: the model adapter the core asks (registered when this package is imported);
 - :mod:`.discovery`: where a Qwen3.5 model keeps its decoder layers;
 - :mod:`.hooks`: the per-forward pre-hooks (positions, padding, packed documents, labels);
 - :mod:`.attention`: transformers' attention layer under the softmax-attention style;
@@ -20,6 +21,7 @@ class or keyword lives in this package.
 from __future__ import annotations
 
 from hyperpar_gdn._lazy import lazy_exports
+from hyperpar_gdn.integrations.transformers import adapter as _adapter  # noqa: F401 (registers it)
 from hyperpar_gdn.integrations.transformers.versions import warn_if_untested
 
 _EXPORTS = {

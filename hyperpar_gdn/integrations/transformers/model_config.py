@@ -1,14 +1,15 @@
-"""A transformers model directory's ``config.json``, read without transformers or torch (the memory
-plan reads a ``--model`` directory's sizes before the framework is imported); re-exported by
-:mod:`.model_dir`."""
+"""What the trainer and the scripts ask of a ``--model`` directory's ``config.json`` (the GDN
+sizes, the position range, whether it has softmax attention), without transformers or torch (the
+memory plan reads them before the framework is imported). The file is read by the one reader,
+:func:`hyperpar_gdn.models.qwen35_config.read_config`; re-exported by :mod:`.model_dir`."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-TEXT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+from hyperpar_gdn.models.qwen35_config import MODEL_TYPES as TEXT_MODEL_TYPES
+from hyperpar_gdn.models.qwen35_config import read_config as _read_config
 
 __all__ = [
     "TEXT_MODEL_TYPES",
@@ -28,22 +29,9 @@ def _text_config(path: str | Path) -> dict[str, Any]:
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """``path/config.json`` of a Qwen3.5 model directory (checked: it exists, is JSON, names a
-    Qwen3.5 model type), multimodal ones whole."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"--model {path}: no config.json there (expected a transformers model directory)"
-        )
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--model {path}: config.json is not valid JSON ({err})") from None
-    model_type = config.get("model_type")
-    if model_type not in TEXT_MODEL_TYPES:
-        raise ValueError(
-            f"--model {path}: model_type {model_type!r} is not a Qwen3.5 model; supported: {', '.join(TEXT_MODEL_TYPES)}"
-        )
-    return config
+    Qwen3.5 model type), multimodal ones whole: :func:`~hyperpar_gdn.models.qwen35_config.read_config`
+    with errors that name ``--model``."""
+    return _read_config(path, option="--model")
 
 
 def text_config(path: str | Path) -> dict[str, Any]:

@@ -9,9 +9,6 @@ trained and exported is exactly what transformers loads.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,12 +18,12 @@ import torch
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS
 from hyperpar_gdn.integrations.transformers.model_config import (
-    _text_config,
     gdn_dims,
     has_softmax_attention,
     position_range,
     text_config,
 )
+from hyperpar_gdn.models.directories import written_whole
 
 EOS = "<|endoftext|>"
 
@@ -56,12 +53,6 @@ def load_model_dir(path: str | Path, *, dtype: torch.dtype = torch.float32) -> t
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    text = _text_config(path)
-    if text.get("output_router_logits"):
-        raise NotImplementedError(
-            f"--model {path}: output_router_logits=true (the MoE load-balancing loss) is not supported "
-            "under context parallelism; set it to false in config.json"
-        )
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model, tokenizer
@@ -89,23 +80,10 @@ def export_model_dir(
     directory beside ``out`` and renamed to ``out`` at the end (an existing ``out`` is replaced
     only then); a failure removes the temporary directory and leaves ``out`` as it was.
     """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with written_whole(out) as temp:
         model.save_pretrained(temp, **({} if state_dict is None else {"state_dict": state_dict}))
         tokenizer.save_pretrained(temp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(temp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(temp, out)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)
 
 
 @contextmanager

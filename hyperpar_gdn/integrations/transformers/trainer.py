@@ -27,6 +27,7 @@ Legend: B batch rows, T whole sequence, T/cp a rank's shard, V vocabulary, C hid
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -41,9 +42,11 @@ from hyperpar_gdn.distributed.mesh import init_device_mesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
 from hyperpar_gdn.distributed.plan import CPPlan
 from hyperpar_gdn.distributed.planner import choose_plan
+from hyperpar_gdn.expert_parallel import apply_expert_parallel, load_balancing_loss, record_router_logits
+from hyperpar_gdn.expert_parallel.grads import expert_mesh
 from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
 from hyperpar_gdn.integrations.transformers.notices import hide_expected_notices, one_line_if_uncaught
-from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_trainer_setup
+from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_head, check_trainer_setup
 from hyperpar_gdn.integrations.transformers.trainer_tp import prepare_without_ddp, sync_grads
 from hyperpar_gdn.ops.gdn.kernels import check_kernel, platform_of, resolve_kernel
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
@@ -76,6 +79,13 @@ class ContextParallelMixin:
     - ``tp_size``: tensor-parallel ranks (1: none); the world is ``(dp, cp, tp)``, tp innermost, and
       the model is split by heads and columns (``apply_tensor_parallel``) before CP; the data split
       over dp only.
+    - ``ep_size``: expert-parallel ranks (1: none), taken from the (dp, cp) ranks (it divides
+      them): every MoE block's routed experts split by expert (``apply_expert_parallel``); DDP
+      replaced as under ``tp_size``.
+
+    A MoE model whose config sets ``output_router_logits`` trains with the router's
+    load-balancing loss times its ``router_aux_loss_coef``, counted over the whole global batch
+    (every CP and DP rank): one device's loss and gradients.
 
     Batches ``[B, T]`` need T divisible by cp (2*cp for head_tail): pad with the collator's
     ``pad_to_multiple_of``. Packed rows (``position_ids`` restarting per document, B = 1) train as
@@ -93,6 +103,7 @@ class ContextParallelMixin:
         cp_seq_len: int | None = None,
         gdn_kernel: str = "auto",
         tp_size: int = 1,
+        ep_size: int = 1,
         **kwargs: Any,
     ) -> None:
         check_kernel(gdn_kernel)
@@ -117,6 +128,7 @@ class ContextParallelMixin:
                 cp_inner_size=cp_inner_size,
                 cp_seq_len=cp_seq_len,
                 tp_size=tp_size,
+                ep_size=ep_size,
             )
         except _REFUSALS as error:
             one_line_if_uncaught(error, name=type(self).__name__)
@@ -131,10 +143,15 @@ class ContextParallelMixin:
             shape = (setup.dp, setup.cp, setup.tp)
             self.cp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp", "tp"))
         try:
+            check_head(self.model)  # a PeftModel too (TRL wraps the model given with peft_config=)
             if setup.tp > 1:  # heads first, then the sequence on each TP rank's heads
                 from hyperpar_gdn.tensor_parallel import apply_tensor_parallel
 
                 apply_tensor_parallel(self.model, self.cp_mesh["tp"])
+            self.ep_mesh = None
+            if setup.ep > 1:  # the experts over ep of the (dp, cp) ranks
+                self.ep_mesh = expert_mesh((setup.dp, setup.cp, 1), setup.ep, device_type=device_type)
+                apply_expert_parallel(self.model, self.ep_mesh["ep"])
             self.cp_plan: CPPlan = setup.plan or choose_plan(  # auto: the cost model's plan
                 self.model,
                 self.cp_mesh["cp"],
@@ -148,6 +165,8 @@ class ContextParallelMixin:
         except _REFUSALS as error:
             one_line_if_uncaught(error, name=type(self).__name__)
             raise
+        if getattr(self.model.config, "output_router_logits", False):
+            self.model.config.output_router_logits = False  # compute_loss adds it over the global batch
         # the loss below divides by num_items_in_batch: the Trainer must count it and not divide
         # the loss by the accumulation steps again
         self.model_accepts_loss_kwargs = True
@@ -156,9 +175,11 @@ class ContextParallelMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train`` after one header line on rank 0 (:meth:`cp_header`)."""
         resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if self.cp_setup.tp > 1 and resume:
+        if self._without_ddp and resume:
+            setup = self.cp_setup
+            option = f"tp_size={setup.tp}" if setup.tp > 1 else f"ep_size={setup.ep}"
             error = NotImplementedError(
-                f"resume_from_checkpoint={resume!r} with tp_size={self.cp_setup.tp}: a checkpoint holds rank "
+                f"resume_from_checkpoint={resume!r} with {option}: a checkpoint holds rank "
                 "0's optimizer shard only; resume without tensor parallelism or train from the saved model"
             )
             one_line_if_uncaught(error, name=type(self).__name__)
@@ -274,45 +295,62 @@ class ContextParallelMixin:
             layout=self.cp_setup.layout,
         )
         unwrapped = self.accelerator.unwrap_model(model)
-        hidden, head_weight = transformers_hidden_and_head(model, unwrapped, shard.model_inputs())
+        coef = self.cp_setup.router_coef
+        routers = record_router_logits(unwrapped) if coef else contextlib.nullcontext([])
+        with routers as router_logits:
+            hidden, head_weight = transformers_hidden_and_head(model, unwrapped, shard.model_inputs())
         if num_items_in_batch is None:  # evaluation: the batch mean, the same on every CP rank
             loss = context_parallel_lm_loss(hidden, head_weight, shard.labels, cp_mesh).detach()
+            if coef:  # this CP group's share of the batch's load-balancing loss
+                loss = loss + coef * self._router_loss(router_logits, shard, (cp_mesh,)).detach()
             if self.cp_setup.cp > 1:
                 loss = cp_mesh.platform.collectives.all_reduce_sum(loss.reshape(1), cp_mesh.get_group())[0]
         else:
             scale = self.cp_setup.dp * self.cp_setup.cp  # the world over tp: DDP (or sync_grads) averages
             loss = lm_loss_sum(hidden, head_weight, shard.labels) / num_items_in_batch * scale
+            if coef:  # this rank's share of the global batch's load-balancing loss
+                meshes = (cp_mesh, self.cp_mesh["dp"])
+                loss = loss + coef * self._router_loss(router_logits, shard, meshes) * scale
         return (loss, {"loss": loss}) if return_outputs else loss
 
-    # --- tensor parallelism (tp_size > 1): no DDP, the gradients averaged by sync_grads -----------
+    def _router_loss(self, router_logits: list, shard: Any, meshes: tuple) -> torch.Tensor:
+        """This rank's share of the load-balancing loss over the tokens of ``meshes``' ranks."""
+        top_k = self.accelerator.unwrap_model(self.model).config.num_experts_per_tok
+        return load_balancing_loss(router_logits, top_k=top_k, meshes=meshes, mask=shard.attention_mask)
+
+    # --- tensor or expert parallelism: no DDP, the gradients averaged by sync_grads ---------------
+
+    @property
+    def _without_ddp(self) -> bool:
+        return self.cp_setup.tp > 1 or self.cp_setup.ep > 1
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        if self.cp_setup.tp > 1:
+        if self._without_ddp:
             prepare_without_ddp(self.accelerator)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
-        if self.cp_setup.tp == 1:
+        if not self._without_ddp:
             return super()._clip_grad_norm(model)
         from hyperpar_gdn.tensor_parallel.comm import clip_grad_norm_
 
-        sync_grads(model, self.cp_mesh)
+        sync_grads(model, self.cp_mesh, ep_mesh=self.ep_mesh)
         return clip_grad_norm_(_grads(model), self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
         """The logged norm; under tp, without clipping, the gradients are averaged here (the Trainer
         calls it before every optimizer step)."""
-        if self.cp_setup.tp > 1 and grad_norm is None:
+        if self._without_ddp and grad_norm is None:
             from hyperpar_gdn.tensor_parallel.comm import clip_grad_norm_
 
-            sync_grads(model, self.cp_mesh)
+            sync_grads(model, self.cp_mesh, ep_mesh=self.ep_mesh)
             grad_norm = clip_grad_norm_(_grads(model), float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The Trainer's ``save_model``; under tp the whole weights in transformers' layout
+        """The Trainer's ``save_model``; under tp or ep the whole weights in transformers' layout
         (gathered on every rank, written by rank 0)."""
-        if self.cp_setup.tp == 1:
+        if not self._without_ddp:
             return super().save_model(output_dir, _internal_call)
         from hyperpar_gdn.tensor_parallel import canonical_state_dict
 

@@ -15,8 +15,9 @@ from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixers_of
 from hyperpar_gdn.distributed.layout import check_layout
 from hyperpar_gdn.distributed.plan import CPPlan, check_mode, plan_errors
 from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.ops.projections import wrapper_of
 
-__all__ = ["CPSetup", "check_trainer_setup"]
+__all__ = ["CPSetup", "check_head", "check_trainer_setup"]
 
 # (TrainingArguments field, the value the CP path needs, why)
 _REQUIRED_ARGS = (
@@ -60,6 +61,8 @@ class CPSetup:
     plan: CPPlan | None = None
     seq_len: int | None = None
     tp: int = 1  # tensor-parallel ranks (the innermost axis of the (dp, cp, tp) mesh)
+    ep: int = 1  # expert-parallel ranks, taken from the dp x cp ranks
+    router_coef: float = 0.0  # the load-balancing loss's weight (the model's, under output_router_logits)
 
 
 def check_trainer_setup(
@@ -74,6 +77,7 @@ def check_trainer_setup(
     cp_inner_size: int | None = None,
     cp_seq_len: int | None = None,
     tp_size: int = 1,
+    ep_size: int = 1,
 ) -> CPSetup:
     """Check a Trainer's set-up for context parallelism; no communication.
 
@@ -91,11 +95,13 @@ def check_trainer_setup(
         cp_seq_len: the tokens per sequence that ``cp_mode="auto"`` prices (else ``args.max_length``).
         tp_size: tensor-parallel ranks (heads and columns split, :mod:`hyperpar_gdn.tensor_parallel`);
             ``cp_size * tp_size`` must divide ``world``.
+        ep_size: expert-parallel ranks (:mod:`hyperpar_gdn.expert_parallel`), taken from the
+            data-parallel x CP ranks: it must divide ``world / tp_size``.
 
     Returns the :class:`CPSetup`; raises ``ValueError`` / ``TypeError`` / ``NotImplementedError``
     naming the value and the rule.
     """
-    for name, size in (("cp_size", cp_size), ("tp_size", tp_size)):
+    for name, size in (("cp_size", cp_size), ("tp_size", tp_size), ("ep_size", ep_size)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name}={size!r} must be a positive int")
     if world % cp_size:
@@ -108,6 +114,16 @@ def check_trainer_setup(
             f"cp_size={cp_size} x tp_size={tp_size} = {cp_size * tp_size} does not divide the {world} launched "
             f"processes (WORLD_SIZE={world}): the mesh is (dp, cp, tp); launch a multiple of {cp_size * tp_size}"
         )
+    if ep_size > 1 and (world // tp_size) % ep_size:
+        raise ValueError(
+            f"ep_size={ep_size} does not divide the {world // tp_size} data-parallel x CP ranks "
+            f"(WORLD_SIZE={world} / tp_size={tp_size}): expert parallelism spans ranks that hold different tokens"
+        )
+    if ep_size > 1 and tp_size > 1:
+        raise NotImplementedError(
+            f"ep_size={ep_size} with tp_size={tp_size}: expert parallelism composes with CP and data "
+            "parallelism here; set tp_size=1"
+        )
     try:
         check_mode(cp_mode, allow_auto=True)
     except ValueError as error:
@@ -118,8 +134,8 @@ def check_trainer_setup(
         raise ValueError(f"cp_chunk_size={cp_chunk_size!r} must be a positive int")
     if args is not None:
         _check_args(args)
-        if tp_size > 1:
-            _check_tp_args(args, tp_size)
+        if tp_size > 1 or ep_size > 1:
+            _check_tp_args(args, tp_size, ep_size)
     seq_len = None
     if cp_mode == "auto":
         seq_len = cp_seq_len if cp_seq_len is not None else getattr(args, "max_length", None)
@@ -131,6 +147,15 @@ def check_trainer_setup(
     elif cp_seq_len is not None:
         raise ValueError(f"cp_seq_len is for cp_mode='auto' only; got cp_mode={cp_mode!r}")
     kinds = _check_model(model)
+    router_coef = _router_coefficient(model, tp_size)
+    if ep_size > 1:
+        from hyperpar_gdn.expert_parallel import expert_parallel_error
+        from hyperpar_gdn.expert_parallel.style import is_moe_block
+
+        blocks = [(i, b.mlp) for i, b in enumerate(find_decoder(model)[1].layers) if is_moe_block(b.mlp)]
+        errors = [f"layer {i}: {e}" for i, mlp in blocks if (e := expert_parallel_error(mlp, ep_size))]
+        if not blocks or errors:
+            raise ValueError(f"ep_size={ep_size}: " + ("; ".join(errors) or "the model has no MoE block"))
     if tp_size > 1:
         from hyperpar_gdn.tensor_parallel import tensor_parallel_plan
 
@@ -159,12 +184,26 @@ def check_trainer_setup(
         dp=world // (cp_size * tp_size),
         cp=cp_size,
         tp=tp_size,
+        ep=ep_size,
+        router_coef=router_coef,
         mode=cp_mode,
         layout=layout,
         chunk_size=cp_chunk_size,
         plan=plan,
         seq_len=seq_len,
     )
+
+
+def check_head(model: Any) -> None:
+    """Refuse a wrapped LM head (PEFT's LoRA on ``lm_head``): the CP loss computes the logits from
+    the head's weight in chunks (no rank holds its ``[B, T/cp, V]`` logits), which would bypass it."""
+    head = model.get_output_embeddings()
+    wrapper = wrapper_of(head)
+    if wrapper is not None:
+        raise NotImplementedError(
+            f"the LM head is wrapped by {wrapper}: the context-parallel loss computes the logits from the "
+            "head's weight, which would bypass the wrapper; leave lm_head out of the adapter's target modules"
+        )
 
 
 def _tp_rank_dims(dims: LayerDims, tp: int) -> LayerDims:
@@ -176,21 +215,36 @@ def _tp_rank_dims(dims: LayerDims, tp: int) -> LayerDims:
     )
 
 
-def _check_tp_args(args: Any, tp: int) -> None:
-    """Refuse what the tensor-parallel Trainer does not serve (one line naming the value)."""
+def _check_tp_args(args: Any, tp: int, ep: int = 1) -> None:
+    """Refuse what the tensor- or expert-parallel Trainer does not serve (one line naming the value)."""
+    option = f"tp_size={tp}" if tp > 1 else f"ep_size={ep}"
     refused = (
         ("fp16", bool(getattr(args, "fp16", False)), "use bf16=True or fp32"),
         (
             "fsdp",
             bool(getattr(args, "fsdp", None)),
-            "tp_size replaces DDP by its own gradient average; FSDP is not wired",
+            f"{option.split('=')[0]} replaces DDP by its own gradient average; FSDP is not wired",
         ),
     )
     for field, given, what in refused:
         if given:
             raise NotImplementedError(
-                f"TrainingArguments {field}={getattr(args, field)!r} is not supported with tp_size={tp}: {what}"
+                f"TrainingArguments {field}={getattr(args, field)!r} is not supported with {option}: {what}"
             )
+
+
+def _router_coefficient(model: Any, tp: int) -> float:
+    """The load-balancing loss's weight: the model's ``router_aux_loss_coef`` when its config sets
+    ``output_router_logits``, else 0 (the trainer computes that loss over the global batch)."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    if tp > 1:
+        raise NotImplementedError(
+            f"{type(model).__name__}.config.output_router_logits=True with tp_size={tp}: the load-balancing "
+            "loss is computed with tp_size=1 only; set it to False or tp_size=1"
+        )
+    return float(getattr(config, "router_aux_loss_coef", 0.0))
 
 
 def _check_model(model: Any) -> set[str]:
@@ -212,11 +266,6 @@ def _check_model(model: Any) -> set[str]:
         raise ValueError(
             f"{name} has no Gated DeltaNet (linear_attention) layers: this context parallelism is for GDN "
             "models; train a softmax-only model with accelerate's ParallelismConfig(cp_size=...) instead"
-        )
-    if getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise NotImplementedError(
-            f"{name}.config.output_router_logits=True: the router's auxiliary loss is not part of the CP loss; "
-            "set it to False"
         )
     return kinds
 

@@ -33,13 +33,19 @@ def prepare_without_ddp(accelerator: Any) -> None:
     accelerator.prepare_model = prepare_model
 
 
-def sync_grads(model: torch.nn.Module, mesh: Any) -> None:
+def sync_grads(model: torch.nn.Module, mesh: Any, *, ep_mesh: Any = None) -> None:
     """Average the gradients of ``model`` over the ranks that hold the same TP shard (the (dp, cp)
     ranks of this TP rank), in place: summed over ``mesh["cp"]``, averaged over ``mesh["dp"]``,
-    divided by cp."""
-    from hyperpar_gdn.tensor_parallel.comm import sync_tp_grads
+    divided by cp. With ``ep_mesh`` (expert parallelism) the routed experts' are summed over the
+    ranks holding the same experts instead (:func:`~hyperpar_gdn.expert_parallel.grads.sync_expert_parallel_grads`)."""
+    if ep_mesh is not None:
+        from hyperpar_gdn.expert_parallel.grads import sync_expert_parallel_grads
 
-    sync_tp_grads(model, mesh)
+        sync_expert_parallel_grads(model, mesh, ep_mesh)
+    else:
+        from hyperpar_gdn.tensor_parallel.comm import sync_tp_grads
+
+        sync_tp_grads(model, mesh)
     cp = mesh.size("cp")
     with torch.no_grad():
         for p in model.parameters():

@@ -28,6 +28,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 
+from hyperpar_gdn.models.directories import written_whole
 from hyperpar_gdn.models.mindspore.lm import DecoderBlock, Embedding, check_input_ids, init_normal
 from hyperpar_gdn.models.mindspore.norm import RMSNorm
 from hyperpar_gdn.models.mindspore.weights import DTYPES, assign_parameters
@@ -130,15 +131,18 @@ class Qwen3_5ForCausalLM(nn.Cell):
 
     def save_pretrained(self, out: str | Path) -> Path:
         """Write ``out/config.json`` (the text config) and ``out/model.safetensors`` (float32, one
-        entry per parameter; no ``lm_head.weight`` when tied, as transformers writes it)."""
+        entry per parameter; no ``lm_head.weight`` when tied, as transformers writes it). ``out``
+        appears whole or not at all (:func:`~hyperpar_gdn.models.directories.written_whole`): an
+        existing one is replaced only once every file is written."""
         import json
 
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
         arrays = {name: p.value().astype(ms.float32).asnumpy() for name, p in self.parameters_and_names()}
-        write_weights(out, arrays)
-        (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n")
-        return out
+        with written_whole(out) as temp:
+            write_weights(temp, arrays)
+            (temp / "config.json").write_text(
+                json.dumps(self.config.to_dict(), indent=2, sort_keys=True) + "\n"
+            )
+        return Path(out)
 
 
 def _split_fused_experts(name: str, array: np.ndarray) -> dict[str, np.ndarray]:

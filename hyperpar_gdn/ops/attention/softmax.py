@@ -13,7 +13,6 @@ R rotary dims (R <= D, even).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,9 +21,8 @@ from hyperpar_gdn.ops.attention.blockwise import blockwise_attention
 from hyperpar_gdn.ops.attention.plan import Tokens, block_plan, check_tokens, segment_plan, visible_pairs
 from hyperpar_gdn.ops.attention.segments import segment_attention
 from hyperpar_gdn.ops.gdn.varlen import doc_ids_from_cu_seqlens
+from hyperpar_gdn.ops.projections import Projection
 from hyperpar_gdn.platform import Tensor, TensorOps
-
-Projection = Callable[[Tensor], Tensor]
 
 
 def init_attention_dims(

@@ -155,7 +155,9 @@ def _exchange_step(
         s_in = exchange.forward(s_ext, m)
         ct = xp.dtype(s_in)
         o = xp.cast(o0, ct) + heads_first(xp.matmul(heads_first(xp.cast(q_eff, ct)), s_in))
-        return (xp.cast(o, xp.dtype(o0)),), (q_eff, s_in)
+        # q_eff is a view of the widened output [R, T, H, V + K]: saving it would keep all of it
+        # alive until the backward; a copy of its K columns is all the backward needs
+        return (xp.cast(o, xp.dtype(o0)),), (q_eff.contiguous(), s_in)
 
     def backward_wide(saved, do: Tensor):
         q_eff, s_in = saved

@@ -73,11 +73,11 @@ def fla_missing(platform: str) -> str | None:
     installed."""
     if platform == "mindspore":
         return "fla's kernels take torch tensors; MindSpore keeps the native kernel"
+    missing = [name for name in ("triton", "fla") if importlib.util.find_spec(name) is None]
+    if missing:  # first: nothing else helps without them
+        return f"{' and '.join(missing)} not installed (pip install 'hyperpar-gdn[fla]')"
     if platform == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "on CPU fla's Triton kernels run only under Triton's interpreter (TRITON_INTERPRET=1)"
-    missing = [name for name in ("triton", "fla") if importlib.util.find_spec(name) is None]
-    if missing:
-        return f"{' and '.join(missing)} not installed (pip install 'hyperpar-gdn[fla]')"
     if platform == "npu":
         if importlib.util.find_spec("torch_npu") is None:
             return "torch_npu not installed"

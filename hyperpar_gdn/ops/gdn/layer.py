@@ -26,6 +26,7 @@ import numpy as np
 from hyperpar_gdn.ops.gdn.kernels import gdn_rule
 from hyperpar_gdn.ops.gdn.varlen import check_doc_starts, conv_tap_masks, packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates, conv_state_of
+from hyperpar_gdn.ops.projections import Projection, projection, wrapper_of
 from hyperpar_gdn.ops.rms_norm_vjp import written_gated_rms_norm
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
@@ -97,36 +98,61 @@ class LayerDims:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """The layer's parameters (the framework's own parameter objects, so gradients reach them)."""
+    """What the stages use of a layer: its projections as callables (the modules the model holds,
+    called as they are, so that a wrapper such as PEFT's LoRA applies; :mod:`hyperpar_gdn.ops.projections`)
+    and the parameters of the conv, the gates and the gated norm (the framework's own parameter
+    objects, so gradients reach them)."""
 
-    qkv: Tensor  # [C, hidden]
-    z: Tensor  # [H*Dv, hidden]
-    b: Tensor  # [H, hidden]
-    a: Tensor  # [H, hidden]
+    qkv: Projection  # [..., hidden] -> [..., C]
+    z: Projection  # [..., hidden] -> [..., H*Dv]
+    b: Projection  # [..., hidden] -> [..., H]
+    a: Projection  # [..., hidden] -> [..., H]
     conv: Tensor  # [C, 1, W]
     a_log: Tensor  # [H]
     dt_bias: Tensor  # [H]
     norm: Tensor  # [Dv]
-    out: Tensor  # [hidden, H*Dv]
+    out: Projection  # [..., H*Dv] -> [..., hidden]
 
     @classmethod
     def of(cls, module: object) -> LayerWeights:
-        """The layer's weights; under tensor parallelism this rank's local shards
-        (:class:`~hyperpar_gdn.tensor_parallel.styles.GatedDeltaNetTensorParallel`)."""
+        """The layer's parts; under tensor parallelism this rank's local shards
+        (:class:`~hyperpar_gdn.tensor_parallel.styles.GatedDeltaNetTensorParallel`). Raises
+        ``NotImplementedError`` when its conv or gated norm is wrapped (:func:`wrapped_weights_error`)."""
         tensor_parallel = getattr(module, "_hyperpar_tp_weights", None)
         if tensor_parallel is not None:
             return tensor_parallel()
+        error = wrapped_weights_error(module, type(module).__name__)
+        if error is not None:
+            raise NotImplementedError(error)
         return cls(
-            qkv=module.in_proj_qkv.weight,
-            z=module.in_proj_z.weight,
-            b=module.in_proj_b.weight,
-            a=module.in_proj_a.weight,
+            qkv=projection(module.in_proj_qkv),
+            z=projection(module.in_proj_z),
+            b=projection(module.in_proj_b),
+            a=projection(module.in_proj_a),
             conv=module.conv1d.weight,
             a_log=module.A_log,
             dt_bias=module.dt_bias,
             norm=module.norm.weight,
-            out=module.out_proj.weight,
+            out=projection(module.out_proj),
         )
+
+
+PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+def wrapped_weights_error(module: object, where: str) -> str | None:
+    """Why the stages cannot read the weights of a GDN layer's conv or gated norm (``where``: how
+    the error names the layer), or None: they compute both from the weights, which would bypass a
+    wrapper around either module."""
+    for name in ("conv1d", "norm"):
+        wrapper = wrapper_of(getattr(module, name))
+        if wrapper is not None:
+            return (
+                f"{where}.{name} is wrapped by {wrapper}: the GDN layer's conv over the sequence and "
+                f"its gated norm are computed from their weights, so a wrapper there would be bypassed; "
+                f"leave {name} out of the adapter's target modules"
+            )
+    return None
 
 
 def init_layer_dims(
@@ -210,7 +236,7 @@ def mask_padding(xp: TensorOps, x: Tensor, attention_mask: Tensor | None) -> Ten
 def project(xp: TensorOps, w: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x ``[B, T, hidden]`` -> (mixed ``[B, T, C]`` before the conv, z ``[B, T, H*Dv]``,
     beta logits ``[B, T, H]``, decay logits ``[B, T, H]``)."""
-    return xp.linear(x, w.qkv), xp.linear(x, w.z), xp.linear(x, w.b), xp.linear(x, w.a)
+    return w.qkv(x), w.z(x), w.b(x), w.a(x)
 
 
 def conv_silu(
@@ -340,7 +366,7 @@ def finish(xp: TensorOps, w: LayerWeights, dims: LayerDims, o: Tensor, z: Tensor
     """o ``[B, T, H, Dv]``, z ``[B, T, H*Dv]`` -> out_proj(norm(o, z)) ``[B, T, hidden]``."""
     b, t = o.shape[0], o.shape[1]
     z = z.reshape(b, t, dims.num_v_heads, dims.head_v_dim)
-    return xp.linear(gated_rms_norm(xp, o, z, w.norm, dims.norm_eps).reshape(b, t, dims.value_dim), w.out)
+    return w.out(gated_rms_norm(xp, o, z, w.norm, dims.norm_eps).reshape(b, t, dims.value_dim))
 
 
 def head_dims(dims: LayerDims) -> dict[str, int]:

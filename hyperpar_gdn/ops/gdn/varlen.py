@@ -194,8 +194,8 @@ def chunk_masks(
     first = count == 0
     last = count == count[:, -1:]
 
-    def const(a: np.ndarray, shape: tuple[int, ...]) -> Tensor:
-        return xp.constant(a.reshape(shape).astype(np.float64), like=like)
+    def const(a: np.ndarray, shape: tuple[int, ...]) -> Tensor:  # bool to the device, cast there
+        return xp.constant(a.reshape(shape), like=like)
 
     return ChunkMasks(
         seg_tril=const(seg_tril, (num_chunks, 1, 1, c, c)),

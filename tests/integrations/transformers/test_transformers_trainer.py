@@ -36,6 +36,20 @@ from hyperpar_gdn.integrations.transformers.trainer import ContextParallelTraine
 TOL = 1e-5
 STEPS = 2
 VOCAB = 61
+# LoRA through TRL's peft_config=: every GDN projection, attention's q and v, the MLP (and a trained
+# copy of the LM head, modules_to_save)
+LORA_TARGETS = [
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
+    "q_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+]
 # (model, cp_mode, cp_layout, collator) on dp1 x cp2: every mode, both layouts and collators, both models
 CASES = (
     ("dense", "p2p", "head_tail", "packed"),
@@ -144,8 +158,17 @@ def _train(
 # --- TRL ----------------------------------------------------------------------------------------
 
 
-def _sft(cp: dict | None, out: str, *, padding_free: bool | None = None) -> dict[str, Any]:
-    """SFTTrainer on text examples: padding-free (packed rows) under CP, padded on one process."""
+def _sft(
+    cp: dict | None,
+    out: str,
+    *,
+    padding_free: bool | None = None,
+    lora: bool = False,
+    save: str | None = None,
+) -> dict[str, Any]:
+    """SFTTrainer on text examples: padding-free (packed rows) under CP, padded on one process;
+    ``lora``: PEFT's LoRA through ``peft_config=`` (the adapter weights returned); ``save``: the
+    directory ``save_model`` writes to."""
     from trl import SFTConfig, SFTTrainer
 
     from hyperpar_gdn.integrations.transformers.model_dir import train_tokenizer
@@ -180,15 +203,28 @@ def _sft(cp: dict | None, out: str, *, padding_free: bool | None = None) -> dict
         pad_to_multiple_of=4,
     )
     kwargs = dict(model=model, args=SFTConfig(**sft_args), train_dataset=data, processing_class=tokenizer)
+    if lora:
+        import peft
+
+        kwargs["peft_config"] = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=LORA_TARGETS, task_type="CAUSAL_LM", modules_to_save=["lm_head"]
+        )
     trainer = CPSFTTrainer(**kwargs, **cp) if cp is not None else SFTTrainer(**kwargs)
     trainer.train()
+    if save is not None:
+        trainer.save_model(save)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     model = trainer.accelerator.unwrap_model(trainer.model)
     return {
         "loss": [h["loss"] for h in logs],
         "grad_norm": [h["grad_norm"] for h in logs],
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items() if not lora or _trained(k)},
     }
+
+
+def _trained(name: str) -> bool:
+    """A parameter PEFT trains: an adapter's, or the copy of a module in modules_to_save."""
+    return "lora_" in name or ".modules_to_save." in name
 
 
 # --- workers ------------------------------------------------------------------------------------
@@ -198,6 +234,7 @@ def _reference_worker(rank: int, world: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:  # one process: its own folder
         refs = {kind: _summary(_train(kind, 2, None, "padded", out)) for kind in ("dense", "moe")}
         refs["sft"] = _sft(None, out)
+        refs["sft_lora"] = _sft(None, out, lora=True)
     return refs
 
 
@@ -227,6 +264,7 @@ def _extras_worker(rank: int, out: str, save_dir: str) -> dict[str, Any]:
     )
     results["resume"] = (whole, _summary(resumed)["weights"])
     results["sft"] = _sft(cp, out)
+    results["sft_lora"] = _sft(cp, out, lora=True, save=str(Path(save_dir).parent / "adapter"))
     results["errors"] = _bad_setups(out)
     return results
 
@@ -354,6 +392,35 @@ def test_sft_trainer_padding_free_equals_one_process(references: dict, cp2: tupl
     results, _ = cp2
     for rank, result in enumerate(results):
         _assert_same_run(result["sft"], references["sft"], f"SFTTrainer rank {rank}")
+
+
+@pytest.mark.timeout(900)
+def test_sft_trainer_lora_equals_one_process(references: dict, cp2: tuple) -> None:
+    """TRL's peft_config= under CP: the logged losses and the final adapter weights (the LM head's
+    trained copy included) equal one process's; the adapter saved by save_model reloads through
+    PEFT with the same weights."""
+    import peft
+
+    from hyperpar_gdn.integrations.transformers.model_dir import train_tokenizer
+
+    results, save_dir = cp2
+    ref = references["sft_lora"]
+    assert any(
+        name.endswith("lora_B.default.weight") and w.abs().max() > 0 for name, w in ref["weights"].items()
+    )
+    for rank, result in enumerate(results):
+        got = result["sft_lora"]
+        _assert_same_run(got, ref, f"SFTTrainer with LoRA rank {rank}")
+        assert got["weights"].keys() == ref["weights"].keys()
+        for name, expected in ref["weights"].items():
+            assert _rel(got["weights"][name], expected) <= TOL, f"rank {rank}: adapter weight {name}"
+    base = tiny_model(moe=False, vocab_size=len(train_tokenizer())).float()
+    loaded = peft.PeftModel.from_pretrained(base, save_dir.parent / "adapter")
+    trained = results[0]["sft_lora"]["weights"]
+    reloaded = {k: v for k, v in loaded.state_dict().items() if _trained(k)}
+    assert reloaded.keys() == trained.keys()
+    for name, value in reloaded.items():
+        assert _rel(value, trained[name]) == 0.0, f"reloaded adapter weight {name}"
 
 
 @pytest.mark.timeout(900)

@@ -51,13 +51,14 @@ def test_unsupported_options_are_one_line(args: object, options: dict, fragment:
     assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
-def test_a_model_name_and_router_aux_loss_are_refused() -> None:
+def test_a_model_name_is_refused_and_router_aux_loss_only_with_tp() -> None:
     with pytest.raises(TypeError, match="needs the loaded model object"):
         _check("Qwen/Qwen3.5-0.8B")
     moe = tiny_model(moe=True)
     moe.config.output_router_logits = True
-    with pytest.raises(NotImplementedError, match="output_router_logits=True"):
-        _check(moe)
+    assert _check(moe).router_coef == moe.config.router_aux_loss_coef  # the trainer adds the loss
+    with pytest.raises(NotImplementedError, match="output_router_logits=True with tp_size=2"):
+        _check(moe, world=4, tp_size=2)
 
 
 def test_packed_keys_must_describe_the_same_documents() -> None:

@@ -6,6 +6,8 @@ themselves are tested under Triton's interpreter in their own environment (``tes
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from distributed_harness import run_ranks
 
@@ -26,10 +28,16 @@ def test_auto_is_ours_where_fla_cannot_run(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_asking_for_fla_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # without triton the CPU's first answer is that it is missing (the interpreter needs it too)
+    with pytest.raises(ValueError, match=r"^kernel='fla' cannot run on platform 'cpu': triton not installed"):
+        resolve_kernel("fla", platform="cpu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if both were installed
     with pytest.raises(
         ValueError, match=r"^kernel='fla' cannot run on platform 'cpu': .*TRITON_INTERPRET=1\)$"
     ):
         resolve_kernel("fla", platform="cpu")
+    monkeypatch.undo()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(
         ValueError, match=r"^kernel='fla' cannot run on platform 'cuda': triton not installed"
     ):

@@ -80,3 +80,7 @@ def test_ranges_for_users_and_their_oldest_end_pinned_for_ci() -> None:
             name = _name(requirement)
             assert requirement == f"{name}=={ranges[name].split(',')[0][2:]}", (extra, requirement)
     assert not [r for r in extras["test-newest"] if _name(r) in ranges], extras["test-newest"]
+    pattern = r"pip install[^\n]*?--upgrade[^\n]*?['\"]\$scratch/src\[([\w,-]+)\]['\"]"
+    newest = re.findall(pattern, (ROOT / ".ci" / "newest_env").read_text())
+    assert newest == ["torch,trainer,test-newest"], newest
+    assert ".ci/newest_env" in (ROOT / ".ci" / "run").read_text()

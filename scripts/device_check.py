@@ -212,7 +212,7 @@ def widened_times(cfg: dict, device: torch.device, kernels: dict) -> dict:
 
 
 def mode_list(cfg: dict, cp: int) -> list[tuple[str, int | None]]:
-    from hyperpar_gdn.distributed.plan import HEAD_MODES, MODES, TWO_LEVEL_MODES
+    from hyperpar_gdn.planning.plan import HEAD_MODES, MODES, TWO_LEVEL_MODES
 
     modes: list[tuple[str, int | None]] = [
         (m, None) for m in MODES if m not in HEAD_MODES or cfg["v_heads"] % cp == 0

@@ -128,7 +128,7 @@ def test_split_rows_and_their_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     from benchkit import splits
     from benchkit.output import save_png
     from hyperpar_gdn import plan_context_parallel
-    from hyperpar_gdn.train.memory_plan import ModelShape
+    from hyperpar_gdn.planning.memory import ModelShape
 
     monkeypatch.setattr(splits, "SPLIT_TOKENS", (1 << 18,))
     monkeypatch.setattr(splits, "SPLIT_DEVICES", (16,))

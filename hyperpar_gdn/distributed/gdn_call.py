@@ -10,9 +10,9 @@ from typing import Any
 
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
-from hyperpar_gdn.distributed.plan import HEAD_MODES
 from hyperpar_gdn.distributed.sequence import GlobalSequence
 from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.planning.plan import HEAD_MODES
 from hyperpar_gdn.platform import Tensor
 
 

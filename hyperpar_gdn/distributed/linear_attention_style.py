@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hyperpar_gdn.distributed.agreement import agree_on_plan, first
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, shard_lengths
 from hyperpar_gdn.distributed.cp.conv_state import shard_conv_tail, whole_conv_state
 from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_conv_states
@@ -28,20 +29,18 @@ from hyperpar_gdn.distributed.gdn_call import (
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_parallelized
-from hyperpar_gdn.distributed.plan import (
-    HEAD_MODES,
-    MODES,
-    CPPlan,
-    agree_on_plan,
-    cp_groups,
-    first,
-    plan_errors,
-)
 from hyperpar_gdn.distributed.sequence import GlobalSequence, check_context
 from hyperpar_gdn.ops.gdn.kernels import GDNKernel, kernel_for_inputs, platform_of, resolve_kernel
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward, wrapped_weights_error
 from hyperpar_gdn.ops.gdn.varlen import packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates
+from hyperpar_gdn.planning.plan import (
+    HEAD_MODES,
+    MODES,
+    CPPlan,
+    cp_groups,
+    plan_errors,
+)
 from hyperpar_gdn.platform import Tensor
 
 __all__ = ["MODES", "LinearAttentionContextParallel", "layer_shape"]

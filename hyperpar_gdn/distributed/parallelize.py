@@ -19,9 +19,9 @@ that also make its inputs right for a shard (:mod:`hyperpar_gdn.integrations.tra
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
+from hyperpar_gdn.distributed.agreement import agree_on_plan, first
 from hyperpar_gdn.distributed.decoder_layers import (
     adapter_for,
     base_model_of,
@@ -32,11 +32,13 @@ from hyperpar_gdn.distributed.decoder_layers import (
 from hyperpar_gdn.distributed.linear_attention_style import LinearAttentionContextParallel, layer_shape
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_parallelized
-from hyperpar_gdn.distributed.plan import CPPlan, agree_on_plan, check_mode, first
-from hyperpar_gdn.distributed.planner import choose_plan
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
+from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.planning.choice import choose_plan
+from hyperpar_gdn.planning.plan import CPPlan, check_mode
+from hyperpar_gdn.planning.ranking import machine_kind
 
-__all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
+__all__ = ["apply_context_parallel", "resolve_plan", "text_model_of", "undo_context_parallel"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ def apply_context_parallel(
     inner_size: int | None = None,
     dtype: str = "bfloat16",
     kernel: str = "auto",
+    devices_per_node: int | None = None,
 ) -> Any:
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
@@ -78,19 +81,20 @@ def apply_context_parallel(
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         plan: a :class:`~hyperpar_gdn.CPPlan` (mode, layout, inner size, chunk size), or None to
             build one from the keywords below (give one or the other).
-        mode: one of :data:`~hyperpar_gdn.distributed.plan.MODE_CHOICES`: ``"ulysses"``,
+        mode: one of :data:`~hyperpar_gdn.planning.plan.MODE_CHOICES`: ``"ulysses"``,
             ``"ulysses_hidden"``, ``"p2p"``, ``"all_gather"``, ``"scan"``, the two-level
             ``"ulysses+p2p"``, ``"ulysses+all_gather"``, ``"ulysses+scan"`` (with ``inner_size``),
-            or ``"auto"``: the plan :func:`~hyperpar_gdn.distributed.planner.choose_plan` predicts
+            or ``"auto"``: the plan :func:`~hyperpar_gdn.planning.choice.choose_plan` predicts
             fastest for this model, mesh, ``seq_len`` and ``dtype`` (logged, with why;
             docs/modes.md), two-level modes included when ``inner_size`` is given or the mesh spans
-            nodes.
+            nodes (of ``devices_per_node`` devices, else the device kind's usual number).
         chunk_size: chunk of the gated delta rule.
         layout: ``"contiguous"`` or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp: equal
             softmax-attention work on every rank). The model takes ``cp_layout=`` (a keyword of its
             forward, which ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut
             for another.
-        seq_len, dtype: for ``mode="auto"`` only (``seq_len`` required there): what the cost model prices.
+        seq_len, dtype, devices_per_node: for ``mode="auto"`` only (``seq_len`` required there):
+            what the cost model prices.
         inner_size: ranks per inner group (a node) of the two-level modes (and of ``"auto"``).
         kernel: the GDN layers' local kernel, ``"auto"``, ``"fla"`` or ``"native"`` (the plan's;
             :class:`LinearAttentionContextParallel`).
@@ -99,7 +103,10 @@ def apply_context_parallel(
     """
     given = model
     model = base_model_of(model)  # a PeftModel: its hooks and forward go on the model it wraps
-    plan = _plan_from(model, mesh, plan, mode, chunk_size, layout, seq_len, inner_size, dtype, kernel)
+    plan = resolve_plan(
+        model, mesh, plan=plan, mode=mode, chunk_size=chunk_size, layout=layout, seq_len=seq_len,
+        inner_size=inner_size, dtype=dtype, kernel=kernel, devices_per_node=devices_per_node,
+    )  # fmt: skip
     cp_mesh = as_cp_mesh(mesh)
     adapter = adapter_for(model)
     outer, text_model = adapter.decoder(model)
@@ -137,23 +144,34 @@ def apply_context_parallel(
     return given
 
 
-def _plan_from(
+def resolve_plan(
     model: Any,
     mesh: Any,
-    plan: CPPlan | None,
-    mode: str | None,
-    chunk_size: int,
-    layout: str,
-    seq_len: int | None,
-    inner_size: int | None,
-    dtype: str,
+    *,
+    plan: CPPlan | None = None,
+    mode: str | None = None,
+    chunk_size: int = 64,
+    layout: str = "contiguous",
+    seq_len: int | None = None,
+    inner_size: int | None = None,
+    dtype: str = "bfloat16",
     kernel: str = "auto",
+    devices_per_node: int | None = None,
 ) -> CPPlan:
-    """The plan of :func:`apply_context_parallel`'s arguments (the same checks on every rank)."""
+    """The plan that :func:`apply_context_parallel`'s arguments ask for (the same checks on every
+    rank): ``plan`` itself, or one built from the keywords; for ``mode="auto"`` the one place that
+    turns auto into a plan: the model's GDN layer, the CP mesh's ranks and device kind and
+    ``devices_per_node`` handed to :func:`~hyperpar_gdn.planning.choice.choose_plan` (logged,
+    with why)."""
     if plan is not None:
         if not isinstance(plan, CPPlan):
             raise TypeError(f"plan must be a CPPlan; got {type(plan).__name__}")
-        given = {"mode": mode, "seq_len": seq_len, "inner_size": inner_size}
+        given = {
+            "mode": mode,
+            "seq_len": seq_len,
+            "inner_size": inner_size,
+            "devices_per_node": devices_per_node,
+        }
         extra = [k for k, v in given.items() if v is not None]
         extra += [
             k
@@ -175,12 +193,30 @@ def _plan_from(
             f"seq_len is given with mode='auto' and only then; got mode={mode!r}, seq_len={seq_len!r}"
         )
     if mode != "auto":
+        if devices_per_node is not None:
+            raise ValueError(f"devices_per_node is for mode='auto' only; got mode={mode!r}")
         return CPPlan(mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size, kernel=kernel)
+    cp_mesh = as_cp_mesh(mesh)
+    text_model = text_model_of(model)  # a PeftModel: the model it wraps
+    gdn = [m for kind, m in mixers_of(text_model) if kind == "linear_attn"]
+    if not gdn:
+        raise ValueError(f"{type(model).__name__} has no GDN layers: there is no mode to choose")
+    figures = {} if devices_per_node is None else {"devices_per_node": devices_per_node}
     plan = choose_plan(
-        model, mesh, seq_len=seq_len, layout=layout, dtype=dtype, inner_size=inner_size, chunk_size=chunk_size
+        LayerDims.of(gdn[0]),  # every GDN layer of a model has the same shape
+        ranks=list(cp_mesh.rank_list),
+        device=machine_kind(cp_mesh.device_type),
+        seq_len=seq_len,
+        layout=layout,
+        dtype=dtype,
+        inner_size=inner_size,
+        chunk_size=chunk_size,
+        kernel=kernel,
+        num_experts=int(getattr(getattr(text_model, "config", None), "num_experts", 0) or 0),
+        **figures,
     )
     logger.info("apply_context_parallel(mode='auto'): %s", plan.reason)
-    return replace(plan, kernel=kernel)
+    return plan
 
 
 def undo_context_parallel(model: Any) -> Any:

@@ -29,8 +29,8 @@ from typing import Any
 
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.sequence import GlobalSequence, check_context, exchange_lengths, gather_pieces
-from hyperpar_gdn.ops.attention.plan import Tokens
 from hyperpar_gdn.ops.attention.softmax import attention
+from hyperpar_gdn.ops.attention.visibility import Tokens
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
 

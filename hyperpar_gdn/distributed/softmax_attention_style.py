@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from hyperpar_gdn.distributed.decoder_layers import layer_adapter_for
-from hyperpar_gdn.distributed.layout import check_layout
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle
+from hyperpar_gdn.planning.plan import check_layout
 
 
 class SoftmaxAttentionContextParallel(ParallelStyle):

@@ -37,10 +37,15 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
-from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_parallel_head_error
 from hyperpar_gdn.expert_parallel.style import EP_RECORD, is_moe_block
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.ops.projections import wrapper_of
+from hyperpar_gdn.planning.tp_rules import (
+    attention_head_error,
+    gate_up_interleaved_order,
+    qkv_grouped_order,
+    tensor_parallel_head_error,
+)
 from hyperpar_gdn.tensor_parallel.styles import (
     TP_RECORD,
     AttentionTensorParallel,
@@ -48,8 +53,6 @@ from hyperpar_gdn.tensor_parallel.styles import (
     MLPTensorParallel,
     MoETensorParallel,
     attention_heads,
-    gate_up_interleaved_order,
-    qkv_grouped_order,
 )
 
 __all__ = [

@@ -48,7 +48,7 @@ def split_rows() -> list[dict[str, Any]]:
     """One row per (model, device, T, devices): ``ranking`` (every split's terms in seconds, its
     mode, memory per rank in GiB, whether it fits, or why it is not possible), ``best`` (the
     first split: its tp, cp and the mode auto picks) and ``best_fits``."""
-    from hyperpar_gdn.distributed.split_planner import rank_tp_cp_splits
+    from hyperpar_gdn.planning.split_ranking import rank_tp_cp_splits
 
     rows = []
     for model, config in MODELS.items():

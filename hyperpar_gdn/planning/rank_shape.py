@@ -1,13 +1,13 @@
 """The sizes one tensor-parallel rank holds (:func:`tp_shape`): a :class:`~.model_shape.ModelShape`
 whose head counts and intermediate sizes are divided by tp, as ``apply_tensor_parallel`` splits
-them (docs/tensor_parallel.md). Framework-free.
+them (the rules of :mod:`.tp_rules`; docs/tensor_parallel.md). Framework-free.
 
 Per rank at tp: the GDN layer's q/k and value heads (its projections, conv channels, ``A_log``,
 ``dt_bias``; the gated norm's ``[V_d]`` weight whole), the attention's query heads, its K/V heads
 when tp divides them (else one K/V head used of the whole K/V projections every rank holds), the
 MLP's and every expert's intermediate columns and the shared expert's; the embedding, the norms,
 the LM head, the MoE router and the shared expert's gate whole. So :meth:`RankShape.num_parameters`
-is what one rank holds, and :mod:`.memory_plan`'s per-token counts read the local heads.
+is what one rank holds, and :mod:`.memory`'s per-token counts read the local heads.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.train.model_shape import FULL, LINEAR, ModelShape
+from hyperpar_gdn.planning.model_shape import FULL, LINEAR, ModelShape
+from hyperpar_gdn.planning.tp_rules import kv_heads_per_rank
 
 __all__ = ["RankShape", "tp_shape", "tp_split_error"]
 
@@ -42,7 +43,7 @@ class RankShape(ModelShape):
         if name in SPLIT and self.tp > 1:
             return value // self.tp
         if name == "num_key_value_heads" and self.tp > 1:
-            return value // self.tp if value % self.tp == 0 else 1
+            return kv_heads_per_rank(value, self.tp)
         return value
 
     @property

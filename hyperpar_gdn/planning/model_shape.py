@@ -1,4 +1,4 @@
-"""The sizes of a model that decide its training memory (:mod:`.memory_plan`): its parameters per
+"""The sizes of a model that decide its training memory (:mod:`.memory`): its parameters per
 decoder layer, its largest parameter, its parameter count; framework-free."""
 
 from __future__ import annotations

@@ -55,14 +55,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hyperpar_gdn.distributed.cp.scan import scan_rounds
-from hyperpar_gdn.distributed.plan import HEAD_MODES
+from hyperpar_gdn.planning.plan import HEAD_MODES
 
-__all__ = ["MACHINES", "Geometry", "Link", "Machine", "ModeCost", "mode_cost", "rank_bytes_sent"]
+__all__ = [
+    "MACHINES",
+    "Geometry",
+    "Link",
+    "Machine",
+    "ModeCost",
+    "mode_cost",
+    "rank_bytes_sent",
+    "scan_rounds",
+]
 
 SHARED_FLOPS_PER_UNIT = 16.6  # rule fwd+bwd FLOPs per token, head and (K V + C (K + V))
 CHUNK = 64  # C, the chunk size
 STATE_PASS_SHARE = 0.4  # of a fused chunk kernel's time: the state passes, parallel over heads only
+
+
+def scan_rounds(n: int) -> int:
+    """The rounds of the prefix scan (``hyperpar_gdn.distributed.cp.scan``) over n fragments:
+    ceil(log2 n) (0 for one fragment)."""
+    return max(n - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)

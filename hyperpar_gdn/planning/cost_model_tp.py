@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hyperpar_gdn.distributed.cost_model import Geometry, Link, Machine
+from hyperpar_gdn.planning.cost_model import Geometry, Link, Machine
 
 __all__ = [
     "TPExchange",

@@ -4,7 +4,7 @@
 tp innermost), one GDN decoder layer's step on one rank, forward and backward, and the memory of
 the largest rank:
 
-- cp: the fastest CP mode of :func:`~.planner.plan_context_parallel` at that tp (a TP rank's
+- cp: the fastest CP mode of :func:`~.ranking.plan_context_parallel` at that tp (a TP rank's
   heads; two-level modes with a node's CP ranks as the inner group), or none at cp = 1, where the
   rank's H/tp heads may still starve the chunk kernel (``Machine.saturating_heads``);
 - rule: the chunk rule's own work on T/cp tokens x H/tp heads (the same in every split);
@@ -12,7 +12,7 @@ the largest rank:
 - fsdp (``fsdp=True``): the layer's weights gathered over the dp x cp ranks in the forward and
   again in the backward, and its gradients reduce-scattered: three rings of (n-1)/n of the
   rank's share of the layer in ``dtype``, over the inter-node link once the ranks span nodes;
-- memory: :func:`hyperpar_gdn.train.memory_plan.largest_rank` at that (tp, cp), the mode chosen,
+- memory: :func:`hyperpar_gdn.planning.memory.largest_rank` at that (tp, cp), the mode chosen,
   ``ac`` and ``fsdp`` as given (no framework runtime: a device's allocator).
 
 Left out, as in the CP model: the projections' and MLP's FLOPs (the same per rank in every split:
@@ -26,9 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry
-from hyperpar_gdn.distributed.cost_model_tp import allreduce_seconds, tp_rank_geometry
-from hyperpar_gdn.distributed.planner import DTYPE_BYTES, Plan, _machine, plan_context_parallel
+from hyperpar_gdn.planning.choice import two_level_inner_size
+from hyperpar_gdn.planning.cost_model import MACHINES, Geometry
+from hyperpar_gdn.planning.cost_model_tp import allreduce_seconds, tp_exchange, tp_rank_geometry
+from hyperpar_gdn.planning.memory import StepOptions, largest_rank
+from hyperpar_gdn.planning.model_shape import LINEAR, ModelShape
+from hyperpar_gdn.planning.rank_shape import tp_shape
+from hyperpar_gdn.planning.ranking import DTYPE_BYTES, Ranking, plan_context_parallel, with_figures
 
 __all__ = ["Split", "rank_tp_cp_splits"]
 
@@ -38,7 +42,7 @@ class Split:
     """One (tp, cp) split: seconds per GDN decoder layer by term (``cp_seconds`` the chosen mode's
     cost, ``rule_seconds``, ``tp_seconds``, ``fsdp_seconds``), the TP payload bytes per layer and
     rank, ``memory_bytes`` of the largest rank, ``state_bytes`` (the mode's CP summaries per
-    layer), ``fits`` the budget, ``reason`` (why not possible, else the plan's line)."""
+    layer), ``fits`` the budget, ``reason`` (why not possible, else the ranking's line)."""
 
     tp: int
     cp: int
@@ -89,16 +93,14 @@ def rank_tp_cp_splits(
     """Every tp dividing ``devices`` (cp = devices / tp), ranked (see the module docstring).
 
     ``config``: the model's sizes (a config.json dict, a transformers or our config, or a
-    :class:`~hyperpar_gdn.train.memory_plan.ModelShape`); ``machine``: overrides of the
-    :data:`~.cost_model.MACHINES` entry (as :func:`~.planner.plan_context_parallel`'s keywords).
+    :class:`~hyperpar_gdn.planning.memory.ModelShape`); ``machine``: overrides of the
+    :data:`~.cost_model.MACHINES` entry (as :func:`~.ranking.plan_context_parallel`'s keywords).
 
     Example (Qwen3.5-27B over one node of 8 GPUs at 128K tokens)::
 
         for split in rank_tp_cp_splits(config, devices=8, seq_len=131072):
             print(split.describe())
     """
-    from hyperpar_gdn.train.memory_plan import LINEAR, ModelShape, StepOptions, largest_rank, tp_shape
-
     shape = config if isinstance(config, ModelShape) else ModelShape.of(config)
     for name, value in (("devices", devices), ("seq_len", seq_len), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -107,7 +109,7 @@ def rank_tp_cp_splits(
         raise ValueError(f"rank_tp_cp_splits: layout={layout!r}; choose 'contiguous' or 'head_tail'")
     if dtype not in DTYPE_BYTES or device not in MACHINES:
         raise ValueError(f"rank_tp_cp_splits: dtype={dtype!r} ({', '.join(DTYPE_BYTES)}), device={device!r}")
-    base = _machine(MACHINES[device], *(machine.get(k) for k in _KEYS))
+    base = with_figures(MACHINES[device], *(machine.get(k) for k in _KEYS))
     heads = {
         "num_k_heads": shape.linear_num_key_heads,
         "num_v_heads": shape.linear_num_value_heads,
@@ -132,16 +134,15 @@ def rank_tp_cp_splits(
             continue
         common = dict(seq_len=seq_len, batch=batch, dtype=dtype, layout=layout, device=device, **machine)
         if cp == 1:
-            plan, (cp_s, rule_s, tp_s, tp_b) = None, _no_cp(shape, heads, tp, base, common)
+            ranked, (cp_s, rule_s, tp_s, tp_b) = None, _no_cp(shape, heads, tp, base, common)
             mode = inner = None
             state = 0.0
         else:
-            per_node = max(1, base.devices_per_node // tp)
-            inner = per_node if 1 < per_node < cp and cp % per_node == 0 else None
-            plan = plan_context_parallel(
+            inner = two_level_inner_size(range(0, cp * tp, tp), tp=tp, per_node=base.devices_per_node)
+            ranked = plan_context_parallel(
                 cp=cp, tp=tp, inner_size=inner, num_experts=shape.num_experts, **heads, **common
             )
-            best = plan.ranking[0]
+            best = ranked.ranking[0]
             mode, inner, state = best.mode, best.inner_size, best.summary_bytes
             cp_s, rule_s, tp_s, tp_b = best.seconds, best.shared_seconds, best.tp_seconds, best.tp_bytes
         fsdp_s = 0.0
@@ -156,7 +157,7 @@ def rank_tp_cp_splits(
         )  # fmt: skip
         memory = largest_rank(shape, opts).total
         fits = budget_gib is None or memory <= budget_gib * 2**30
-        reason = plan.why() if isinstance(plan, Plan) else f"tp={tp} holds every token: no CP"
+        reason = ranked.why() if isinstance(ranked, Ranking) else f"tp={tp} holds every token: no CP"
         splits.append(
             Split(tp, cp, True, mode, inner, cp_s, rule_s, tp_s, fsdp_s, tp_b, memory, state, fits, reason)
         )
@@ -169,8 +170,6 @@ _KEYS = ("bandwidth", "latency", "inter_bandwidth", "inter_latency", "devices_pe
 def _no_cp(shape: Any, heads: dict, tp: int, machine: Any, common: dict) -> tuple[float, ...]:
     """(cp seconds, rule seconds, tp seconds, tp bytes) of a layer at cp = 1: no CP exchange, the
     rule's work on all T tokens at the rate of a rank's H/tp heads, TP's all-reduces."""
-    from hyperpar_gdn.distributed.cost_model_tp import tp_exchange
-
     g = Geometry(
         common["seq_len"], 1, heads["num_k_heads"], heads["num_v_heads"], heads["head_k_dim"],
         heads["head_v_dim"], heads["conv_kernel_size"], common["batch"], DTYPE_BYTES[common["dtype"]],

@@ -1,9 +1,10 @@
-"""The memory plan: what one training step holds per rank, estimated before anything is allocated.
+"""What one training step holds per rank, estimated before anything is allocated.
 
 Framework-free arithmetic over the model's sizes (:class:`~.model_shape.ModelShape`; under tensor
 parallelism one TP rank's, :func:`~.rank_shape.tp_shape`) and the step's options
 (:class:`StepOptions`); :func:`estimate` returns the terms in bytes for one rank
-(:class:`Estimate`), :func:`longest_seq_len` the longest sequence within a budget. The peak is
+(:class:`Estimate`), :func:`longest_seq_len` the longest sequence within a budget and
+:func:`cheaper_options` the options that lower it. The peak is
 
     runtime + parameters + gradients + optimizer + max(step phase, gradient-sync phase)
 
@@ -52,9 +53,9 @@ import math
 from dataclasses import dataclass
 
 from hyperpar_gdn.ops.lm_loss import default_chunk_tokens
+from hyperpar_gdn.planning.model_shape import FULL, LINEAR, ModelShape
+from hyperpar_gdn.planning.rank_shape import tp_shape
 from hyperpar_gdn.platform.host_memory import MMAP_THRESHOLD
-from hyperpar_gdn.train.model_shape import FULL, LINEAR, ModelShape
-from hyperpar_gdn.train.rank_shape import tp_shape
 
 __all__ = [
     "FRESH_INSTALL_CODE_BYTES",
@@ -64,6 +65,7 @@ __all__ = [
     "Estimate",
     "ModelShape",
     "StepOptions",
+    "cheaper_options",
     "estimate",
     "heap_holes",
     "longest_seq_len",
@@ -385,3 +387,27 @@ def longest_seq_len(shape: ModelShape, opts: StepOptions, budget: int, *, limit:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid * unit) else (lo, mid - 1)
     return lo * unit
+
+
+def cheaper_options(shape: ModelShape, opts: StepOptions, budget: int) -> list[tuple[StepOptions, int]]:
+    """Options that lower the estimate, each with its largest rank's total: more CP ranks (the
+    fewest that fit ``budget``, up to 64x), activation checkpointing, bf16, and both."""
+    out: list[tuple[StepOptions, int]] = []
+    factor, wider_total = 2, None
+    while factor <= 64:
+        candidate = dataclasses.replace(opts, cp=opts.cp * factor, world_size=opts.world_size * factor)
+        if opts.seq_len % seq_unit(candidate) == 0:
+            wider, wider_total = candidate, largest_rank(shape, candidate).total
+            if wider_total <= budget:
+                break
+        factor *= 2
+    if wider_total is not None:
+        out.append((wider, wider_total))
+    changes = [{"ac": True}, {"dtype": "bf16"}]
+    if not opts.ac and opts.dtype != "bf16":
+        changes.append({"ac": True, "dtype": "bf16"})
+    for change in changes:
+        if any(getattr(opts, k) != v for k, v in change.items()):
+            other = dataclasses.replace(opts, **change)
+            out.append((other, largest_rank(shape, other).total))
+    return out

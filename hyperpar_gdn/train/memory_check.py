@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from hyperpar_gdn.cli import ranks
+from hyperpar_gdn.cli import ranks as count_ranks
 from hyperpar_gdn.ops.attention.softmax import attention_path
 from hyperpar_gdn.platform.memory_budget import local_ranks, rank_budget
 from hyperpar_gdn.train.config import TrainConfig
@@ -115,7 +115,7 @@ def alternatives(shape: ModelShape, opts: StepOptions, budget: int) -> list[tupl
         wider = dataclasses.replace(opts, cp=opts.cp * factor, world_size=opts.world_size * factor)
         if opts.seq_len % seq_unit(wider) == 0:
             cp_total = largest_rank(shape, wider).total
-            label = f"--cp-size {wider.cp} ({ranks(wider.world_size)})"
+            label = f"--cp-size {wider.cp} ({count_ranks(wider.world_size)})"
             if cp_total <= budget:
                 break
         factor *= 2
@@ -178,7 +178,7 @@ def plan_lines(config: TrainConfig, *, platform: str) -> list[str]:
     head = f"{'term':<16}" + "".join(f"{'rank ' + str(e.rank):>14}" for e in ranks)
     lines = [
         f"memory plan of {config.model_name} ({shape.num_parameters():,} parameters), T={opts.seq_len}, "
-        f"{opts.rows} row(s) per replica, {ranks(world)} = dp {world // (opts.cp * opts.tp)} x cp {opts.cp}"
+        f"{opts.rows} row(s) per replica, {count_ranks(world)} = dp {world // (opts.cp * opts.tp)} x cp {opts.cp}"
         f"{f' x tp {opts.tp}' if opts.tp > 1 else ''} "
         f"(--cp-mode {opts.cp_mode}, --cp-layout {opts.layout}), --dtype {opts.dtype}"
         f"{', --ac' if opts.ac else ''}{', --fsdp' if opts.fsdp else ''}, attention path {opts.attention}",

@@ -177,17 +177,13 @@ def rank_tp_cp_splits(
             local = tp_shape(shape, tp, ep)
             experts = local.expert_parameters() // max(len(local.layer_types), 1)  # a layer's, held
             fsdp_s = 0.0
-            if fsdp and cp > 1:  # a ring gather: half an all-reduce; the experts over cp / ep ranks
+            if fsdp and cp > 1:  # a ring gather: half an all-reduce; at ep > 1 the experts over cp / ep ranks
                 width = DTYPE_BYTES[dtype]
-                dense = (local.layer_parameters(LINEAR) - experts) * width
-                fsdp_s = (
-                    3
-                    * (
-                        allreduce_seconds(dense, cp, link)
-                        + allreduce_seconds(experts * width, cp // ep, link)
-                    )
-                    / 2
-                )
+                split = experts if ep > 1 else 0
+                gathers = [((local.layer_parameters(LINEAR) - split) * width, cp)]
+                if split:
+                    gathers.append((split * width, cp // ep))
+                fsdp_s = 3 * sum(allreduce_seconds(size, n, link) for size, n in gathers) / 2
             ep_tp_s, ep_tp_b = tp_s, tp_b
             if ep > 1 and tp > 1:  # the MoE block whole over tp: the mixer's all-reduces only
                 exchange = tp_exchange(_geometry(heads, common, cp), tp, base, moe_whole=True)

@@ -36,7 +36,6 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,16 +118,17 @@ def split_heads(platform: Platform, layer: Any, tp_mesh: Any) -> None:
     parallelize_module(layer, as_tp_mesh(tp_mesh), GatedDeltaNetTensorParallel())
 
 
-def whole_grads(platform: Platform, layer: Any, tp_mesh: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """What makes the gradients of a layer split by heads whole, in the one-device layout
-    (collective over the TP axis)."""
+def whole_grads_over(platform: Platform, layer: Any, tp_mesh: Any) -> Any:
+    """What makes the gradients of ``layer``, split by heads over ``tp_mesh``, whole and in the
+    one-device layout (collective): ``compare_with_reference``'s ``whole_grads``."""
     if platform.name == "mindspore":
         from hyperpar_gdn.tensor_parallel.mindspore_apply import whole_parameters
 
-        return lambda grads: {
-            name: platform.from_numpy(value, dtype="float32")
-            for name, value in whole_parameters(layer, grads, tp_mesh).items()
-        }
+        def whole(grads: dict[str, Any]) -> dict[str, Any]:
+            arrays = whole_parameters(layer, grads, tp_mesh)
+            return {name: platform.from_numpy(value, dtype="float32") for name, value in arrays.items()}
+
+        return whole
     from hyperpar_gdn.tensor_parallel import canonical_grads
 
     return lambda grads: canonical_grads(layer, grads)
@@ -231,7 +231,7 @@ def _main() -> int:
             layer = LinearAttentionContextParallel(plan=plan).apply(layer, mesh)
             start = time.perf_counter()
             reference = build_layer(platform, args)
-            split = {} if tp == 1 else {"whole_grads": whole_grads(platform, layer, tp_mesh)}
+            split = {} if tp == 1 else {"whole_grads": whole_grads_over(platform, layer, tp_mesh)}
             errors = compare_with_reference(platform, mesh, layer, reference, x, cotangent, **split)
             elapsed = time.perf_counter() - start
             worst_name, worst = max(errors.items(), key=lambda item: item[1])

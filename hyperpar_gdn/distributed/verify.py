@@ -47,8 +47,8 @@ def compare_with_reference(
     sequence, identical on every rank; ``attention_mask`` ``[B, T]``. ``layer`` must already have
     context parallelism applied on ``mesh`` (its CP axis; with one rank, ``mesh`` only needs
     ``get_local_rank()`` and ``size()``); ``whole_grads``: for a layer split by heads as well
-    (tensor parallelism), what makes its parameter gradients (by name) whole in the one-device
-    layout, a collective over its TP axis run first. ``reference_dtype`` (default ``dtype``)
+    (tensor parallelism), what makes its parameter gradients whole, in the one-device layout and
+    on the platform (a collective over the TP axis), before they are compared. ``reference_dtype`` (default ``dtype``)
     runs the reference in another precision, e.g. float64 as the truth for a float32 layer.
     ``shard_lengths`` (one per rank, summing to T) gives rank r the r-th contiguous piece of that
     length; default T/cp each. ``layout``: which tokens rank r holds (``"head_tail"``: pieces r and

@@ -36,8 +36,8 @@ parallelism one TP rank's, :func:`~.rank_shape.tp_shape`) and the step's options
 - communication: per GDN layer the mode's buffers (p2p's states, all_gather's cp maps, scan's
   rounds, ulysses' all-to-all of activations, for the local heads at tp > 1), TP's
   all-reduce copy of a block's output ``[N, C]``, and at ep > 1 the dispatch's send and receive
-  buffers of one MoE block (``[N k, C]`` each, a balanced router); after the backward, the flat all-reduce buffer of
-  the gradients (one per dtype, the size of the gradients) when there is more than one rank and
+  buffers of one MoE block (``[N k, C]`` each, a balanced router); after the backward, the flat
+  all-reduce buffer of the gradients (one per dtype, the size of the gradients) when there is more than one rank and
   no FSDP, or the optimizer's temporaries (two of the largest parameter's size).
 
 Ranks differ where the work does: with contiguous shards the last CP rank's attention reads every
@@ -282,15 +282,15 @@ def heap_holes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
 
 
 def _comm_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
-    """The largest per-layer buffer of the GDN mode (one layer's exchange at a time), and TP's
-    copy of a block's output (``shape`` is one TP rank's)."""
+    """The largest per-layer buffer of the GDN mode (one layer's exchange at a time), TP's copy of
+    a block's output and EP's dispatch buffers (``shape`` is one TP rank's)."""
     width = 2 if opts.dtype == "bf16" else 4
-    tp_copy = tokens * shape.hidden_size * width if opts.tp > 1 else 0
+    buffers = tokens * shape.hidden_size * width if opts.tp > 1 else 0
     if opts.ep > 1:  # the dispatch's rows sent and received, [N k, C] each
-        tp_copy += 2 * tokens * shape.num_experts_per_tok * shape.hidden_size * width
+        buffers += 2 * tokens * shape.num_experts_per_tok * shape.hidden_size * width
     if opts.cp == 1 or LINEAR not in shape.layer_types:
-        return tp_copy
-    return tp_copy + _cp_bytes(shape, opts, tokens)
+        return buffers
+    return buffers + _cp_bytes(shape, opts, tokens)
 
 
 def _cp_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:

@@ -31,9 +31,9 @@ from transformers.utils import logging as transformers_logging
 from trl import SFTConfig, SFTTrainer
 
 from hyperpar_gdn.corpus import BUILTIN_CORPUS
-from hyperpar_gdn.distributed.plan import MODE_CHOICES
 from hyperpar_gdn.integrations.transformers import ContextParallelMixin
 from hyperpar_gdn.integrations.transformers.model_dir import write_tiny_qwen35
+from hyperpar_gdn.planning.plan import MODE_CHOICES
 
 BATCH = 8  # texts per packed row (per device)
 

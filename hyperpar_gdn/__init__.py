@@ -17,8 +17,9 @@ Public API (loaded on first use, so ``import hyperpar_gdn.ops`` stays light):
 - ``LinearAttentionContextParallel``: CP for one GDN layer (modes ``ulysses`` and
   ``ulysses_hidden`` (head parallel), ``p2p``, ``all_gather`` and ``scan`` (state passing), and
   the two-level ``ulysses+p2p``, ``ulysses+all_gather``, ``ulysses+scan``);
-  ``plan_context_parallel``: the modes ranked by a cost model (``apply_context_parallel(...,
-  mode="auto", seq_len=T)`` takes its choice); ``SoftmaxAttentionContextParallel``: CP for a
+  ``CPPlan``: what a model's GDN layers run under CP (mode, token layout, inner size, chunk size,
+  kernel; ``apply_context_parallel(model, mesh, plan=...)``); ``plan_context_parallel``: the modes
+  ranked by a cost model (``apply_context_parallel(..., mode="auto", seq_len=T)`` takes its choice); ``SoftmaxAttentionContextParallel``: CP for a
   softmax-attention layer; ``ParallelStyle``: their base (``apply`` / ``undo``).
 - ``apply_context_parallel``, ``undo_context_parallel``: every layer of ``HybridLM`` or of
   transformers' Qwen3.5 models. ``apply_tensor_parallel``: their blocks split by heads and
@@ -44,6 +45,7 @@ from __future__ import annotations
 from hyperpar_gdn._lazy import lazy_exports
 
 _EXPORTS = {
+    "CPPlan": "hyperpar_gdn.planning.plan",
     "DTensor": "hyperpar_gdn.distributed.dtensor",
     "Replicate": "hyperpar_gdn.distributed.dtensor",
     "Shard": "hyperpar_gdn.distributed.dtensor",
@@ -55,7 +57,7 @@ _EXPORTS = {
     "SoftmaxAttentionContextParallel": "hyperpar_gdn.distributed.softmax_attention_style",
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "apply_tensor_parallel": "hyperpar_gdn.tensor_parallel.apply",
-    "plan_context_parallel": "hyperpar_gdn.distributed.planner",
+    "plan_context_parallel": "hyperpar_gdn.planning.ranking",
     "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "prefill_context_parallel": "hyperpar_gdn.inference.prefill",
     "sync_context_parallel_grads": "hyperpar_gdn.distributed.grads",
@@ -68,3 +70,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+# Model adapters register themselves (hyperpar_gdn.distributed.adapters); transformers' is imported
+# here, without transformers, so that every entry point finds transformers' Qwen3.5 models.
+import hyperpar_gdn.integrations.transformers  # noqa: E402, F401

@@ -47,8 +47,8 @@ def torch_case(seq_len: int, repeats: int, warmup: int, threads: int, blockwise:
     import torch
     import torch.nn.functional as F
 
-    from hyperpar_gdn.ops.attention.plan import Tokens
     from hyperpar_gdn.ops.attention.softmax import attention
+    from hyperpar_gdn.ops.attention.visibility import Tokens
     from hyperpar_gdn.platform import ops_for
 
     torch.set_num_threads(threads)

@@ -48,7 +48,7 @@ from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_msrun, on_ranks
 from benchkit.timing import machine_bound, slowest_per_round
 from hyperpar_gdn.cli import HelpFormatter
-from hyperpar_gdn.distributed.plan import HEAD_MODES, MODES
+from hyperpar_gdn.planning.plan import HEAD_MODES, MODES
 from hyperpar_gdn.platform.msrun import start_watchdog, write_result
 
 # cp=2, one core per rank: the head-parallel modes 0.9, the state modes 0.85

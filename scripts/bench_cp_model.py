@@ -31,7 +31,7 @@ from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_ranks
 from benchkit.timing import alternating_rounds, machine_bound, slowest_per_round
 from hyperpar_gdn.cli import HelpFormatter
-from hyperpar_gdn.distributed.plan import LAYOUTS, MODES
+from hyperpar_gdn.planning.plan import LAYOUTS, MODES
 
 SINGLE = ("transformers", "ours")
 LOCAL = "local"

@@ -33,9 +33,9 @@ from benchkit.output import write_json
 from benchkit.plan_step import TRAIN_OPTIONS, measure_trainer, write_model_dir, write_text_data
 from benchkit.ranks import on_ranks
 from hyperpar_gdn.cli import HelpFormatter
+from hyperpar_gdn.planning.memory import GIB, estimate
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.memory_check import model_shape, step_options
-from hyperpar_gdn.train.memory_plan import GIB, estimate
 
 DEFAULT_CASES = (
     "qwen35:2:fp32:noac:1024",

@@ -31,7 +31,7 @@ from benchkit.output import Panel, save_png, write_json
 from benchkit.ranks import on_ranks
 from benchkit.timing import slowest_per_round
 from hyperpar_gdn.cli import HelpFormatter
-from hyperpar_gdn.distributed.plan import LAYOUTS, STATE_MODES
+from hyperpar_gdn.planning.plan import LAYOUTS, STATE_MODES
 
 MODES = STATE_MODES  # the stages are those of the state-passing modes
 AGREEMENT = 1e-4  # max |stages - layer| (fp32): the same operations in the same order

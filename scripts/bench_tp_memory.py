@@ -5,7 +5,7 @@ attention layer per four, Qwen3.5's head ratios, fp32) takes one step (forward w
 LM loss, backward, AdamW) on ``tp`` forked gloo ranks (tensor parallelism over all of them, the
 library's GDN layer at every tp). Per tp, the largest rank's: parameters it holds (all, and the
 decoder layers' matrices), the bytes autograd saved in the forward, the resident memory's peak
-and its growth over the step; beside them ``hyperpar_gdn.train.memory_plan.estimate`` at that tp
+and its growth over the step; beside them ``hyperpar_gdn.planning.memory.estimate`` at that tp
 (parameters, activations, the step's total without the runtime). Memory does not depend on the
 machine's load; the seconds do (printed, not a claim).
 

@@ -5,7 +5,7 @@ per rank) one GDN layer's forward and backward runs on one rank under torch's fa
 (:mod:`benchkit.fake_trace`: shapes and call sequences real, no values moved) for ranks 0, cp/2
 and cp - 1 in p2p, all_gather and scan (contiguous shards). Per rank: the bytes the layer sends
 and its messages (sends; a collective counts once), beside the cost model's
-:func:`~hyperpar_gdn.distributed.cost_model.rank_bytes_sent`, and the summaries it receives
+:func:`~hyperpar_gdn.planning.cost_model.rank_bytes_sent`, and the summaries it receives
 (the state it holds: all_gather's gathered tensor, scan's and p2p's largest message)::
 
     PYTHONPATH=. python scripts/bench_trace_scale.py --cps 128 256 1024 --out bench_trace_scale
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from benchkit.fake_trace import FakeCudaTrace
 from benchkit.output import write_json
 from hyperpar_gdn.cli import HelpFormatter
-from hyperpar_gdn.distributed.cost_model import Geometry, rank_bytes_sent
-from hyperpar_gdn.distributed.plan import STATE_MODES
+from hyperpar_gdn.planning.cost_model import Geometry, rank_bytes_sent
+from hyperpar_gdn.planning.plan import STATE_MODES
 from hyperpar_gdn.platform.device_trace import trace_without_device
 
 HEADS = {"hidden_size": 5120, "num_k_heads": 16, "num_v_heads": 48, "head_k_dim": 128, "head_v_dim": 128}

@@ -212,7 +212,7 @@ def widened_times(cfg: dict, device: torch.device, kernels: dict) -> dict:
 
 
 def mode_list(cfg: dict, cp: int) -> list[tuple[str, int | None]]:
-    from hyperpar_gdn.distributed.plan import HEAD_MODES, MODES, TWO_LEVEL_MODES
+    from hyperpar_gdn.planning.plan import HEAD_MODES, MODES, TWO_LEVEL_MODES
 
     modes: list[tuple[str, int | None]] = [
         (m, None) for m in MODES if m not in HEAD_MODES or cfg["v_heads"] % cp == 0
@@ -237,7 +237,8 @@ def rank_step(cfg: dict, device: torch.device, kernel: str, mode: str, inner: in
     layer = copy.deepcopy(module)
     style = LinearAttentionContextParallel(mode=mode, inner_size=inner, kernel=kernel)
     style.apply(layer, mesh)
-    seq = GlobalSequence.build([x.shape[1]] * cp)  # the lengths known: no exchange on the fake group
+    # the lengths known: no exchange on the fake group
+    seq = GlobalSequence.build([x.shape[1]] * cp, rank=rank)
 
     def step() -> None:
         xi = x.detach().requires_grad_(True)

@@ -83,8 +83,8 @@ def _main(argv: list[str] | None) -> int:
         sync_context_parallel_grads,
     )
     from hyperpar_gdn.cli import Parser, UsageError
-    from hyperpar_gdn.distributed.plan import MODE_CHOICES
     from hyperpar_gdn.ops.lm_loss import lm_loss_sum_reference
+    from hyperpar_gdn.planning.plan import MODE_CHOICES
     from hyperpar_gdn.platform import get_platform
 
     parser = Parser(description=__doc__.split("\n")[0])

@@ -10,7 +10,7 @@ Launch with one process per device, on any platform:
 Every rank builds the same layer and input, runs the whole sequence on its own device (the
 reference), then each mode on its shard, and compares the output shard, the input-gradient shard
 and the parameter gradients (summed over ranks), as errors relative to each tensor's scale. The
-modes are the library's own list (:data:`hyperpar_gdn.distributed.plan.MODE_CHOICES`): every
+modes are the library's own list (:data:`hyperpar_gdn.planning.plan.MODE_CHOICES`): every
 one-level mode; the two-level modes with ``--inner-size`` ranks per inner group (default: the
 ranks per node when the world spans nodes, else the smallest group that leaves two or more
 groups); and ``auto``, reported as the mode the cost model picks for this layer and length.
@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
-from hyperpar_gdn.distributed.plan import MODE_CHOICES, SPECS, CPPlan, head_split_error
 from hyperpar_gdn.distributed.verify import compare_with_reference
 from hyperpar_gdn.ops.gdn.kernels import KERNELS, resolve_kernel
+from hyperpar_gdn.planning.plan import MODE_CHOICES, SPECS, CPPlan, head_split_error
 from hyperpar_gdn.platform import Platform, get_platform
 
 
@@ -116,6 +116,22 @@ def split_heads(platform: Platform, layer: Any, tp_mesh: Any) -> None:
     from hyperpar_gdn.tensor_parallel.styles import GatedDeltaNetTensorParallel
 
     parallelize_module(layer, as_tp_mesh(tp_mesh), GatedDeltaNetTensorParallel())
+
+
+def whole_grads_over(platform: Platform, layer: Any, tp_mesh: Any) -> Any:
+    """What makes the gradients of ``layer``, split by heads over ``tp_mesh``, whole and in the
+    one-device layout (collective): ``compare_with_reference``'s ``whole_grads``."""
+    if platform.name == "mindspore":
+        from hyperpar_gdn.tensor_parallel.mindspore_apply import whole_parameters
+
+        def whole(grads: dict[str, Any]) -> dict[str, Any]:
+            arrays = whole_parameters(layer, grads, tp_mesh)
+            return {name: platform.from_numpy(value, dtype="float32") for name, value in arrays.items()}
+
+        return whole
+    from hyperpar_gdn.tensor_parallel import canonical_grads
+
+    return lambda grads: canonical_grads(layer, grads)
 
 
 def main() -> int:
@@ -215,7 +231,7 @@ def _main() -> int:
             layer = LinearAttentionContextParallel(plan=plan).apply(layer, mesh)
             start = time.perf_counter()
             reference = build_layer(platform, args)
-            split = {} if tp == 1 else {"tp_mesh": tp_mesh}
+            split = {} if tp == 1 else {"whole_grads": whole_grads_over(platform, layer, tp_mesh)}
             errors = compare_with_reference(platform, mesh, layer, reference, x, cotangent, **split)
             elapsed = time.perf_counter() - start
             worst_name, worst = max(errors.items(), key=lambda item: item[1])
@@ -312,14 +328,14 @@ def _auto_row(
 ) -> tuple[str, str, str, str]:
     """The row of ``auto``: the cost model's pick for this layer (a TP rank's heads) at T on the
     platform's device kind (one-level modes, as on one node), and the result of that mode's row."""
-    from hyperpar_gdn.distributed.planner import DEVICE_KINDS, plan_context_parallel
+    from hyperpar_gdn.planning.ranking import machine_kind, plan_context_parallel
 
     if cp < 2:
         return ("auto", "skipped: one CP rank, nothing to choose", "", "")
     choice = plan_context_parallel(
         seq_len=args.seq_len, cp=cp, num_k_heads=args.k_heads // tp, num_v_heads=args.v_heads // tp,
         head_k_dim=args.head_dim, head_v_dim=args.head_dim, hidden_size=args.hidden,
-        batch=args.batch_size, dtype="float32", device=DEVICE_KINDS.get(platform, "cpu"),
+        batch=args.batch_size, dtype="float32", device=machine_kind(platform),
     ).choice  # fmt: skip
     if choice not in passed:
         return ("auto", f"skipped: picks {choice}, which was not checked", "", "")

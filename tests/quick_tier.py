@@ -23,7 +23,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_bad_input",
     ),
     "tests/distributed/test_context_parallel_two_level.py": ("test_bad_options",),
-    "tests/distributed/test_cost_model_tp.py": (
+    "tests/planning/test_cost_model_tp.py": (
         "test_a_tp_rank_is_priced_on_its_heads",
         "test_the_split_ranking_follows_its_terms",
     ),
@@ -40,7 +40,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_device_type_the_framework_cannot_serve_is_a_value_error",
         "test_one_mindspore_device_target_per_process",
     ),
-    "tests/distributed/test_payoff.py": (
+    "tests/planning/test_payoff.py": (
         "test_the_verdict_is_the_cost_models",
         "test_configured_figures_replace_the_device_kinds",
         "test_a_config_without_gdn_sizes_is_refused",
@@ -51,13 +51,25 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_replay_finds_a_ring_of_lone_sends_deadlocked",
         "test_replay_counts_a_chain_hop_by_hop_and_checks_shapes",
     ),
-    "tests/distributed/test_plan.py": (
+    "tests/planning/test_choice.py": (
+        "test_the_plan_is_the_rankings_first_with_the_callers_options",
+        "test_devices_per_node_is_passed_in_not_read_from_the_environment",
+        "test_two_levels_need_a_block_of_consecutive_ranks",
+        "test_a_tp_rank_is_priced_at_the_layers_heads",
+    ),
+    "tests/planning/test_tp_rules.py": (
+        "test_a_torch_shard_of_the_grouped_rows_is_the_ranks_heads",
+        "test_the_experts_interleaved_shard_is_the_mlp_columns",
+        "test_attention_heads_and_the_kv_head_each_rank_uses",
+        "test_layers_that_do_not_split_are_named",
+    ),
+    "tests/planning/test_plan.py": (
         "test_mode_properties_are_defined_once",
         "test_plan_refuses_bad_fields",
         "test_plan_is_frozen_and_keyword_only",
         "test_mode_names_are_spelled_in_one_library_file",
     ),
-    "tests/distributed/test_planner.py": (
+    "tests/planning/test_ranking.py": (
         "test_ranking_follows_the_inputs",
         "test_ulysses_hidden_against_ulysses",
         "test_links_inside_and_between_nodes",
@@ -122,8 +134,8 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_queries_that_see_no_key_give_zeros_and_no_gradient",
         "test_bf16_inputs_keep_their_dtype_and_stay_close",
         "test_dense_reference_equals_transformers_attention",
-        "test_block_plan_skips_hidden_blocks_and_masks_only_the_diagonal",
-        "test_segment_plan_of_one_causal_sequence_is_one_causal_call",
+        "test_block_map_skips_hidden_blocks_and_masks_only_the_diagonal",
+        "test_visible_segments_of_one_causal_sequence_is_one_causal_call",
         "test_hp_attention_forces_a_path_and_refuses_unknown_values",
         "test_bad_inputs_name_the_values",
         "test_saved_activations_hold_no_query_key_matrix",
@@ -348,7 +360,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_tensor_parallelism_is_shown_and_priced",
         "test_a_two_level_mode_shows_its_inner_size",
     ),
-    "tests/train/test_memory_plan.py": (
+    "tests/planning/test_memory.py": (
         "test_parameters_match_the_built_model",
         "test_parameters_match_a_transformers_qwen35_model",
         "test_a_config_json_is_read_as_the_qwen35_config_reads_it",
@@ -356,9 +368,11 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_saved_per_token_matches_what_autograd_saves",
         "test_terms_follow_the_options",
         "test_longest_seq_len_is_the_last_that_fits",
+        "test_tp_terms_and_refusals",
+    ),
+    "tests/train/test_memory_check.py": (
         "test_mindspore_has_no_plan_and_says_so",
         "test_a_bad_budget_is_refused",
-        "test_tp_terms_and_refusals",
     ),
     "tests/train/checkpoints/test_replicated_shards.py": (
         "test_the_split_is_balanced_by_bytes",

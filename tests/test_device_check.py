@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hyperpar_gdn.distributed.plan import MODES, TWO_LEVEL_MODES
+from hyperpar_gdn.planning.plan import MODES, TWO_LEVEL_MODES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def test_smoke_run_writes_every_part(tmp_path: Path) -> None:
 def test_multi_smoke_runs_every_mode_on_gloo_ranks_against_one_device(tmp_path: Path) -> None:
     """--multi --smoke: the multi-GPU code path on 4 gloo ranks (fp64): every mode, both layouts and
     the two-level modes equal the one-device layer, forward and backward."""
-    from hyperpar_gdn.distributed.layout import LAYOUTS
+    from hyperpar_gdn.planning.plan import LAYOUTS
 
     out = tmp_path / "multi.json"
     run = subprocess.run(

@@ -342,11 +342,11 @@ MODE_SETS = ("MODES", "HEAD_MODES", "STATE_MODES", "TWO_LEVEL_MODES", "MODE_CHOI
 
 
 def test_the_docs_lists_of_modes_are_the_plans() -> None:
-    """Every list of modes in README.md and docs/ is one of ``hyperpar_gdn.distributed.plan``'s:
+    """Every list of modes in README.md and docs/ is one of ``hyperpar_gdn.planning.plan``'s:
     a paragraph or list under ``<!-- modes: NAME -->`` names (in backticks or bold) exactly the
     modes of ``plan.NAME``, and a ``{a,b,...}`` choice list that names a mode is one of the plan's
     sets. A mode added to the plan fails here until each list names it."""
-    from hyperpar_gdn.distributed import plan
+    from hyperpar_gdn.planning import plan
 
     sets = {name: tuple(getattr(plan, name)) for name in MODE_SETS}
     known = set(plan.MODE_CHOICES)

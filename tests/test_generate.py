@@ -277,7 +277,7 @@ def test_the_builtin_prompt_and_whitespace_continuations() -> None:
 def test_auto_runs_the_mode_the_cost_model_picks(
     runs: dict[str, Any], model_dir: Path, prompt_ids: list[int]
 ) -> None:
-    from hyperpar_gdn.distributed.plan import MODES
+    from hyperpar_gdn.planning.plan import MODES
 
     result = runs["auto"]
     assert result["mode_asked"] == "auto" and result["mode"] in MODES, result

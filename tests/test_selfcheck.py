@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from distributed_harness import ROOT, run_script
 
-from hyperpar_gdn.distributed.plan import MODES, TWO_LEVEL_MODES
+from hyperpar_gdn.planning.plan import MODES, TWO_LEVEL_MODES
 
 SMALL = ["--seq-len", "128"]  # the default layer; 32 tokens per rank
 

@@ -29,10 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.distributed.layout import TokenLayout, check_layout, layout_error
+from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
+from hyperpar_gdn.planning.plan import check_layout
 from hyperpar_gdn.platform import Tensor, ops_for
 from hyperpar_gdn.platform.base import IGNORE_INDEX
 

@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.distributed.layout import TokenLayout, check_layout
+from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
+from hyperpar_gdn.planning.plan import check_layout
 from hyperpar_gdn.platform import Tensor
 
 __all__ = ["DTensor", "Placement", "Replicate", "Shard", "as_sequence_shard", "distribute_tensor"]

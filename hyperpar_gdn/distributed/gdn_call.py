@@ -10,10 +10,10 @@ from typing import Any
 
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
-from hyperpar_gdn.distributed.plan import HEAD_MODES
 from hyperpar_gdn.distributed.sequence import GlobalSequence
 from hyperpar_gdn.ops.gdn.layer import LayerDims
-from hyperpar_gdn.platform import Tensor, ops_for
+from hyperpar_gdn.planning.plan import HEAD_MODES
+from hyperpar_gdn.platform import Tensor
 
 
 @dataclass(frozen=True)
@@ -58,51 +58,6 @@ def signature_binder(forward: Callable) -> Callable[..., CallArgs]:
         return call
 
     return bind
-
-
-def check_context(seq: GlobalSequence, call: CallArgs, layout: str) -> None:
-    """Check the per-forward context a whole model passed (``cp_context=``) against this layer's
-    layout and call: the context describes the padding and the documents, so the call carries
-    neither ``attention_mask`` nor ``cu_seqlens``."""
-    if not isinstance(seq, GlobalSequence):
-        raise TypeError(
-            f"cp_context must be a GlobalSequence (built by the model's forward); got {type(seq).__name__}"
-        )
-    if seq.layout != layout:
-        raise ValueError(
-            f"the model's forward passed a sequence in layout={seq.layout!r} to a GDN "
-            f"layer parallelized with layout={layout!r}"
-        )
-    extra = sorted(k for k in ("attention_mask", "cu_seqlens") if getattr(call, k) is not None)
-    if extra:
-        raise ValueError(
-            f"the model's forward describes the whole sequence (its padding and documents) once, in "
-            f"cp_context; the layer got {', '.join(extra)} as well"
-        )
-
-
-def from_global_sequence(seq: GlobalSequence, rank: int) -> tuple[list[int], Tensor | None]:
-    """The shard lengths and this rank's piece of the padding mask from the
-    :class:`GlobalSequence` a whole model computed once per forward (it gives the GDN layers the
-    same object as the softmax-attention layers)."""
-    lengths = list(seq.lengths)
-    if seq.key_mask is None:
-        return lengths, None
-    return lengths, seq.token_layout().local(ops_for(seq.key_mask), seq.key_mask, rank, 1)
-
-
-def check_known(lengths: list[int], rank: int, x: Tensor, error: str | None) -> list[int]:
-    """Lengths exchanged by the model's forward for all of its layers: no exchange here. The model
-    checked its inputs on every rank before that exchange, so what is checked here holds on every
-    rank unless the model itself is wrong."""
-    if error is None and x.shape[1] != lengths[rank]:
-        error = (
-            f"the hidden states hold {x.shape[1]} tokens but the model's forward exchanged "
-            f"T_r={lengths[rank]} for CP rank {rank}"
-        )
-    if error is not None:
-        raise ValueError(error)
-    return lengths
 
 
 def packing_error(x: Tensor, cu_seqlens: Any, position_ids: Any) -> str | None:

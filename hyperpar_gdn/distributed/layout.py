@@ -24,18 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from hyperpar_gdn.planning.plan import check_layout
 from hyperpar_gdn.platform import Tensor, TensorOps
 
-LAYOUTS = ("contiguous", "head_tail")
-
-__all__ = ["LAYOUTS", "Fragment", "TokenLayout", "check_layout"]
-
-
-def check_layout(layout: object) -> str:
-    """``layout`` if it is one of :data:`LAYOUTS`, else a ValueError naming the valid ones."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not a token layout; choose one of {', '.join(LAYOUTS)}")
-    return layout  # type: ignore[return-value]
+__all__ = ["Fragment", "TokenLayout", "layout_error", "layout_mismatch"]
 
 
 def layout_error(layout: str, seq_len: int, cp: int) -> str | None:

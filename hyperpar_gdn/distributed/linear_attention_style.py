@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, fragment_docs, shard_lengths
+from hyperpar_gdn.distributed.agreement import agree_on_plan, first
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, shard_lengths
 from hyperpar_gdn.distributed.cp.conv_state import shard_conv_tail, whole_conv_state
 from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_conv_states
 from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
@@ -20,10 +21,7 @@ from hyperpar_gdn.distributed.cp.ulysses_hidden import ulysses_hidden_error, uly
 from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.gdn_call import (
     CallArgs,
-    check_context,
-    check_known,
     check_lengths,
-    from_global_sequence,
     packing_error,
     shard_error,
     signature_binder,
@@ -31,20 +29,18 @@ from hyperpar_gdn.distributed.gdn_call import (
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_parallelized
-from hyperpar_gdn.distributed.plan import (
+from hyperpar_gdn.distributed.sequence import GlobalSequence, check_context
+from hyperpar_gdn.ops.gdn.kernels import GDNKernel, kernel_for_inputs, platform_of, resolve_kernel
+from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward, wrapped_weights_error
+from hyperpar_gdn.ops.gdn.varlen import packed_doc_starts
+from hyperpar_gdn.ops.prefill_states import PrefillStates
+from hyperpar_gdn.planning.plan import (
     HEAD_MODES,
     MODES,
     CPPlan,
-    agree_on_plan,
     cp_groups,
-    first,
     plan_errors,
 )
-from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence
-from hyperpar_gdn.ops.gdn.kernels import GDNKernel, kernel_for_inputs, platform_of, resolve_kernel
-from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward, wrapped_weights_error
-from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens, packed_doc_starts
-from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
 
 __all__ = ["MODES", "LinearAttentionContextParallel", "layer_shape"]
@@ -190,10 +186,9 @@ class LinearAttentionContextParallel(ParallelStyle):
         levels = make_levels(cp_mesh.platform, group, list(ranks), self.inner_size, replicas=replicas)
         self._levels_by_ranks[ranks] = levels
 
-    def install(self, module: Any, cp_mesh: DeviceMesh, *, holder: ContextHolder | None = None) -> Any:
+    def install(self, module: Any, cp_mesh: DeviceMesh) -> Any:
         """Install the CP forward on ``module`` (checked and agreed on by :meth:`apply` or
-        :func:`~hyperpar_gdn.apply_context_parallel`). ``holder``: where a transformers model's
-        forward leaves its per-forward context (its decoder layers pass the GDN layer no keyword)."""
+        :func:`~hyperpar_gdn.apply_context_parallel`)."""
         group = CPGroup.of(cp_mesh)
 
         def make_forward(original: Callable) -> Callable:
@@ -207,8 +202,6 @@ class LinearAttentionContextParallel(ParallelStyle):
                 **kwargs: Any,
             ) -> Any:
                 call_args = bind(hidden_states, *args, **kwargs)
-                if cp_context is None and holder is not None:
-                    cp_context = holder.current
                 return self._forward(module, group, hidden_states, call_args, prefill_states, cp_context)
 
             return forward
@@ -226,18 +219,26 @@ class LinearAttentionContextParallel(ParallelStyle):
     ) -> Any:
         """The CP forward of one call; ``states``: an inference prefill's record, handed the
         layer's decoding state of the whole sequence on every rank (any mode, any layout);
-        ``seq``: the model's per-forward context, or None (a layer called on its own)."""
+        ``seq``: the model's per-forward context, or None (a layer called on its own, which then
+        describes its own call: its shard lengths exchanged, its ``attention_mask`` and documents)."""
         owner = type(self).__name__
         x, wrap = as_sequence_shard(x, owner=owner, layout=self.layout)
-        attention_mask = call_args.attention_mask
-        known = None  # the shard lengths, when the model's forward already exchanged them
-        cu_seqlens = call_args.cu_seqlens
-        if seq is not None:
-            check_context(seq, call_args, self.layout)
-            known, attention_mask = from_global_sequence(seq, cp.rank)
-            cu_seqlens = seq.cu_seqlens  # host ints: no copy to the host in this layer
-        attention_mask, _ = as_sequence_shard(attention_mask, owner=owner, layout=self.layout)
         dims = LayerDims.of(module)
+        if seq is not None:
+            keywords = ("attention_mask", "cu_seqlens", "position_ids")
+            seq = check_context(
+                seq,
+                "a GDN layer",
+                layout=self.layout,
+                rank=cp.rank,
+                tokens=x.shape[1] if len(x.shape) > 1 else 0,
+                given=[k for k in keywords if getattr(call_args, k) is not None],
+                error=shard_error(dims, x, None),
+            )
+            attention_mask, cu_seqlens = seq.local_key_mask, seq.cu_seqlens
+        else:
+            attention_mask, _ = as_sequence_shard(call_args.attention_mask, owner=owner, layout=self.layout)
+            cu_seqlens = call_args.cu_seqlens
         error = shard_error(dims, x, attention_mask)
         if self.kernel_choice is None:
             self.kernel_choice = resolve_kernel(self.plan.kernel, platform=platform_of(x))
@@ -249,11 +250,15 @@ class LinearAttentionContextParallel(ParallelStyle):
         if cp.size == 1:
             if error is not None:
                 raise ValueError(error)
-            doc_starts = packed_doc_starts(
-                batch_size=x.shape[0],
-                seq_len=x.shape[1],
-                cu_seqlens=cu_seqlens,
-                position_ids=call_args.position_ids,
+            doc_starts = (
+                seq.doc_starts
+                if seq is not None
+                else packed_doc_starts(
+                    batch_size=x.shape[0],
+                    seq_len=x.shape[1],
+                    cu_seqlens=cu_seqlens,
+                    position_ids=call_args.position_ids,
+                )
             )
             y = gdn_layer_forward(
                 cp.xp,
@@ -269,43 +274,35 @@ class LinearAttentionContextParallel(ParallelStyle):
             if states is not None:
                 y, (conv, s) = y
                 states.keep_gdn(module, conv, s)
+            return wrap(y)
+        error = error or packing_error(x, cu_seqlens, call_args.position_ids)
+        if seq is None:  # one exchange of the lengths (raises on every rank), the documents checked
+            lengths = shard_lengths(cp, 0 if error else x.shape[1], error)
+            seq = GlobalSequence.build(lengths, rank=cp.rank, layout=self.layout, cu_seqlens=cu_seqlens)
+        elif error is not None:  # the model checked its input on every rank: this rank's own error
+            raise ValueError(error)
+        lengths, tokens = list(seq.lengths), seq.token_layout()
+        if self._levels_by_ranks:
+            return wrap(self._two_level(cp, call, x, attention_mask, lengths, seq.doc_starts, states))
+        check_lengths(self.mode, dims, tokens)
+        layout = None if tokens.is_contiguous else tokens
+        heads = self.mode in HEAD_MODES
+        docs = seq.shard_docs(dims.conv_kernel_size, by_fragment=layout is not None and not heads)
+        if docs is not None and (layout is None or heads):
+            docs = docs[0]
+        final = {"final_state": True} if states is not None else {}
+        pieces = None
+        if states is not None and docs is not None:  # packed prompts: a state per prompt
+            pieces = ShardPieces(seq.doc_starts, lengths, cp.rank)
+        if heads:
+            forward = ulysses_forward if self.mode == "ulysses" else ulysses_hidden_forward
+            y = forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
         else:
-            error = error or packing_error(x, cu_seqlens, call_args.position_ids)
-            if known is None:
-                lengths = shard_lengths(cp, 0 if error else x.shape[1], error)  # raises on every rank
-            else:
-                lengths = check_known(known, cp.rank, x, error)
-            tokens = TokenLayout.of(
-                self.layout, lengths
-            )  # the same lengths, so the same error, on every rank
-            if self._levels_by_ranks:
-                y = self._two_level(cp, call, x, attention_mask, lengths, cu_seqlens, states)
-                return wrap(y)
-            check_lengths(self.mode, dims, tokens)
-            layout = None if tokens.is_contiguous else tokens
-            docs = None
-            if cu_seqlens is not None:
-                width = dims.conv_kernel_size
-                docs = (
-                    ShardDocs.of(cu_seqlens, lengths, cp.rank, width)
-                    if layout is None or self.mode in HEAD_MODES
-                    else fragment_docs(cu_seqlens, tokens, cp.rank, width)
-                )
-            final = {"final_state": True} if states is not None else {}
-            pieces = None
-            if states is not None and cu_seqlens is not None:  # packed prompts: a state per prompt
-                pieces = ShardPieces(docs.whole, lengths, cp.rank)
-            if self.mode in HEAD_MODES:
-                forward = ulysses_forward if self.mode == "ulysses" else ulysses_hidden_forward
-                y = forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
-            else:
-                packed = {} if pieces is None else {"pieces": pieces}
-                y = state_passing_forward(
-                    self.mode, cp, call, x, attention_mask, docs, layout, **final, **packed
-                )
-            if states is not None:
-                y, s = y
-                states.keep_gdn(module, self._conv_state(cp, call, x, attention_mask, tokens, pieces), s)
+            packed = {} if pieces is None else {"pieces": pieces}
+            y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout, **final, **packed)
+        if states is not None:
+            y, s = y
+            states.keep_gdn(module, self._conv_state(cp, call, x, attention_mask, tokens, pieces), s)
         return wrap(y)
 
     def _packed_prefill_error(
@@ -344,10 +341,11 @@ class LinearAttentionContextParallel(ParallelStyle):
         x: Any,
         attention_mask: Any,
         lengths: list[int],
-        cu_seqlens: Any,
+        doc_starts: Any,
         states: PrefillStates | None,
     ) -> Any:
-        """A two-level mode on this rank's shard, once the lengths are known on every rank."""
+        """A two-level mode on this rank's shard, once the lengths are known on every rank;
+        ``doc_starts``: the whole sequence's (bool ``[T]``), or None."""
         if states is not None:
             raise NotImplementedError(
                 f"mode={self.mode!r} does not record prefill states; use a one-level mode"
@@ -357,11 +355,10 @@ class LinearAttentionContextParallel(ParallelStyle):
         )
         if error is not None:
             raise ValueError(error)
-        whole = None if cu_seqlens is None else doc_starts_from_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
         state_mode = self.mode.split("+")[1]
         levels = next(v for v in self._levels_by_ranks.values() if v.flat_group is cp.group)
         return two_level_forward(
-            state_mode, levels, call, x, attention_mask, lengths, whole, layout=self.layout
+            state_mode, levels, call, x, attention_mask, lengths, doc_starts, layout=self.layout
         )
 
 

@@ -10,35 +10,35 @@ returns this rank's logits ``[B, T/cp, V]``.
 Per forward, the whole sequence is described once on the host (the shard lengths, the padding,
 the packed documents' boundaries: a :class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`)
 and carried to every mixer, so no layer exchanges lengths or copies a device tensor to the host:
-HybridLM's forward is wrapped to build it (and passes it to its blocks as their ``cu_seqlens``); a
-transformers model gets forward pre-hooks that build it and make its inputs right for a shard
-(:mod:`hyperpar_gdn.integrations.transformers.hooks`).
+as the ``cp_context=`` keyword. The model's adapter (:mod:`.adapters`) says where its decoder
+layers are and installs what builds that context once per forward: a wrapper of HybridLM's
+forward (:class:`~.decoder_layers.DecoderAdapter`), forward pre-hooks on a transformers model
+that also make its inputs right for a shard (:mod:`hyperpar_gdn.integrations.transformers.adapter`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-from dataclasses import replace
 from typing import Any
 
+from hyperpar_gdn.distributed.agreement import agree_on_plan, first
 from hyperpar_gdn.distributed.decoder_layers import (
+    adapter_for,
     base_model_of,
-    find_decoder,
     mixer_of,
     mixers_of,
     text_model_of,
 )
-from hyperpar_gdn.distributed.layout import layout_mismatch
 from hyperpar_gdn.distributed.linear_attention_style import LinearAttentionContextParallel, layer_shape
-from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
-from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers, is_parallelized
-from hyperpar_gdn.distributed.plan import CPPlan, agree_on_plan, check_mode, first
-from hyperpar_gdn.distributed.planner import choose_plan
-from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence, exchange_lengths
+from hyperpar_gdn.distributed.mesh import as_cp_mesh
+from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_parallelized
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
+from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.planning.choice import choose_plan
+from hyperpar_gdn.planning.plan import CPPlan, check_mode
+from hyperpar_gdn.planning.ranking import machine_kind
 
-__all__ = ["apply_context_parallel", "text_model_of", "undo_context_parallel"]
+__all__ = ["apply_context_parallel", "resolve_plan", "text_model_of", "undo_context_parallel"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ def apply_context_parallel(
     inner_size: int | None = None,
     dtype: str = "bfloat16",
     kernel: str = "auto",
+    devices_per_node: int | None = None,
 ) -> Any:
     """Make every decoder layer of ``model`` take and return a sequence shard along the 1-D ``mesh``.
 
@@ -80,19 +81,20 @@ def apply_context_parallel(
         mesh: the CP axis (e.g. ``mesh["cp"]``).
         plan: a :class:`~hyperpar_gdn.CPPlan` (mode, layout, inner size, chunk size), or None to
             build one from the keywords below (give one or the other).
-        mode: one of :data:`~hyperpar_gdn.distributed.plan.MODE_CHOICES`: ``"ulysses"``,
+        mode: one of :data:`~hyperpar_gdn.planning.plan.MODE_CHOICES`: ``"ulysses"``,
             ``"ulysses_hidden"``, ``"p2p"``, ``"all_gather"``, ``"scan"``, the two-level
             ``"ulysses+p2p"``, ``"ulysses+all_gather"``, ``"ulysses+scan"`` (with ``inner_size``),
-            or ``"auto"``: the plan :func:`~hyperpar_gdn.distributed.planner.choose_plan` predicts
+            or ``"auto"``: the plan :func:`~hyperpar_gdn.planning.choice.choose_plan` predicts
             fastest for this model, mesh, ``seq_len`` and ``dtype`` (logged, with why;
             docs/modes.md), two-level modes included when ``inner_size`` is given or the mesh spans
-            nodes.
+            nodes (of ``devices_per_node`` devices, else the device kind's usual number).
         chunk_size: chunk of the gated delta rule.
         layout: ``"contiguous"`` or ``"head_tail"`` (pieces r and 2cp-1-r of 2*cp: equal
             softmax-attention work on every rank). The model takes ``cp_layout=`` (a keyword of its
             forward, which ``ContextParallelBatch.model_inputs()`` passes) and refuses a batch cut
             for another.
-        seq_len, dtype: for ``mode="auto"`` only (``seq_len`` required there): what the cost model prices.
+        seq_len, dtype, devices_per_node: for ``mode="auto"`` only (``seq_len`` required there):
+            what the cost model prices.
         inner_size: ranks per inner group (a node) of the two-level modes (and of ``"auto"``).
         kernel: the GDN layers' local kernel, ``"auto"``, ``"fla"`` or ``"native"`` (the plan's;
             :class:`LinearAttentionContextParallel`).
@@ -101,9 +103,13 @@ def apply_context_parallel(
     """
     given = model
     model = base_model_of(model)  # a PeftModel: its hooks and forward go on the model it wraps
-    plan = _plan_from(model, mesh, plan, mode, chunk_size, layout, seq_len, inner_size, dtype, kernel)
+    plan = resolve_plan(
+        model, mesh, plan=plan, mode=mode, chunk_size=chunk_size, layout=layout, seq_len=seq_len,
+        inner_size=inner_size, dtype=dtype, kernel=kernel, devices_per_node=devices_per_node,
+    )  # fmt: skip
     cp_mesh = as_cp_mesh(mesh)
-    outer, text_model = find_decoder(model)
+    adapter = adapter_for(model)
+    outer, text_model = adapter.decoder(model)
     mixers = mixers_of(text_model)
     linear_style = LinearAttentionContextParallel(plan=plan)
     gdn = [(i, module) for i, (kind, module) in enumerate(mixers) if kind == "linear_attn"]
@@ -123,52 +129,49 @@ def apply_context_parallel(
     agree_on_plan(cp_mesh, plan, shapes, first(errors))
     linear_style.make_groups(cp_mesh)  # two levels: collective, before anything changes
     softmax_style = SoftmaxAttentionContextParallel(layout=plan.layout)
-    holder = ContextHolder() if from_transformers(text_model) else None  # HybridLM: cp_context=
     done: list[Any] = []
     try:
-        if from_transformers(text_model):
-            from hyperpar_gdn.integrations.transformers.hooks import install_hooks
-
-            installed = install_hooks(model, outer, text_model, cp_mesh, plan.layout, holder)
-        else:
-            installed = False
-        if not installed:  # HybridLM: its forward takes cp_layout= and checks it
-            ParallelStyle._install(model, lambda original: _per_forward(original, cp_mesh, plan.layout))
+        adapter.install_forward(model, outer, text_model, cp_mesh, plan.layout)
         for kind, module in mixers:
             style = linear_style if kind == "linear_attn" else softmax_style
-            style.install(module, cp_mesh, holder=holder)
+            style.install(module, cp_mesh)
             done.append(module)
     except BaseException:  # leave the model as it was
         for module in done:
             ParallelStyle.undo(module)
-        if from_transformers(text_model):
-            from hyperpar_gdn.integrations.transformers.hooks import remove_hooks
-
-            if not remove_hooks(text_model) and is_parallelized(model):
-                ParallelStyle.undo(model)
-        elif is_parallelized(model):
-            ParallelStyle.undo(model)
+        adapter.remove_forward(model, text_model)
         raise
     return given
 
 
-def _plan_from(
+def resolve_plan(
     model: Any,
     mesh: Any,
-    plan: CPPlan | None,
-    mode: str | None,
-    chunk_size: int,
-    layout: str,
-    seq_len: int | None,
-    inner_size: int | None,
-    dtype: str,
+    *,
+    plan: CPPlan | None = None,
+    mode: str | None = None,
+    chunk_size: int = 64,
+    layout: str = "contiguous",
+    seq_len: int | None = None,
+    inner_size: int | None = None,
+    dtype: str = "bfloat16",
     kernel: str = "auto",
+    devices_per_node: int | None = None,
 ) -> CPPlan:
-    """The plan of :func:`apply_context_parallel`'s arguments (the same checks on every rank)."""
+    """The plan that :func:`apply_context_parallel`'s arguments ask for (the same checks on every
+    rank): ``plan`` itself, or one built from the keywords; for ``mode="auto"`` the one place that
+    turns auto into a plan: the model's GDN layer, the CP mesh's ranks and device kind and
+    ``devices_per_node`` handed to :func:`~hyperpar_gdn.planning.choice.choose_plan` (logged,
+    with why)."""
     if plan is not None:
         if not isinstance(plan, CPPlan):
             raise TypeError(f"plan must be a CPPlan; got {type(plan).__name__}")
-        given = {"mode": mode, "seq_len": seq_len, "inner_size": inner_size}
+        given = {
+            "mode": mode,
+            "seq_len": seq_len,
+            "inner_size": inner_size,
+            "devices_per_node": devices_per_node,
+        }
         extra = [k for k, v in given.items() if v is not None]
         extra += [
             k
@@ -190,52 +193,41 @@ def _plan_from(
             f"seq_len is given with mode='auto' and only then; got mode={mode!r}, seq_len={seq_len!r}"
         )
     if mode != "auto":
+        if devices_per_node is not None:
+            raise ValueError(f"devices_per_node is for mode='auto' only; got mode={mode!r}")
         return CPPlan(mode=mode, layout=layout, inner_size=inner_size, chunk_size=chunk_size, kernel=kernel)
+    cp_mesh = as_cp_mesh(mesh)
+    text_model = text_model_of(model)  # a PeftModel: the model it wraps
+    gdn = [m for kind, m in mixers_of(text_model) if kind == "linear_attn"]
+    if not gdn:
+        raise ValueError(f"{type(model).__name__} has no GDN layers: there is no mode to choose")
+    figures = {} if devices_per_node is None else {"devices_per_node": devices_per_node}
     plan = choose_plan(
-        model, mesh, seq_len=seq_len, layout=layout, dtype=dtype, inner_size=inner_size, chunk_size=chunk_size
+        LayerDims.of(gdn[0]),  # every GDN layer of a model has the same shape
+        ranks=list(cp_mesh.rank_list),
+        device=machine_kind(cp_mesh.device_type),
+        seq_len=seq_len,
+        layout=layout,
+        dtype=dtype,
+        inner_size=inner_size,
+        chunk_size=chunk_size,
+        kernel=kernel,
+        num_experts=int(getattr(getattr(text_model, "config", None), "num_experts", 0) or 0),
+        **figures,
     )
     logger.info("apply_context_parallel(mode='auto'): %s", plan.reason)
-    return replace(plan, kernel=kernel)
+    return plan
 
 
 def undo_context_parallel(model: Any) -> Any:
     """Restore the single-device forward of every mixer of ``model`` (and remove its hooks)."""
     given = model
     model = base_model_of(model)
-    _, text_model = find_decoder(model)
+    adapter = adapter_for(model)
+    _, text_model = adapter.decoder(model)
     for i, block in enumerate(text_model.layers):
         kind, module = mixer_of(i, block)
         style = LinearAttentionContextParallel if kind == "linear_attn" else SoftmaxAttentionContextParallel
         style.undo(module)
-    removed = False
-    if from_transformers(text_model):
-        from hyperpar_gdn.integrations.transformers.hooks import remove_hooks
-
-        removed = remove_hooks(text_model)
-    if not removed:
-        ParallelStyle.undo(model)
+    adapter.remove_forward(model, text_model)
     return given
-
-
-def _per_forward(original: Any, mesh: DeviceMesh, layout: str) -> Any:
-    """HybridLM's forward under context parallelism: it takes a ``cp_layout`` keyword (refused when
-    it is not the model's) and describes the whole sequence once per forward for every mixer: one
-    exchange of the shard lengths (every rank stops on any rank's bad input) and one host copy of
-    ``cu_seqlens``, in a :class:`GlobalSequence` passed to the blocks as ``cp_context=`` (which
-    then carries the documents: ``cu_seqlens`` goes on as None)."""
-    signature = inspect.signature(original)
-
-    def forward(*args: Any, cp_layout: str | None = None, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        input_ids, cu_seqlens = bound.arguments.get("input_ids"), bound.arguments.get("cu_seqlens")
-        error = layout_mismatch(cp_layout, layout)
-        if error is None and (input_ids is None or len(input_ids.shape) != 2):
-            error = f"input_ids must be this rank's shard [B, T/cp]; got {None if input_ids is None else tuple(input_ids.shape)}"
-        if error is None and cu_seqlens is not None and input_ids.shape[0] != 1:
-            error = f"packed documents (cu_seqlens) need batch size B=1; got B={input_ids.shape[0]}"
-        lengths = exchange_lengths(mesh, None if error else input_ids.shape[1], error)
-        bound.arguments["cu_seqlens"] = None
-        bound.arguments["cp_context"] = GlobalSequence.build(lengths, layout=layout, cu_seqlens=cu_seqlens)
-        return original(*bound.args, **bound.kwargs)
-
-    return forward

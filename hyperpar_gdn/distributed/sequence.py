@@ -5,13 +5,17 @@ or, in the head_tail layout, pieces r and 2cp-1-r of 2*cp (:mod:`.layout`).
 An attention layer needs, besides its own queries, the keys of every earlier piece, where the
 padding is and, for packed documents, which document each key belongs to. A model computes this
 :class:`GlobalSequence` once per forward (one exchange of lengths, one small all-gather) and
-hands it to every mixer explicitly: as the ``cp_context=`` keyword where this library owns the
-signatures (HybridLM, its blocks, the styles' forwards), and for transformers models through a
-:class:`ContextHolder` that the model's forward pre-hook fills and the mixers read (transformers'
-decoder layers pass no extra keyword to their GDN layer). It also carries every host-side description of the sequence (the
-piece lengths, the padding mask and the packed documents' boundaries as numpy arrays), so that no
-layer copies a device tensor to the host: on a GPU or NPU each such copy is a synchronisation
-that stalls the launch queue, and it would be paid once per layer.
+hands it to every mixer explicitly, as the ``cp_context=`` keyword: HybridLM passes it to its
+blocks, and a transformers model's forward pre-hook adds it to the text model's keywords, which
+its decoder layers pass on to both mixers. A mixer called without it (a layer on its own)
+describes its own call's sequence; nothing of an earlier forward is kept anywhere.
+
+It carries every host-side description of the sequence (the piece lengths, the padding mask, the
+packed documents' boundaries and starts as numpy arrays), checked once when it is built, so that
+no layer copies a device tensor to the host or checks the documents again: on a GPU or NPU each
+host copy is a synchronisation that stalls the launch queue, and it would be paid once per layer.
+It is one rank's view: its piece of the padding mask is cut once, when it is built, and the
+documents as its GDN layers' convs see them once, by the first layer that asks.
 
 Legend: B batch, T whole sequence, T_r rank r's piece.
 """
@@ -19,61 +23,89 @@ Legend: B batch, T whole sequence, T_r rank r's piece.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.distributed.cp.common import CPGroup, shard_lengths
+from hyperpar_gdn.distributed.cp.common import CPGroup, ShardDocs, shard_lengths
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.ops.gdn.varlen import check_cu_seqlens
-from hyperpar_gdn.platform import Tensor
+from hyperpar_gdn.platform import Tensor, ops_for
 
 
 @dataclass(frozen=True)
 class GlobalSequence:
-    """Build one with :meth:`build` (it validates the host-side parts).
+    """The whole sequence as rank ``rank`` of the CP group sees it in one forward. Build one with
+    :meth:`build` (it checks the host-side parts once).
 
     Attributes:
         lengths: every rank's piece length T_r, in rank order.
+        rank: the CP rank whose context this is.
         key_mask: ``[B, T]`` padding mask of the whole sequence on the device (1 = token,
-            0 = padding), or None: the GDN layers zero their padded rows with it.
-        host_key_mask: the same mask on the host, bool ``[B, T]``, or None: what the attention
+            0 = padding), or None.
+        local_key_mask: this rank's piece of it, ``[B, T_r]`` (rank order of the layout), or None:
+            the GDN layers zero their padded rows with it.
+        host_key_mask: the whole mask on the host, bool ``[B, T]``, or None: what the attention
             plans read.
         cu_seqlens: packed documents (B = 1), host int64 ``[N+1]`` over the whole sequence
-            (validated against ``sum(lengths)``), or None.
+            (checked against ``sum(lengths)``), or None.
+        doc_starts: the same documents as host bool ``[T]``, True where one starts, or None.
         layout: the token layout (``"contiguous"`` or ``"head_tail"``); masks and documents are in
             global order whatever it is.
     """
 
     lengths: tuple[int, ...]
+    rank: int = 0
     key_mask: Tensor | None = None
+    local_key_mask: Tensor | None = None
     host_key_mask: np.ndarray | None = None
     cu_seqlens: np.ndarray | None = None
+    doc_starts: np.ndarray | None = None
     layout: str = "contiguous"
+    # The documents as the GDN layers' convs see them, computed by the first layer that asks.
+    _shard_docs: dict[tuple[int, bool], tuple[ShardDocs, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def build(
         cls,
         lengths: Sequence[int],
         *,
+        rank: int,
         layout: str = "contiguous",
         key_mask: Tensor | None = None,
         host_key_mask: Any = None,
         cu_seqlens: Any = None,
     ) -> GlobalSequence:
-        """Validate and gather the per-forward description. ``cu_seqlens``: a host array or
-        sequence of ints (a device tensor is copied once, here). ``host_key_mask`` must be given
-        with ``key_mask`` (the caller has both: it built the device mask from host values)."""
+        """Check and gather the per-forward description of ``rank``'s view. ``cu_seqlens``: a host
+        array or sequence of ints (a device tensor is copied once, here). ``host_key_mask`` must
+        be given with ``key_mask`` (the caller has both: it built the device mask from host
+        values)."""
         lengths = tuple(int(t) for t in lengths)
         if (key_mask is None) != (host_key_mask is None):
             raise ValueError("GlobalSequence.build: give key_mask and host_key_mask together, or neither")
+        if not 0 <= rank < len(lengths):
+            raise ValueError(f"GlobalSequence.build: rank={rank} is not one of the {len(lengths)} CP ranks")
+        tokens = TokenLayout.of(layout, lengths)  # head_tail: two equal pieces (the same error on every rank)
         cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
-        host = None if host_key_mask is None else np.asarray(host_key_mask) != 0
-        seq = cls(lengths, key_mask=key_mask, host_key_mask=host, cu_seqlens=cu, layout=layout)
-        seq.token_layout()  # head_tail: every rank holds two equal pieces (the same error on every rank)
-        return seq
+        starts = None
+        if cu is not None:
+            starts = np.zeros(sum(lengths), dtype=bool)
+            starts[cu[:-1]] = True
+        local = None if key_mask is None else tokens.local(ops_for(key_mask), key_mask, rank, 1)
+        return cls(
+            lengths,
+            rank=rank,
+            key_mask=key_mask,
+            local_key_mask=local,
+            host_key_mask=None if host_key_mask is None else np.asarray(host_key_mask) != 0,
+            cu_seqlens=cu,
+            doc_starts=starts,
+            layout=layout,
+        )
 
     def offset(self, rank: int) -> int:
         """Global position of rank ``rank``'s first token (contiguous layout)."""
@@ -84,32 +116,61 @@ class GlobalSequence:
 
     def doc_ids(self) -> np.ndarray | None:
         """int64 ``[T]``: the document of every token (packed documents), or None."""
-        if self.cu_seqlens is None:
+        return None if self.doc_starts is None else np.cumsum(self.doc_starts) - 1
+
+    def shard_docs(self, width: int, *, by_fragment: bool) -> tuple[ShardDocs, ...] | None:
+        """The packed documents seen from this rank by a conv of ``width`` taps, or None: one
+        :class:`~.cp.common.ShardDocs` per fragment of the rank's shard (``by_fragment``), or one
+        for the contiguous piece ``[offset(rank), offset(rank) + T_r)``. Computed once per forward
+        (the first layer that asks keeps them here for the others)."""
+        if self.doc_starts is None:
             return None
-        return np.repeat(np.arange(len(self.cu_seqlens) - 1), np.diff(self.cu_seqlens))
-
-
-class ContextHolder:
-    """Where a transformers model's forward pre-hook leaves the :class:`GlobalSequence` of the
-    current forward for its mixers (one holder per model, made by
-    :func:`~hyperpar_gdn.apply_context_parallel`).
-
-    The context stays until the next forward replaces it, so a layer recomputed under activation
-    checkpointing in the backward reads its own forward's context, provided each backward runs
-    before the next forward (as every training loop does); a recomputation after another forward
-    of other lengths stops with the lengths' error (:func:`~.gdn_call.check_known`)."""
-
-    def __init__(self) -> None:
-        self.current: GlobalSequence | None = None
-
-    def get(self, owner: str) -> GlobalSequence:
-        """The current forward's context; an error naming ``owner`` when no model forward set one."""
-        if self.current is None:
-            raise NotImplementedError(
-                f"{owner} under context parallelism reads the whole sequence's description from its "
-                "model's forward (apply_context_parallel(model, ...)): call the whole model, not the layer alone"
+        key = (width, by_fragment)
+        if key not in self._shard_docs:
+            starts, r = self.doc_starts, self.rank
+            spans = (
+                [(f.start, f.length) for f in self.token_layout().mine(r)]
+                if by_fragment
+                else [(self.offset(r), self.lengths[r])]
             )
-        return self.current
+            self._shard_docs[key] = tuple(ShardDocs.of_segment(starts, a, t, width) for a, t in spans)
+        return self._shard_docs[key]
+
+
+def check_context(
+    seq: Any,
+    owner: str,
+    *,
+    layout: str,
+    rank: int,
+    tokens: int,
+    given: Sequence[str] = (),
+    error: str | None = None,
+) -> GlobalSequence:
+    """``seq``, the context a model's forward passed as ``cp_context=``, if it fits the call of a
+    layer (``owner``, for the messages) parallelized in ``layout`` on CP rank ``rank`` whose shard
+    holds ``tokens`` tokens; ``given``: the names of the call's own padding or document keywords,
+    which the context replaces (refused); ``error``: what the layer found wrong with its own
+    input. The model checked its inputs on every rank before it exchanged the lengths, so a
+    ValueError here is the same on every rank unless the model itself is wrong."""
+    if not isinstance(seq, GlobalSequence):
+        raise TypeError(
+            f"cp_context must be a GlobalSequence (built by the model's forward); got {type(seq).__name__}"
+        )
+    if seq.layout != layout:
+        error = f"the model's forward passed a sequence in layout={seq.layout!r} to {owner} parallelized with layout={layout!r}"
+    elif seq.rank != rank:
+        error = f"the model's forward passed CP rank {seq.rank}'s context to {owner} on CP rank {rank}"
+    elif given:
+        error = (
+            f"the model's forward describes the whole sequence (its padding and documents) once, in cp_context; "
+            f"{owner} got {', '.join(sorted(given))} as well"
+        )
+    elif error is None and tokens != seq.lengths[rank]:
+        error = f"the hidden states hold {tokens} tokens but the model's forward exchanged T_r={seq.lengths[rank]} for CP rank {rank}"
+    if error is not None:
+        raise ValueError(error)
+    return seq
 
 
 def gather_pieces(

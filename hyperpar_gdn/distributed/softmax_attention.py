@@ -28,13 +28,13 @@ from __future__ import annotations
 from typing import Any
 
 from hyperpar_gdn.distributed.mesh import DeviceMesh
-from hyperpar_gdn.distributed.sequence import GlobalSequence, gather_pieces
-from hyperpar_gdn.ops.attention.plan import Tokens
+from hyperpar_gdn.distributed.sequence import GlobalSequence, check_context, exchange_lengths, gather_pieces
 from hyperpar_gdn.ops.attention.softmax import attention
+from hyperpar_gdn.ops.attention.visibility import Tokens
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor
 
-__all__ = ["attention_forward", "shard_error"]
+__all__ = ["attention_forward", "call_sequence", "shard_error"]
 
 
 def attention_forward(
@@ -121,3 +121,33 @@ def shard_error(x_BTC: Tensor, hidden_size: int) -> str | None:
     if len(shape) != 3 or shape[-1] != hidden_size:
         return f"the local shard must be [B, T/cp, hidden_size={hidden_size}]; got {shape}"
     return None
+
+
+def call_sequence(
+    mesh: DeviceMesh,
+    layout: str,
+    x_BTC: Tensor,
+    hidden_size: int,
+    *,
+    cp_context: GlobalSequence | None = None,
+    cu_seqlens: Any = None,
+) -> GlobalSequence:
+    """The whole sequence an attention layer's call sees: the model's per-forward context
+    ``cp_context``, checked against this layer and this rank's shard, or, for a layer called on
+    its own, one built from the call (the shard lengths exchanged, where every rank stops on any
+    rank's bad input, and the documents of ``cu_seqlens``)."""
+    if cp_context is None:
+        error = shard_error(x_BTC, hidden_size)
+        if error is None and cu_seqlens is not None and x_BTC.shape[0] != 1:
+            error = f"packed documents (cu_seqlens) need batch size B=1; got B={x_BTC.shape[0]}"
+        lengths = exchange_lengths(mesh, None if error else x_BTC.shape[1], error)
+        return GlobalSequence.build(lengths, rank=mesh.get_local_rank(), layout=layout, cu_seqlens=cu_seqlens)
+    return check_context(
+        cp_context,
+        "an attention layer",
+        layout=layout,
+        rank=mesh.get_local_rank(),
+        tokens=x_BTC.shape[1] if len(x_BTC.shape) > 1 else 0,
+        given=() if cu_seqlens is None else ("cu_seqlens",),
+        error=shard_error(x_BTC, hidden_size),
+    )

@@ -1,37 +1,20 @@
 """The parallel style for causal softmax attention layers: :class:`SoftmaxAttentionContextParallel`.
 
 The algorithm (all-gathered K and V, local queries at their global positions, the head_tail
-layout) is :mod:`.softmax_attention`; this file installs it on a layer: ours
-(``hyperpar_gdn``'s ``CausalSelfAttention``, torch and MindSpore, through :class:`OwnAttention`)
-or transformers' ``Qwen3_5Attention`` / ``Qwen3_5MoeAttention``
-(:mod:`hyperpar_gdn.integrations.transformers.attention`).
+layout) is :mod:`.softmax_attention`; this file installs on a layer the forward that the layer's
+model adapter makes of it (:mod:`.adapters`): ours (``hyperpar_gdn``'s ``CausalSelfAttention``,
+torch and MindSpore, :class:`~.decoder_layers.DecoderAdapter`) or transformers'
+``Qwen3_5Attention`` / ``Qwen3_5MoeAttention`` (:mod:`hyperpar_gdn.integrations.transformers.adapter`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hyperpar_gdn.distributed.dtensor import as_sequence_shard
-from hyperpar_gdn.distributed.layout import check_layout
+from hyperpar_gdn.distributed.decoder_layers import layer_adapter_for
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
-from hyperpar_gdn.distributed.parallel_style import ParallelStyle, from_transformers
-from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence, exchange_lengths
-from hyperpar_gdn.distributed.softmax_attention import attention_forward, shard_error
-from hyperpar_gdn.ops.prefill_states import PrefillStates
-from hyperpar_gdn.platform import Tensor
-
-
-class OwnAttention:
-    """Adapter for ``hyperpar_gdn.models.attention.CausalSelfAttention`` and its MindSpore twin."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-
-    def project(self, x_BTC: Tensor, *, position_offset: int, cos_sin: Any = None) -> tuple[Tensor, ...]:
-        return self.module.project(x_BTC, position_offset=position_offset)
-
-    def finish(self, o_BTX: Tensor, gate_BTX: Tensor) -> Tensor:
-        return self.module.finish(o_BTX, gate_BTX)
+from hyperpar_gdn.distributed.parallel_style import ParallelStyle
+from hyperpar_gdn.planning.plan import check_layout
 
 
 class SoftmaxAttentionContextParallel(ParallelStyle):
@@ -44,18 +27,17 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
     ``[B, T_r, hidden]`` (shards may differ in length) and gives exactly the single-device rows;
     ours also take ``cu_seqlens=`` (packed documents: the whole sequence's boundaries). Both take
     ``prefill_states=`` (an inference prefill's record: handed K and V of the whole sequence in
-    global order, on every rank). Both take
-    ``prefill_states=`` (an inference prefill's record: handed K and V of the whole sequence in
-    global order, on every rank).
+    global order, on every rank) and ``cp_context=``, the whole model's per-forward
+    :class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`; without it a layer describes its
+    own call (its shard lengths exchanged, its documents), as the GDN style does.
     Parameters are untouched; their gradients are this rank's share (sum them over the CP ranks:
     :func:`~hyperpar_gdn.sync_context_parallel_grads`).
     ``undo(module)`` restores the original forward.
 
     transformers' layers keep their call signature ``(hidden_states, position_embeddings,
     attention_mask, ...)`` and return ``(output, None)``; ``position_embeddings`` must be the
-    cos/sin of the shard's positions, and ``attention_mask`` the :class:`GlobalSequence` (lengths,
-    padding, documents) that ``apply_context_parallel`` passes for a whole transformers model (a
-    local 4-D mask cannot describe the keys of other ranks, so it is refused).
+    cos/sin of the shard's positions; the padding comes in ``cp_context`` (a local 4-D
+    ``attention_mask`` cannot describe the keys of other ranks, so it is refused).
 
     ``layout``: ``"contiguous"`` or ``"head_tail"`` (:mod:`hyperpar_gdn.distributed.layout`),
     which tokens a rank holds.
@@ -72,92 +54,23 @@ class SoftmaxAttentionContextParallel(ParallelStyle):
 
     def apply(self, module: Any, mesh: Any) -> Any:
         """Make ``module``'s forward take and return this rank's shard; returns ``module``."""
-        error = self.error(module)
-        if error is not None:
-            raise TypeError(error)
         return self.install(module, as_cp_mesh(mesh))
 
     @staticmethod
     def error(module: Any) -> str | None:
-        """Why this style cannot serve ``module``, or None."""
-        if from_transformers(module):
-            return None
-        missing = [name for name in ("project", "finish") if not callable(getattr(module, name, None))]
-        if missing:
-            return (
-                f"{type(module).__name__} has no {missing[0]}(): SoftmaxAttentionContextParallel supports "
-                "hyperpar_gdn.models.attention.CausalSelfAttention and transformers' Qwen3.5 attention"
-            )
+        """Why this style cannot serve ``module`` (no model adapter serves it), or None."""
+        try:
+            layer_adapter_for(module)
+        except TypeError as error:
+            return str(error)
         return None
 
-    def install(self, module: Any, cp_mesh: Any, *, holder: ContextHolder | None = None) -> Any:
-        """Install the CP forward on ``module`` (checked by :meth:`apply` or
-        :func:`~hyperpar_gdn.apply_context_parallel`); ``holder``: where a transformers model's
-        forward leaves its per-forward context."""
-        if from_transformers(module):
-            from hyperpar_gdn.integrations.transformers.attention import transformers_attention_forward
-
-            return self._install(
-                module,
-                lambda original: transformers_attention_forward(
-                    module, cp_mesh, self.layout, holder or ContextHolder()
-                ),
-                layout=self.layout,
-            )
-        adapter = OwnAttention(module)
-
-        def forward(
-            hidden_states: Any,
-            *,
-            cu_seqlens: Any = None,
-            prefill_states: PrefillStates | None = None,
-            cp_context: GlobalSequence | None = None,
-        ) -> Any:
-            x_BTC, wrap = as_sequence_shard(hidden_states, owner=type(self).__name__, layout=self.layout)
-            if isinstance(cu_seqlens, GlobalSequence):
-                raise TypeError("the whole sequence's description goes in cp_context=, not in cu_seqlens=")
-            if cp_context is not None:  # a whole model's forward built it once
-                if cu_seqlens is not None:
-                    raise ValueError(
-                        "the model's forward describes the documents once, in cp_context; the layer got "
-                        "cu_seqlens as well"
-                    )
-                return wrap(
-                    attention_forward(
-                        adapter,
-                        cp_mesh,
-                        x_BTC,
-                        _checked(
-                            cp_context, self.layout, x_BTC, module.hidden_size, cp_mesh.get_local_rank()
-                        ),
-                        prefill_states=prefill_states,
-                    )
-                )
-            error = shard_error(x_BTC, module.hidden_size)
-            if error is None and cu_seqlens is not None and x_BTC.shape[0] != 1:
-                error = f"packed documents (cu_seqlens) need batch size B=1; got B={x_BTC.shape[0]}"
-            lengths = exchange_lengths(cp_mesh, None if error else x_BTC.shape[1], error)
-            seq = GlobalSequence.build(lengths, layout=self.layout, cu_seqlens=cu_seqlens)
-            return wrap(attention_forward(adapter, cp_mesh, x_BTC, seq, prefill_states=prefill_states))
-
-        return self._install(module, lambda original: forward, layout=self.layout)
-
-
-def _checked(seq: GlobalSequence, layout: str, x_BTC: Tensor, hidden_size: int, rank: int) -> GlobalSequence:
-    """The model's per-forward sequence, if it fits this layer and this rank's shard. The model
-    checked its input on every rank before it exchanged the lengths, so these hold on every rank
-    unless the model itself is wrong."""
-    error = shard_error(x_BTC, hidden_size)
-    if seq.layout != layout:
-        error = (
-            f"the model's forward passed a sequence in layout={seq.layout!r} to an attention "
-            f"layer parallelized with layout={layout!r}"
+    def install(self, module: Any, cp_mesh: Any) -> Any:
+        """Install the CP forward of ``module``'s model adapter
+        (:func:`~hyperpar_gdn.distributed.decoder_layers.layer_adapter_for`) on it."""
+        adapter = layer_adapter_for(module)
+        return self._install(
+            module,
+            lambda original: adapter.attention_forward(module, cp_mesh, self.layout),
+            layout=self.layout,
         )
-    elif error is None and x_BTC.shape[1] != seq.lengths[rank]:
-        error = (
-            f"the hidden states hold {x_BTC.shape[1]} tokens but the model's forward exchanged "
-            f"T_r={seq.lengths[rank]} for CP rank {rank}"
-        )
-    if error is not None:
-        raise ValueError(error)
-    return seq

@@ -8,7 +8,7 @@ gradients summed over the CP ranks against the reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,16 +39,16 @@ def compare_with_reference(
     reference_dtype: str | None = None,
     shard_lengths: Sequence[int] | None = None,
     layout: str = "contiguous",
-    tp_mesh: Any = None,
+    whole_grads: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict[str, float]:
     """Relative errors of the CP ``layer`` against ``reference`` (same weights, no CP).
 
     ``x`` ``[B, T, hidden]`` and ``cotangent`` (the output gradient, same shape) are the whole
     sequence, identical on every rank; ``attention_mask`` ``[B, T]``. ``layer`` must already have
     context parallelism applied on ``mesh`` (its CP axis; with one rank, ``mesh`` only needs
-    ``get_local_rank()`` and ``size()``); ``tp_mesh``: the 1-D TP axis of a layer split by heads
-    as well (:mod:`hyperpar_gdn.tensor_parallel`), whose gradients are made whole over it first
-    (collective). ``reference_dtype`` (default ``dtype``)
+    ``get_local_rank()`` and ``size()``); ``whole_grads``: for a layer split by heads as well
+    (tensor parallelism), what makes its parameter gradients whole, in the one-device layout and
+    on the platform (a collective over the TP axis), before they are compared. ``reference_dtype`` (default ``dtype``)
     runs the reference in another precision, e.g. float64 as the truth for a float32 layer.
     ``shard_lengths`` (one per rank, summing to T) gives rank r the r-th contiguous piece of that
     length; default T/cp each. ``layout``: which tokens rank r holds (``"head_tail"``: pieces r and
@@ -78,8 +78,8 @@ def compare_with_reference(
     mask_local = None if attention_mask is None else attention_mask[:, local]
     out, dx, dparams = run(layer, x[:, local], cotangent[:, local], mask_local, dtype)
 
-    if tp_mesh is not None:
-        dparams = _whole_over_tp(platform, layer, dparams, tp_mesh, dtype)
+    if whole_grads is not None:
+        dparams = whole_grads(dparams)
     errors = {
         "output": relative_error(platform.to_numpy(out), platform.to_numpy(ref_out)[:, local]),
         "grad_input": relative_error(platform.to_numpy(dx), platform.to_numpy(ref_dx)[:, local]),
@@ -90,17 +90,3 @@ def compare_with_reference(
             platform.to_numpy(total), platform.to_numpy(ref_dparams[name])
         )
     return errors
-
-
-def _whole_over_tp(
-    platform: Platform, layer: Any, grads: dict[str, Any], tp_mesh: Any, dtype: str
-) -> dict[str, Any]:
-    """The gradients of a layer split over ``tp_mesh``, whole and in the one-device layout."""
-    if platform.name == "mindspore":
-        from hyperpar_gdn.tensor_parallel.mindspore_apply import whole_parameters
-
-        whole = whole_parameters(layer, grads, tp_mesh)
-        return {name: platform.from_numpy(value, dtype=dtype) for name, value in whole.items()}
-    from hyperpar_gdn.tensor_parallel import canonical_grads
-
-    return canonical_grads(layer, grads)

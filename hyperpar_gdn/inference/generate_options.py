@@ -2,7 +2,7 @@
 communication (a user error is one line on rank 0): the options (:func:`build_parser`,
 :func:`parse_args`), the model directory and the prompt (:func:`check_paths`, :func:`prompt_ids`,
 :func:`check_prompt_length`), the ranks (:func:`check_tp`, :func:`check_heads`) and the token
-layout (:func:`token_layout`). The CP modes are :mod:`hyperpar_gdn.distributed.plan`'s, spelled
+layout (:func:`token_layout`). The CP modes are :mod:`hyperpar_gdn.planning.plan`'s, spelled
 as ``scripts/train.py`` spells them (``--cp-mode``, ``--cp-layout``, ``--cp-inner-size``).
 """
 
@@ -34,7 +34,7 @@ RENAMED = {"--mode": "--cp-mode", "--layout": "--cp-layout"}  # earlier names ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyperpar_gdn.distributed.plan import LAYOUTS, MODE_CHOICES
+    from hyperpar_gdn.planning.plan import LAYOUTS, MODE_CHOICES
 
     parser = Parser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, checked; raises ``UsageError`` naming the option (rank 0 reports it).
     ``args.sampling`` is the :class:`~hyperpar_gdn.inference.sampling.Sampling` it asks for."""
-    from hyperpar_gdn.distributed.plan import inner_size_option_error
+    from hyperpar_gdn.planning.plan import inner_size_option_error
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -215,8 +215,8 @@ def check_heads(args: argparse.Namespace, cp: int, tp: int = 1) -> None:
     """Ulysses splits the GDN value heads over the ranks (key heads may be shared; under --tp a TP
     rank's heads), a two-level mode over its inner groups: refuse a model whose value heads do
     not divide, or an inner size that does not divide cp."""
-    from hyperpar_gdn.distributed.plan import HEAD_MODES
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims
+    from hyperpar_gdn.planning.plan import HEAD_MODES
 
     num_k_heads, num_v_heads, _ = gdn_dims(args.model)
     if args.cp_mode in HEAD_MODES and cp > 1 and num_v_heads % (cp * tp):
@@ -277,8 +277,8 @@ def token_layout(args: argparse.Namespace, t: int, cp: int) -> str:
     T prompt tokens divide into 2cp equal pieces that hold the conv halo (W-1 tokens; one for
     ulysses), else contiguous. An explicit head_tail that does not divide is refused (the same
     error on every rank)."""
-    from hyperpar_gdn.distributed.plan import HEAD_MODES
     from hyperpar_gdn.integrations.transformers.model_dir import gdn_dims, has_softmax_attention
+    from hyperpar_gdn.planning.plan import HEAD_MODES
 
     divides = cp > 1 and t % (2 * cp) == 0
     if args.cp_layout is None:

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.distributed.plan import CPPlan
 from hyperpar_gdn.inference.engine import Engine, kv_cache_bytes
 from hyperpar_gdn.inference.generate_options import (
     check_heads,
@@ -34,6 +33,7 @@ from hyperpar_gdn.inference.generate_options import (
     token_layout,
 )
 from hyperpar_gdn.inference.sampling import decode
+from hyperpar_gdn.planning.plan import CPPlan
 
 __all__ = ["cp_plan", "main", "shown_text"]
 
@@ -53,16 +53,25 @@ def main(argv: list[str] | None = None) -> int:
 def cp_plan(args: argparse.Namespace, model: Any, mesh: Any, t: int) -> CPPlan:
     """The prefill's plan for a prompt of ``t`` tokens on the CP ``mesh``: ``--cp-mode`` (at cp 1,
     where every mode is the one-device layer, a one-level mode), or the cost model's choice."""
-    from hyperpar_gdn.distributed.plan import SPECS
-    from hyperpar_gdn.distributed.planner import choose_plan
+    from hyperpar_gdn.distributed.parallelize import resolve_plan
+    from hyperpar_gdn.planning.plan import SPECS
+    from hyperpar_gdn.platform.memory_budget import local_ranks
 
-    if mesh.size() > 1 and args.cp_mode == "auto":
-        plan = choose_plan(model, mesh, seq_len=t, layout=args.cp_layout, dtype="float32")
-    elif mesh.size() > 1 or (args.cp_mode != "auto" and not SPECS[args.cp_mode].two_level):
-        plan = CPPlan(mode=args.cp_mode, layout=args.cp_layout, inner_size=args.cp_inner_size)
-    else:
-        plan = CPPlan(mode="p2p", layout=args.cp_layout)
-    return dataclasses.replace(plan, kernel=args.gdn_kernel)
+    mode, inner_size = args.cp_mode, args.cp_inner_size
+    if mesh.size() == 1 and (mode == "auto" or SPECS[mode].two_level):
+        mode, inner_size = "p2p", None
+    auto = mode == "auto"
+    return resolve_plan(
+        model,
+        mesh,
+        mode=mode,
+        layout=args.cp_layout,
+        inner_size=None if auto else inner_size,
+        kernel=args.gdn_kernel,
+        seq_len=t if auto else None,
+        dtype="float32",
+        devices_per_node=(local_ranks(0) or None) if auto else None,
+    )
 
 
 def _generate(argv: list[str] | None) -> int:
@@ -111,8 +120,8 @@ def _run(
     """The timed prefill rounds on every rank, then decoding and the report on rank 0."""
     from hyperpar_gdn.distributed.mesh import init_device_mesh
     from hyperpar_gdn.distributed.parallelize import apply_context_parallel, undo_context_parallel
-    from hyperpar_gdn.distributed.plan import SPECS
     from hyperpar_gdn.inference.prefill import prefill_context_parallel
+    from hyperpar_gdn.planning.plan import SPECS
 
     rank, group, comm = platform.rank(), mesh.get_group(), platform.collectives
     ids = engine.tensor(ids_np)
@@ -186,9 +195,9 @@ def report(
 ) -> None:
     """Rank 0: print the prompt, the continuation (``decoded``: tokens, seconds) and the numbers
     (``kv``: the attention K/V bytes of one device and, decoding on the CP group, of every rank)."""
-    from hyperpar_gdn.distributed.payoff import cp_advice
     from hyperpar_gdn.integrations.transformers.model_config import text_config
     from hyperpar_gdn.integrations.transformers.model_dir import load_tokenizer
+    from hyperpar_gdn.planning.payoff import cp_advice
 
     cp_times, one_times, solo_times = times
     tokens, decode_s = decoded

@@ -37,10 +37,15 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
-from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_parallel_head_error
 from hyperpar_gdn.expert_parallel.style import EP_RECORD, is_moe_block
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.ops.projections import wrapper_of
+from hyperpar_gdn.planning.tp_rules import (
+    attention_head_error,
+    gate_up_interleaved_order,
+    qkv_grouped_order,
+    tensor_parallel_head_error,
+)
 from hyperpar_gdn.tensor_parallel.styles import (
     TP_RECORD,
     AttentionTensorParallel,
@@ -48,8 +53,6 @@ from hyperpar_gdn.tensor_parallel.styles import (
     MLPTensorParallel,
     MoETensorParallel,
     attention_heads,
-    gate_up_interleaved_order,
-    qkv_grouped_order,
 )
 
 __all__ = [
@@ -76,11 +79,16 @@ def apply_tensor_parallel(model: Any, mesh: Any) -> Any:
             (torch), before :func:`~hyperpar_gdn.apply_context_parallel`.
         mesh: the 1-D TP axis: ours (``init_device_mesh(...)["tp"]``) or a torch ``DeviceMesh``.
 
-    Returns ``model``, changed in place (there is no undo: the parameters are re-made as shards).
+    Returns ``model``, changed in place (there is no undo: the parameters are re-made as shards;
+    a transformers model's hub kernels stay off, :mod:`~hyperpar_gdn.integrations.transformers.hub_kernels`).
     """
     tp_mesh = as_tp_mesh(mesh)
     _, text_model = find_decoder(model)
     plan = tensor_parallel_plan(text_model, tp_mesh.size())
+    if from_transformers(text_model):  # for good: a re-kernelization would drop the styles' forwards
+        from hyperpar_gdn.integrations.transformers.hub_kernels import pause_hub_kernels
+
+        pause_hub_kernels(model)
     parallelize_module(text_model, tp_mesh, plan)
     return model
 

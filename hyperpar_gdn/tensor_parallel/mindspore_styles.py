@@ -2,7 +2,8 @@
 MoE block split by heads (or columns) over a TP group, through the platform's collectives.
 
 The split is torch's (:mod:`.styles`, docs/tensor_parallel.md), on the MindSpore cells of
-:mod:`hyperpar_gdn.models.mindspore`. TP rank t of tp:
+:mod:`hyperpar_gdn.models.mindspore`, by the rules of :mod:`hyperpar_gdn.planning.tp_rules`. TP
+rank t of tp:
 
 - GDN: q/k heads ``[t hk, (t+1) hk)`` (hk = num_k_heads / tp) with their value heads ``[t hv,
   (t+1) hv)``: the ``in_proj_qkv`` and ``conv1d`` rows of those q, k and v heads, ``in_proj_z``,
@@ -38,11 +39,21 @@ import numpy as np
 from mindspore import Parameter, nn, ops
 
 from hyperpar_gdn.distributed.parallel_style import is_parallelized
-from hyperpar_gdn.distributed.tensor_heads import attention_head_error, tensor_parallel_head_error
 from hyperpar_gdn.models.mindspore.moe import expert_weights
 from hyperpar_gdn.ops.blocks import rms_norm, sparse_moe
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
 from hyperpar_gdn.ops.projections import WeightLinear
+from hyperpar_gdn.planning.tp_rules import (
+    Parts,
+    attention_head_error,
+    attention_parts,
+    gdn_parts,
+    kv_head_of,
+    kv_heads_per_rank,
+    mlp_parts,
+    span,
+    tensor_parallel_head_error,
+)
 from hyperpar_gdn.platform import ops_for
 
 __all__ = [
@@ -55,7 +66,6 @@ __all__ = [
 ]
 
 TP_RECORD = "_hyperpar_tp"  # on every split cell: its Split (global sizes and each rank's parts)
-Parts = dict[str, tuple[int, np.ndarray]]  # parameter name -> (dim, global indices along it)
 
 
 class _SumGradOverTP(nn.Cell):
@@ -186,11 +196,6 @@ def _block_hooks(cell: nn.Cell, copy_in: nn.Cell, reduce_out: nn.Cell) -> None:
     cell.register_forward_hook(post, with_kwargs=True)
 
 
-def _span(start: int, count: int, width: int) -> np.ndarray:
-    """Indices ``[start * width, (start + count) * width)``: ``count`` heads of ``width`` from head ``start``."""
-    return np.arange(start * width, (start + count) * width)
-
-
 class GatedDeltaNetTensorParallel(TensorParallel):
     """The MindSpore GDN layer split by q/k heads with their value heads (module docstring)."""
 
@@ -200,20 +205,9 @@ class GatedDeltaNetTensorParallel(TensorParallel):
 
     def split(self, cell: nn.Cell, tp: int) -> Split:
         dims = LayerDims.of(cell)
-        hk, hv = dims.num_k_heads // tp, dims.num_v_heads // tp
-        key_dim = dims.num_k_heads * dims.head_k_dim
 
         def parts(rank: int) -> Parts:
-            q, v = _span(rank * hk, hk, dims.head_k_dim), _span(rank * hv, hv, dims.head_v_dim)
-            qkv, heads = np.concatenate([q, key_dim + q, 2 * key_dim + v]), _span(rank * hv, hv, 1)
-            by_head = {n: (0, heads) for n in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")}
-            return {
-                "in_proj_qkv.weight": (0, qkv),
-                "conv1d.weight": (0, qkv),
-                "in_proj_z.weight": (0, v),
-                **by_head,
-                "out_proj.weight": (1, v),
-            }
+            return gdn_parts(dims, tp, rank)
 
         return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
 
@@ -253,26 +247,18 @@ class AttentionTensorParallel(TensorParallel):
 
     def split(self, cell: nn.Cell, tp: int) -> Split:
         heads, kv_heads, d = int(cell.num_heads), int(cell.num_kv_heads), int(cell.head_dim)
-        h = heads // tp
 
         def parts(rank: int) -> Parts:
-            found = {
-                "q_proj.weight": (0, _span(rank * h, h, 2 * d)),
-                "o_proj.weight": (1, _span(rank * h, h, d)),
-            }
-            if kv_heads % tp == 0:
-                kv = _span(rank * (kv_heads // tp), kv_heads // tp, d)
-                found.update({"k_proj.weight": (0, kv), "v_proj.weight": (0, kv)})
-            return found
+            return attention_parts(heads, kv_heads, d, tp, rank)
 
         return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
 
     def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> None:
         heads, kv_heads, d = int(cell.num_heads), int(cell.num_kv_heads), int(cell.head_dim)
-        whole_kv = kv_heads % tp != 0  # tp a multiple of the K/V heads: rank uses K/V head rank // (tp / Hkv)
-        rows = _span(rank // (tp // kv_heads), 1, d) if whole_kv else None
+        head = kv_head_of(rank, kv_heads, tp)  # tp a multiple of the K/V heads: the one this rank uses
+        rows = None if head is None else span(head, 1, d)
         cell._hyperpar_tp_size = tp
-        cell.num_heads, cell.num_kv_heads = heads // tp, 1 if whole_kv else kv_heads // tp
+        cell.num_heads, cell.num_kv_heads = heads // tp, kv_heads_per_rank(kv_heads, tp)
         for norm in (cell.q_norm, cell.k_norm):
             norm.construct = _norm_with_summed_grad(norm, sum_grad)
 
@@ -304,13 +290,12 @@ class MLPTensorParallel(TensorParallel):
         return None if size % tp == 0 else f"mlp: intermediate_size={size} is not divisible by tp={tp}"
 
     def split(self, cell: nn.Cell, tp: int) -> Split:
-        n = int(cell.gate_proj.weight.shape[0]) // tp
+        intermediate = int(cell.gate_proj.weight.shape[0])
 
         def parts(rank: int) -> Parts:
-            cols = _span(rank, 1, n)
-            return {"gate_proj.weight": (0, cols), "up_proj.weight": (0, cols), "down_proj.weight": (1, cols)}
+            return mlp_parts(intermediate, tp, rank)
 
-        return Split(tp, {n_: tuple(_param(cell, n_).shape) for n_ in parts(0)}, parts)
+        return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
 
 
 class MoETensorParallel(TensorParallel):

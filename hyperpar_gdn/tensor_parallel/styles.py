@@ -10,14 +10,15 @@ summed over the TP group (:func:`~.comm.reduce_from_tp`; its input's gradient by
 :func:`~.comm.copy_to_tp`), through forward hooks that stay in place when a
 context-parallel style later replaces the forward.
 
-Fused projections split per segment, in a global row order that does not depend on tp:
+Which rows and heads each rank holds follows :mod:`hyperpar_gdn.planning.tp_rules`. Fused
+projections split per segment, in a global row order that does not depend on tp:
 
 - GDN ``in_proj_qkv`` and ``conv1d`` (rows ``[q | k | v]``): grouped by q/k head, head h's q rows,
-  k rows and its value heads' v rows together (:func:`qkv_grouped_order`), so ``Shard(0)`` gives
+  k rows and its value heads' v rows together (``qkv_grouped_order``), so ``Shard(0)`` gives
   each rank whole q/k heads with their value heads; the local rows are put back in ``[q | k | v]``
   order on each forward (an index over the local weight).
 - the experts' ``gate_up_proj`` (``[E, 2I, C]``, gate rows then up rows): gate row u and up row u
-  side by side (:func:`gate_up_interleaved_order`).
+  side by side (``gate_up_interleaved_order``).
 
 A checkpoint of a TP model (``state_dict`` of DTensors) therefore holds these two or three
 parameters in that order: :func:`~.apply.canonical_state_dict` gives transformers' order.
@@ -39,6 +40,13 @@ from hyperpar_gdn.distributed.parallel_style import from_transformers, refuse_un
 from hyperpar_gdn.ops.blocks import swiglu
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, layer_forward
 from hyperpar_gdn.ops.projections import WeightLinear
+from hyperpar_gdn.planning.tp_rules import (
+    gate_up_interleaved_order,
+    gate_up_local_order,
+    kv_head_of,
+    qkv_grouped_order,
+    qkv_local_order,
+)
 from hyperpar_gdn.platform import ops_for
 from hyperpar_gdn.tensor_parallel.comm import copy_to_tp, reduce_from_tp, sum_grad_over_tp
 
@@ -47,9 +55,7 @@ __all__ = [
     "GatedDeltaNetTensorParallel",
     "MLPTensorParallel",
     "MoETensorParallel",
-    "gate_up_interleaved_order",
     "local",
-    "qkv_grouped_order",
 ]
 
 TP_RECORD = "_hyperpar_tp"  # on every parallelized block: its global sizes, for the plan's checks
@@ -58,28 +64,6 @@ TP_RECORD = "_hyperpar_tp"  # on every parallelized block: its global sizes, for
 def local(p: Any) -> Any:
     """This rank's shard of a DTensor parameter (differentiable), or a plain tensor as it is."""
     return p.to_local() if isinstance(p, DTensor) else p
-
-
-def qkv_grouped_order(num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int) -> np.ndarray:
-    """The canonical row (``[q | k | v]``) of each row of the grouped order: per q/k head h, its q
-    rows, its k rows, then the v rows of its ``num_v_heads / num_k_heads`` value heads."""
-    kd, group = num_k_heads * head_k_dim, (num_v_heads // num_k_heads) * head_v_dim
-    rows = [
-        np.concatenate(
-            [
-                np.arange(h * head_k_dim, (h + 1) * head_k_dim),
-                kd + np.arange(h * head_k_dim, (h + 1) * head_k_dim),
-                2 * kd + np.arange(h * group, (h + 1) * group),
-            ]
-        )
-        for h in range(num_k_heads)
-    ]
-    return np.concatenate(rows)
-
-
-def gate_up_interleaved_order(intermediate: int) -> np.ndarray:
-    """The canonical row (gate rows ``[0, I)``, up rows ``[I, 2I)``) of each interleaved row."""
-    return np.stack([np.arange(intermediate), intermediate + np.arange(intermediate)], 1).reshape(-1)
 
 
 def _shard(module: nn.Module, name: str, mesh: Any, dim: int, order: np.ndarray | None = None) -> None:
@@ -173,7 +157,7 @@ def _block_hooks(module: nn.Module, group: Any, input_names: Sequence[str]) -> N
 
 class GatedDeltaNetTensorParallel(ParallelStyle):
     """A GDN layer split by q/k heads with their value heads: ``in_proj_qkv`` and ``conv1d`` (grouped
-    rows, :func:`qkv_grouped_order`), ``in_proj_z``, ``in_proj_a``, ``in_proj_b``, ``A_log``,
+    rows, ``qkv_grouped_order``), ``in_proj_z``, ``in_proj_a``, ``in_proj_b``, ``A_log``,
     ``dt_bias`` ``Shard(0)``; ``out_proj`` ``Shard(1)``; the gated norm's weight (shared by the
     heads) whole, its gradient summed. The layer's head counts become the local ones
     (``num_k_heads / tp``, ``num_v_heads / tp``) and its weights the local shards
@@ -192,8 +176,7 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
         _shard(module, "dt_bias", device_mesh, 0)
         _shard(module.out_proj, "weight", device_mesh, 1)
         canonical = torch.as_tensor(  # on the weights' device once, not copied every forward
-            np.argsort(qkv_grouped_order(hk, dims.head_k_dim, hv, dims.head_v_dim)),
-            device=module.A_log.device,
+            qkv_local_order(dims, tp), device=module.A_log.device
         )
 
         def weights() -> LayerWeights:
@@ -272,9 +255,9 @@ class AttentionTensorParallel(ParallelStyle):
             local_kv = kv_heads // tp
             _local_linear(module.k_proj, device_mesh, 0)
             _local_linear(module.v_proj, device_mesh, 0)
-        else:  # tp is a multiple of kv_heads: the ranks of K/V head j are j*tp/Hkv .. (j+1)*tp/Hkv - 1
+        else:  # tp is a multiple of kv_heads: every rank uses the one K/V head of its query heads
             local_kv, d = 1, module.head_dim
-            head = rank // (tp // kv_heads)
+            head = kv_head_of(rank, kv_heads, tp)
             _rows_linear(module.k_proj, slice(head * d, (head + 1) * d), group)
             _rows_linear(module.v_proj, slice(head * d, (head + 1) * d), group)
         _local_linear(module.o_proj, device_mesh, 1)
@@ -331,7 +314,7 @@ class MoETensorParallel(ParallelStyle):
         _local_swiglu(module.shared_expert, device_mesh)
         _shard(experts, "gate_up_proj", device_mesh, 1, gate_up_interleaved_order(intermediate))
         _shard(experts, "down_proj", device_mesh, 2)
-        canonical = torch.as_tensor(np.argsort(gate_up_interleaved_order(intermediate // device_mesh.size())))
+        canonical = torch.as_tensor(gate_up_local_order(intermediate, device_mesh.size()))
         experts.forward = _local_experts_forward(experts, canonical)
         setattr(module, TP_RECORD, intermediate)
         _block_hooks(module, group, ("hidden_states",))

@@ -3,8 +3,8 @@
 Options, here: :mod:`.config` (:class:`TrainConfig`: every option, its flag, type, default and
 help), :mod:`.command_line` (the parser derived from those fields), :mod:`.model_sizes` (the
 ``--model-size`` presets), :mod:`.errors` (the errors reported in one line: :data:`USER_ERRORS`,
-:data:`FAULTS`). Memory: :mod:`.memory_plan` over :mod:`.model_shape` and :mod:`.rank_shape`, and
-:mod:`.memory_check` (``--plan``, the budget check). Then four parts:
+:data:`FAULTS`). Memory: :mod:`.memory_check` (``--plan``, the budget check; the estimate is
+:mod:`hyperpar_gdn.planning.memory`'s). Then four parts:
 
 - :mod:`.loop`: the :class:`Trainer` (build, train, close), written once for every framework,
   its header, log, metrics, parity check, callbacks and faults;

@@ -13,10 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.cli import option, ranks
-from hyperpar_gdn.distributed.layout import LAYOUTS
-from hyperpar_gdn.distributed.plan import HEAD_MODES, MODE_CHOICES, inner_size_option_error
 from hyperpar_gdn.models.config import HybridLMConfig
 from hyperpar_gdn.ops.gdn.kernels import KERNELS
+from hyperpar_gdn.planning.plan import (
+    HEAD_MODES,
+    LAYOUTS,
+    MODE_CHOICES,
+    inner_size_option_error,
+)
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
 
 CP_MODES = MODE_CHOICES

@@ -1,7 +1,7 @@
 """The memory plan of a ``scripts/train.py`` run: ``--plan``'s table, and the refusal of a run whose
 estimate exceeds the budget (on every rank, before the process group or the model exists).
 
-The arithmetic is :mod:`.memory_plan`'s; here the options become its inputs (the model's sizes
+The arithmetic is :mod:`hyperpar_gdn.planning.memory`'s; here the options become its inputs (the model's sizes
 from the built-in preset or ``--model``'s config.json, the ranks from the launcher's environment)
 and the budget is ``--max-memory-gb``, else the platform's (:func:`rank_budget`: the device's
 memory, or on the CPU the host's available memory over the local ranks plus what this process
@@ -11,26 +11,25 @@ already holds). The plan counts torch's autograd: the MindSpore trainer has none
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from hyperpar_gdn.cli import ranks as count_ranks
 from hyperpar_gdn.ops.attention.softmax import attention_path
-from hyperpar_gdn.platform.memory_budget import local_ranks, rank_budget
-from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.memory_plan import (
+from hyperpar_gdn.planning.memory import (
     GIB,
     RUNTIME_BYTES,
     TERMS,
     Estimate,
     ModelShape,
     StepOptions,
+    cheaper_options,
     estimate,
     largest_rank,
     longest_seq_len,
-    seq_unit,
 )
-from hyperpar_gdn.train.rank_shape import tp_split_error
+from hyperpar_gdn.planning.rank_shape import tp_split_error
+from hyperpar_gdn.platform.memory_budget import local_ranks, rank_budget
+from hyperpar_gdn.train.config import TrainConfig
 
 __all__ = ["MemoryBudgetError", "check_memory", "plan_lines"]
 
@@ -106,28 +105,12 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def alternatives(shape: ModelShape, opts: StepOptions, budget: int) -> list[tuple[str, int]]:
-    """Options that lower the estimate, each with its largest rank's estimate: more CP ranks (the
-    fewest that fit, up to 64x), ``--ac``, ``--dtype bf16`` and both."""
-    out: list[tuple[str, int]] = []
-    factor, cp_total = 2, 0
-    while factor <= 64:
-        wider = dataclasses.replace(opts, cp=opts.cp * factor, world_size=opts.world_size * factor)
-        if opts.seq_len % seq_unit(wider) == 0:
-            cp_total = largest_rank(shape, wider).total
-            label = f"--cp-size {wider.cp} ({count_ranks(wider.world_size)})"
-            if cp_total <= budget:
-                break
-        factor *= 2
-    if cp_total:
-        out.append((label, cp_total))
-    changes = {"--ac": {"ac": True}, "--dtype bf16": {"dtype": "bf16"}}
-    if not opts.ac and opts.dtype != "bf16":
-        changes["--ac --dtype bf16"] = {"ac": True, "dtype": "bf16"}
-    for label, change in changes.items():
-        if any(getattr(opts, k) != v for k, v in change.items()):
-            out.append((label, largest_rank(shape, dataclasses.replace(opts, **change)).total))
-    return out
+def _flags(opts: StepOptions, other: StepOptions) -> str:
+    """The command-line options that turn ``opts`` into ``other``."""
+    flags = [f"--cp-size {other.cp} ({count_ranks(other.world_size)})"] if other.cp != opts.cp else []
+    flags += ["--ac"] if other.ac != opts.ac else []
+    flags += [f"--dtype {other.dtype}"] if other.dtype != opts.dtype else []
+    return " ".join(flags)
 
 
 def _no_plan_on(config: TrainConfig, platform: str) -> bool:
@@ -155,8 +138,8 @@ def check_memory(config: TrainConfig, *, platform: str) -> None:
     if worst.total <= budget:
         return
     others = "; ".join(
-        f"{label} {_gib(total)}{' (fits)' if total <= budget else ''}"
-        for label, total in alternatives(shape, opts, budget)
+        f"{_flags(opts, other)} {_gib(total)}{' (fits)' if total <= budget else ''}"
+        for other, total in cheaper_options(shape, opts, budget)
     )
     tp = f", tp {opts.tp}" if opts.tp > 1 else ""
     raise MemoryBudgetError(
@@ -174,8 +157,8 @@ def plan_lines(config: TrainConfig, *, platform: str) -> list[str]:
     shape, opts = model_shape(config), step_options(config, world, platform=platform)
     budget, source = budget_of(config, platform, world)
     first, worst = estimate(shape, opts, rank=0), largest_rank(shape, opts)
-    ranks: list[Estimate] = [first] if worst.rank == 0 else [first, worst]
-    head = f"{'term':<16}" + "".join(f"{'rank ' + str(e.rank):>14}" for e in ranks)
+    shown: list[Estimate] = [first] if worst.rank == 0 else [first, worst]
+    head = f"{'term':<16}" + "".join(f"{'rank ' + str(e.rank):>14}" for e in shown)
     lines = [
         f"memory plan of {config.model_name} ({shape.num_parameters():,} parameters), T={opts.seq_len}, "
         f"{opts.rows} row(s) per replica, {count_ranks(world)} = dp {world // (opts.cp * opts.tp)} x cp {opts.cp}"
@@ -185,8 +168,8 @@ def plan_lines(config: TrainConfig, *, platform: str) -> list[str]:
         head,
     ]
     for term in TERMS:
-        lines.append(f"{term:<16}" + "".join(f"{_gib(e.terms[term]):>14}" for e in ranks))
-    lines.append(f"{'peak':<16}" + "".join(f"{_gib(e.total):>14}" for e in ranks))
+        lines.append(f"{term:<16}" + "".join(f"{_gib(e.terms[term]):>14}" for e in shown))
+    lines.append(f"{'peak':<16}" + "".join(f"{_gib(e.total):>14}" for e in shown))
     lines.append(
         "peak = runtime + parameters + gradients + optimizer + "
         "max(activations + communication + max(loss, backward) + heap holes, gradient sync)"

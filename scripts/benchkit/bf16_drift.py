@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.distributed.plan import MODES
+from hyperpar_gdn.planning.plan import MODES
 
 __all__ = ["MODES", "DriftShape", "drift", "drift_layer", "run_modes", "truth"]
 

@@ -33,8 +33,7 @@ MULTI_SMOKE = {
 def multi_cases(cfg: dict, cp: int) -> list[tuple[str, int | None, str]]:
     """(mode, inner_size, layout) for cp ranks: the one-level modes (the head modes where the
     value heads divide), the two-level ones with inner 2 (contiguous) when cp >= 4."""
-    from hyperpar_gdn.distributed.layout import LAYOUTS
-    from hyperpar_gdn.distributed.plan import HEAD_MODES, MODES, TWO_LEVEL_MODES
+    from hyperpar_gdn.planning.plan import HEAD_MODES, LAYOUTS, MODES, TWO_LEVEL_MODES
 
     cases = [
         (m, None, layout)

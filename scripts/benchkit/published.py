@@ -3,7 +3,7 @@
 Each :class:`Setup` holds what a public report gives (its source, the layer's shape, the device's
 link figures, the one figure that gives the chunk kernel's rate) and the figures it measured;
 :func:`prediction_rows` prices each measured point with
-:func:`hyperpar_gdn.distributed.cost_model.mode_cost` and prints the ratio predicted / published.
+:func:`hyperpar_gdn.planning.cost_model.mode_cost` and prints the ratio predicted / published.
 Nothing here is measured on this machine.
 
 Where the report measured a whole GDN layer (projections included) the projections are added as
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hyperpar_gdn.distributed.cost_model import CHUNK, MACHINES, Geometry, Link, Machine, mode_cost
+from hyperpar_gdn.planning.cost_model import CHUNK, MACHINES, Geometry, Link, Machine, mode_cost
 
 __all__ = ["SETUPS", "Setup", "auto_rows", "growth_rows", "prediction_rows"]
 
@@ -166,7 +166,7 @@ def growth_rows() -> list[dict[str, Any]]:
 def auto_rows() -> list[dict[str, Any]]:
     """Per training setup and (cp, T): the mode the model ranks first among the published ones
     and among all one-level modes, beside the fastest published mode."""
-    from hyperpar_gdn.distributed.plan import MODES
+    from hyperpar_gdn.planning.plan import MODES
 
     rows = []
     for s in SETUPS:

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from benchkit.timing import alternating_rounds, slowest_per_round
-from hyperpar_gdn.distributed.plan import STATE_MODES, TWO_LEVEL_MODES
+from hyperpar_gdn.planning.plan import STATE_MODES, TWO_LEVEL_MODES
 
 __all__ = [
     "FAR_CPS",
@@ -120,8 +120,8 @@ def probe_machine(rank: int, mesh: Any, job: dict[str, Any]) -> dict[str, float]
     median time."""
     import torch
 
-    from hyperpar_gdn.distributed.cost_model import Geometry
     from hyperpar_gdn.ops.gdn import chunk_gated_delta_rule
+    from hyperpar_gdn.planning.cost_model import Geometry
 
     comm, group = mesh.platform.collectives, mesh.get_group()
     heads, t = job["heads"], job["seq_len"] // mesh.size()

@@ -37,7 +37,7 @@ def sizes(job: dict[str, Any]) -> dict[str, Any]:
 
 def planned(job: dict[str, Any], tp: int) -> dict[str, int]:
     """The memory plan's terms (bytes) for one rank of this step at ``tp`` (fp32, no runtime)."""
-    from hyperpar_gdn.train.memory_plan import ModelShape, StepOptions, estimate
+    from hyperpar_gdn.planning.memory import ModelShape, StepOptions, estimate
 
     shape = ModelShape.of(sizes(job) | {"model_type": "qwen3_5_text"})
     est = estimate(shape, StepOptions(seq_len=job["seq_len"], tp=tp, world_size=tp, attention="fused"))

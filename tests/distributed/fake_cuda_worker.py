@@ -136,7 +136,7 @@ def table(lines: list[dict]) -> str:
     """docs/backends.md's table from training cases traced on several ranks (one dtype): per mode
     and layout, the GDN layer's collectives (rank 3) and the bytes each traced rank sends beside
     the cost model's for that rank and its worst rank; the attention layer's bytes; host reads."""
-    from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry, mode_cost, rank_bytes_sent
+    from hyperpar_gdn.planning.cost_model import MACHINES, Geometry, mode_cost, rank_bytes_sent
 
     ranks = sorted({c["rank"] for c in lines})
     head = ["mode", "layout", "GDN collectives fwd / bwd (rank 3)"]

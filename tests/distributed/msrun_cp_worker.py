@@ -70,8 +70,8 @@ from msrun_tp_sections import section_tp_bad_input, section_tp_layers, section_t
 from msrun_two_level_sections import section_two_level_head_tail  # noqa: E402
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh  # noqa: E402
-from hyperpar_gdn.distributed.plan import HEAD_MODES  # noqa: E402
 from hyperpar_gdn.distributed.verify import compare_with_reference, relative_error  # noqa: E402
+from hyperpar_gdn.planning.plan import HEAD_MODES  # noqa: E402
 from hyperpar_gdn.platform import Platform, get_platform  # noqa: E402
 
 MODES = ("ulysses", "ulysses_hidden", "p2p", "all_gather")

@@ -34,10 +34,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, fragment_docs
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall
 from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
 from hyperpar_gdn.distributed.cp.two_level import make_levels, two_level_forward
 from hyperpar_gdn.distributed.layout import TokenLayout
+from hyperpar_gdn.distributed.sequence import GlobalSequence
 from hyperpar_gdn.models.gated_deltanet import GatedDeltaNet
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
 from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens
@@ -192,13 +193,11 @@ def record_layer(case: Case) -> tuple[dict[int, list[Step]], dict[int, list[Step
             else:
                 layout = None if tokens.is_contiguous else tokens
                 docs = None
-                if cu is not None:
-                    width = dims.conv_kernel_size
-                    docs = (
-                        ShardDocs.of(cu, lengths, rank, width)
-                        if layout is None or case.mode == "ulysses"
-                        else fragment_docs(cu, tokens, rank, width)
-                    )
+                if cu is not None:  # as the GDN style takes them from the forward's context
+                    by_fragment = layout is not None and case.mode != "ulysses"
+                    seq = GlobalSequence.build(lengths, rank=rank, layout=case.layout, cu_seqlens=cu)
+                    docs = seq.shard_docs(dims.conv_kernel_size, by_fragment=by_fragment)
+                    docs = docs if by_fragment else docs[0]
                 with recording(forward[rank]):
                     if case.mode == "ulysses":
                         from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward

@@ -1,9 +1,11 @@
-"""The per-forward context travels explicitly: HybridLM passes it to every mixer as ``cp_context=``;
-a transformers model's hook leaves it in the holder and the layers get no mask in disguise
-(real gloo ranks, cp=2)."""
+"""The per-forward context travels explicitly, as ``cp_context=``: HybridLM passes it to every
+mixer, a transformers model's hook adds it to the keywords its decoder layers pass on, and the
+layers get no mask in disguise; a mixer called alone describes its own call, whatever forward ran
+before (real gloo ranks, cp=2)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -12,7 +14,8 @@ from distributed_harness import run_ranks
 from tiny_models import tiny_model
 
 from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
-from hyperpar_gdn.distributed.decoder_layers import mixers_of
+from hyperpar_gdn.distributed.cp.common import ShardDocs
+from hyperpar_gdn.distributed.decoder_layers import mixers_of, text_model_of
 from hyperpar_gdn.distributed.sequence import GlobalSequence
 from hyperpar_gdn.models import HybridLM, HybridLMConfig
 
@@ -42,7 +45,17 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     for _, module in mixers_of(hybrid):
         _record(module, seen)
     window = slice(rank * T // world, (rank + 1) * T // world)
-    hybrid(ids[:, window], cu_seqlens=CU)
+    views: list[tuple[int, int]] = []  # every shard view of the documents made during the forward
+    of_segment = ShardDocs.of_segment.__func__
+    ShardDocs.of_segment = classmethod(
+        lambda cls, whole, start, *rest: views.append(start) or of_segment(cls, whole, start, *rest)
+    )
+    try:
+        hybrid(ids[:, window], cu_seqlens=CU)
+    finally:
+        ShardDocs.of_segment = classmethod(of_segment)
+    out["hybrid document views"] = len(views)
+    out["hybrid gdn layers"] = sum(kind == "linear_attn" for kind, _ in mixers_of(hybrid))
     contexts = [s.get("cp_context") for s in seen]
     out["hybrid keywords"] = sorted({k for s in seen for k in s})
     out["hybrid one context"] = isinstance(contexts[0], GlobalSequence) and all(
@@ -54,21 +67,48 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     except TypeError as err:
         out["disguised"] = str(err)
 
-    hf = apply_context_parallel(tiny_model(moe=False), mesh, mode="p2p")
+    hf = tiny_model(moe=False)
+    reference = copy.deepcopy(hf)
+    apply_context_parallel(hf, mesh, mode="p2p")
     seen = []
     for _, module in mixers_of(hf.model):
         _record(module, seen)
-    hf(**shard_for_context_parallel(mesh, ids).model_inputs())
+    hf(**shard_for_context_parallel(mesh, ids, cu_seqlens=CU).model_inputs())
+    contexts = [s.get("cp_context") for s in seen]
     out["transformers masks"] = sorted({type(s.get("attention_mask")).__name__ for s in seen})
     out["transformers layers"] = len(seen)
+    out["transformers one context"] = isinstance(contexts[0], GlobalSequence) and all(
+        c is contexts[0] for c in contexts
+    )
+    out["transformers documents"] = contexts[0].cu_seqlens.tolist()
+
+    # After that packed forward, each mixer called alone sees its own call only (no documents):
+    # the rows of the single-device layer on the whole sequence, for the GDN and the attention alike.
+    x = torch.randn(1, T, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    rotary = text_model_of(reference).rotary_emb
+    cos_sin = rotary(x, torch.arange(T).reshape(1, T))
+    for (kind, layer), (_, whole) in zip(mixers_of(hf.model), mixers_of(reference.model), strict=True):
+        if kind == "linear_attn":
+            mine, expected = layer(x[:, window]), whole(x)
+        else:
+            mine = layer(x[:, window], tuple(c[:, window] for c in cos_sin))[0]
+            expected = whole(x, cos_sin, attention_mask=None)[0]
+        out.setdefault("alone", []).append((kind, float((mine - expected[:, window]).abs().max())))
     return out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_the_context_is_passed_explicitly() -> None:
-    for out in run_ranks(_worker, 2, timeout_s=90):
+    for out in run_ranks(_worker, 2, timeout_s=240):
         assert out["hybrid keywords"] == ["cp_context"], out
         assert out["hybrid one context"] and out["hybrid documents"] == CU.tolist(), out
+        # the shard's documents are computed once per forward, not once per GDN layer
+        assert out["hybrid gdn layers"] >= 2 and out["hybrid document views"] == 1, out
         assert "cp_context=" in out["disguised"], out
         assert out["transformers masks"] == ["NoneType"], out
         assert out["transformers layers"] == 4, out
+        assert out["transformers one context"] and out["transformers documents"] == CU.tolist(), out
+        assert sorted({kind for kind, _ in out["alone"]}) == ["linear_attn", "self_attn"], out
+        # transformers' GDN layer computes its gates in float32 (~1e-8 here); a document boundary
+        # read from the forward before would change the rows by far more
+        assert all(err < 1e-6 for _, err in out["alone"]), out["alone"]

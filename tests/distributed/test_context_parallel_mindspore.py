@@ -161,7 +161,7 @@ def test_a_stalled_peer_gives_a_named_collective_error_in_time() -> None:
 def test_selfcheck_runs_under_msrun() -> None:
     """scripts/selfcheck.py under msrun prints the torch run's table: every one-level mode of the
     library's list ok, the two-level ones skipped (2 workers) with the reason."""
-    from hyperpar_gdn.distributed.plan import MODES, TWO_LEVEL_MODES
+    from hyperpar_gdn.planning.plan import MODES, TWO_LEVEL_MODES
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "selfcheck.py"
     args = ["--seq-len", "64", "--hidden", "32", "--head-dim", "16", "--timeout-s", "60"]

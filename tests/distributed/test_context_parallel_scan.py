@@ -20,11 +20,11 @@ from distributed_harness import run_ranks
 from tiny_models import transformers_gdn_layer
 
 from hyperpar_gdn import LinearAttentionContextParallel
-from hyperpar_gdn.distributed.cp.scan import scan_rounds
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.models import GatedDeltaNet
 from hyperpar_gdn.ops.prefill_states import PrefillStates
+from hyperpar_gdn.planning.cost_model import scan_rounds
 from hyperpar_gdn.platform import get_platform
 
 WORLD = 8

@@ -14,7 +14,7 @@ one decode step on the CP group in every one-level mode and both layouts (bf16).
   dtype and device; every parameter gets a gradient of its dtype;
 - the collectives' dtypes as planned (the input dtype; fp32 for the GDN states and summaries);
 - the bytes this rank sends, forward and backward: the GDN layer's equal the cost model's for
-  this rank (:func:`~hyperpar_gdn.distributed.cost_model.rank_bytes_sent`), the attention
+  this rank (:func:`~hyperpar_gdn.planning.cost_model.rank_bytes_sent`), the attention
   layer's its all-gather of K and V and the reduce-scatter back, the model's the two exchanges.
 """
 
@@ -29,9 +29,8 @@ from pathlib import Path
 import pytest
 from fake_cuda_worker import CP, DIMS, PIECE
 
-from hyperpar_gdn.distributed.cost_model import Geometry, rank_bytes_sent
-from hyperpar_gdn.distributed.layout import LAYOUTS
-from hyperpar_gdn.distributed.plan import HEAD_MODES, MODES, TWO_LEVEL_MODES
+from hyperpar_gdn.planning.cost_model import Geometry, rank_bytes_sent
+from hyperpar_gdn.planning.plan import HEAD_MODES, LAYOUTS, MODES, TWO_LEVEL_MODES
 
 RANK = 3
 DTYPES = {"bfloat16": 2, "float32": 4}

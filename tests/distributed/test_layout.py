@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hyperpar_gdn.distributed.layout import TokenLayout, check_layout, layout_error
+from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
+from hyperpar_gdn.planning.plan import check_layout
 from hyperpar_gdn.platform import ops_for
 
 XP = ops_for(torch.empty(0))

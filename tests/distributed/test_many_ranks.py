@@ -10,7 +10,7 @@ document alone; its GDN gates in fp32) to 1e-5.
 Per rank, every call into the process group is counted and timed (:mod:`collective_census`: a
 wrapper of the torch.distributed calls the platform makes; the real collectives run) and split by
 decoder layer. Asserted: each GDN layer's bytes, forward and backward, equal the cost model's
-:func:`~hyperpar_gdn.distributed.cost_model.rank_bytes_sent` to the byte on every rank; the
+:func:`~hyperpar_gdn.planning.cost_model.rank_bytes_sent` to the byte on every rank; the
 attention layer sends its keys and values' all-gather; p2p's critical path is 2 (n - 1) hops;
 scan's first and last ranks send in ceil(log2 cp) rounds; all_gather's collectives priced as
 rings are the model's messages; all_gather's gathered summaries grow with cp (the model's
@@ -36,8 +36,8 @@ from distributed_harness import run_ranks
 from tiny_models import tiny_model
 
 from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
-from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry, mode_cost, rank_bytes_sent
 from hyperpar_gdn.distributed.layout import TokenLayout
+from hyperpar_gdn.planning.cost_model import MACHINES, Geometry, mode_cost, rank_bytes_sent
 
 TOL, NORM_TOL, HF_TOL, PER_RANK, VOCAB, HEADS = 1e-10, 1e-6, 1e-5, 8, 61, 8
 FP32_NORMS = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")

@@ -27,8 +27,8 @@ from hyperpar_gdn import (
     prefill_context_parallel,
     undo_context_parallel,
 )
-from hyperpar_gdn.distributed.plan import HEAD_MODES
 from hyperpar_gdn.inference.prefill import prompt_lengths
+from hyperpar_gdn.planning.plan import HEAD_MODES
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,6 +1,6 @@
 """Which framework each part of the package loads.
 
-- Under ``HP_PLATFORM=mindspore`` the core (``ops``, ``distributed``, ``inference``), the platform's
+- Under ``HP_PLATFORM=mindspore`` the core (``ops``, ``planning``, ``distributed``, ``inference``), the platform's
   MindSpore side, ``HybridLMConfig`` and the MindSpore models import, build and run without torch
   (checked in a fresh interpreter: ``'torch' not in sys.modules``).
 - ``hyperpar_gdn.models`` has no import circle, function-level imports included.
@@ -35,7 +35,7 @@ def walk(package):
     return names
 
 names = []
-for package in ("hyperpar_gdn.ops", "hyperpar_gdn.distributed", "hyperpar_gdn.inference",
+for package in ("hyperpar_gdn.ops", "hyperpar_gdn.planning", "hyperpar_gdn.distributed", "hyperpar_gdn.inference",
                 "hyperpar_gdn.models.mindspore", "hyperpar_gdn.models.config",
                 "hyperpar_gdn.models.qwen35_config", "hyperpar_gdn.models.safetensors_files",
                 "hyperpar_gdn.platform.mindspore_platform", "hyperpar_gdn.platform.mindspore_ops",

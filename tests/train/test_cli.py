@@ -8,7 +8,7 @@ from pathlib import Path
 
 from distributed_harness import ROOT, run_script
 
-from hyperpar_gdn.distributed.plan import MODES
+from hyperpar_gdn.planning.plan import MODES
 from hyperpar_gdn.train.command_line import build_parser
 
 

@@ -10,11 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from distributed_harness import ROOT, run_script, script_env
 
+from hyperpar_gdn.planning.memory import TERMS, largest_rank
+from hyperpar_gdn.planning.model_shape import ModelShape
 from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.memory_check import model_shape, step_options
-from hyperpar_gdn.train.memory_plan import TERMS, largest_rank
+from hyperpar_gdn.train.memory_check import check_memory, model_shape, step_options
+from hyperpar_gdn.train.model_sizes import MODEL_SIZES
 
 
 def _torchrun(tmp: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -92,3 +95,15 @@ def test_the_estimate_tracks_the_measured_peak(tmp_path: Path) -> None:
     config = TrainConfig(model_size="small", seq_len=2048, batch_size=1, cp_mode="p2p", data=str(data))
     planned = largest_rank(model_shape(config), step_options(config, 2, platform="cpu")).total
     assert abs(planned / measured - 1) < 0.15, (planned, measured)
+
+
+def test_mindspore_has_no_plan_and_says_so() -> None:
+    with pytest.raises(ValueError, match="the MindSpore trainer has no memory plan"):
+        check_memory(TrainConfig(max_memory_gb=1.0), platform="mindspore")
+    check_memory(TrainConfig(), platform="mindspore")  # no plan asked: nothing to check
+
+
+def test_a_bad_budget_is_refused() -> None:
+    with pytest.raises(ValueError, match="--max-memory-gb must be > 0; got 0.0"):
+        TrainConfig(max_memory_gb=0.0)
+    assert model_shape(TrainConfig(model_size="small")) == ModelShape.of(MODEL_SIZES["small"])

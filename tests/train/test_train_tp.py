@@ -199,8 +199,9 @@ def test_tp_is_refused_where_it_does_not_run() -> None:
     with pytest.raises(NotImplementedError) as caught:
         MindSporeBackend.check(TrainConfig(tp=2), "mindspore")
     assert str(caught.value) == (
-        "--tp 2: tensor parallelism trains on torch (HP_PLATFORM=cpu / cuda / npu); "
-        "HP_PLATFORM=mindspore trains with --tp 1"
+        "--tp 2: scripts/train.py trains with tensor parallelism on torch (HP_PLATFORM=cpu / cuda / npu); "
+        "HP_PLATFORM=mindspore trains here with --tp 1 (a MindSpore model splits by heads in a loop of "
+        "your own: hyperpar_gdn.tensor_parallel.mindspore_apply)"
     )
     MindSporeBackend.check(TrainConfig(), "mindspore")  # accepted
     TorchBackend.check(TrainConfig(tp=2), "cpu")  # accepted
@@ -210,8 +211,8 @@ def test_the_memory_plan_counts_tp(monkeypatch: pytest.MonkeyPatch) -> None:
     """--plan at tp 2: the mesh in its first line, about half the parameters of tp 1 per rank
     (the embedding stays whole); a model --tp does not split is one line naming --tp, from the
     options alone (before any process group)."""
+    from hyperpar_gdn.planning.memory import estimate
     from hyperpar_gdn.train.memory_check import model_shape, plan_lines, step_options
-    from hyperpar_gdn.train.memory_plan import estimate
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     options = {"cp_mode": "p2p", "model_size": "small", "seq_len": 256, "batch_size": 2}

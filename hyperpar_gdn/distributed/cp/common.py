@@ -11,7 +11,6 @@ import numpy as np
 
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, conv_silu
-from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.platform import Collectives, Group, Tensor, TensorOps
 
 
@@ -54,7 +53,8 @@ class LayerCall:
 
 @dataclass(frozen=True)
 class ShardDocs:
-    """Packed documents (B = 1) seen from one rank: bool masks, True where a document starts.
+    """Packed documents (B = 1) seen from one rank: bool masks, True where a document starts
+    (:meth:`~hyperpar_gdn.distributed.sequence.GlobalSequence.shard_docs` makes them once per forward).
 
     Attributes:
         whole: ``[T]`` of the whole sequence (ulysses runs the rule on all of it).
@@ -65,13 +65,6 @@ class ShardDocs:
     whole: np.ndarray
     local: np.ndarray
     halo: np.ndarray
-
-    @classmethod
-    def of(cls, cu_seqlens: Any, lengths: Sequence[int], rank: int, width: int) -> ShardDocs:
-        """From the global ``cu_seqlens`` (int ``[N+1]``, the same on every rank; validated
-        against the whole length ``sum(lengths)``), for rank r's contiguous piece."""
-        whole = doc_starts_from_cu_seqlens(cu_seqlens, seq_len=sum(lengths))
-        return cls.of_segment(whole, sum(lengths[:rank]), lengths[rank], width)
 
     @classmethod
     def of_segment(cls, whole: np.ndarray, start: int, length: int, width: int) -> ShardDocs:
@@ -133,13 +126,6 @@ def conv_fragments(
             )
         )
     return out
-
-
-def fragment_docs(cu_seqlens: Any, layout: TokenLayout, rank: int, width: int) -> tuple[ShardDocs, ...]:
-    """One :class:`ShardDocs` per fragment of rank ``rank`` (slot order), from the global
-    ``cu_seqlens`` (validated against the whole length)."""
-    whole = doc_starts_from_cu_seqlens(cu_seqlens, seq_len=layout.seq_len)
-    return tuple(ShardDocs.of_segment(whole, f.start, f.length, width) for f in layout.mine(rank))
 
 
 def shard_lengths(cp: CPGroup, t_local: int, error: str | None) -> list[int]:

@@ -46,11 +46,6 @@ from hyperpar_gdn.platform import Tensor
 Affine = tuple[Tensor | None, Tensor]
 
 
-def scan_rounds(n: int) -> int:
-    """The rounds of the scan over n fragments: ceil(log2 n) (0 for one fragment)."""
-    return max(n - 1, 0).bit_length()
-
-
 def _compose(xp, later: Affine | None, earlier: Affine) -> Affine:
     """``later o earlier``; ``later`` None is the identity."""
     if later is None:

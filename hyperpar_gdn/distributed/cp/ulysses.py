@@ -32,7 +32,6 @@ import numpy as np
 
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs
 from hyperpar_gdn.distributed.layout import TokenLayout
-from hyperpar_gdn.distributed.plan import head_split_error
 from hyperpar_gdn.ops.gdn.kernels import gdn_rule
 from hyperpar_gdn.ops.gdn.layer import (
     LayerDims,
@@ -44,11 +43,12 @@ from hyperpar_gdn.ops.gdn.layer import (
     project,
     split_heads,
 )
+from hyperpar_gdn.planning.plan import head_split_error
 from hyperpar_gdn.platform import Tensor, TensorOps
 
 
 def ulysses_head_error(dims: LayerDims, cp: int, mode: str = "ulysses") -> str | None:
-    """Why ``mode`` (one of :data:`~hyperpar_gdn.distributed.plan.HEAD_MODES`) cannot split the
+    """Why ``mode`` (one of :data:`~hyperpar_gdn.planning.plan.HEAD_MODES`) cannot split the
     heads of a layer with ``dims`` over ``cp`` ranks, or None when it can: num_v_heads must be
     divisible by cp (num_k_heads need not be)."""
     return head_split_error(dims.num_v_heads, dims.num_k_heads, cp, mode)

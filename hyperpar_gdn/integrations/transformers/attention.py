@@ -12,8 +12,8 @@ from typing import Any
 
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
-from hyperpar_gdn.distributed.sequence import ContextHolder
-from hyperpar_gdn.distributed.softmax_attention import attention_forward, shard_error
+from hyperpar_gdn.distributed.sequence import GlobalSequence
+from hyperpar_gdn.distributed.softmax_attention import attention_forward, call_sequence
 from hyperpar_gdn.ops.attention.softmax import finish_attention, project_attention
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
@@ -49,9 +49,11 @@ class TransformersAttention:
         return finish_attention(ops_for(o_BTX), o_BTX, gate_BTX, self.module.o_proj)
 
 
-def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str, holder: ContextHolder) -> Any:
-    """The CP forward of a transformers Qwen3.5 attention layer; the whole sequence's description
-    comes from ``holder``, filled by the model's forward pre-hook."""
+def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str) -> Any:
+    """The CP forward of a transformers Qwen3.5 attention layer. The whole sequence's description
+    comes as ``cp_context=``, which the model's forward pre-hook adds to the keywords its decoder
+    layers pass on; a layer called without it describes its own call (its documents from
+    ``cu_seq_lens_q``)."""
     adapter = TransformersAttention(module)
     hidden_size = module.config.hidden_size
 
@@ -61,11 +63,13 @@ def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str, h
         attention_mask: Any = None,
         cache: Any = None,
         prefill_states: PrefillStates | None = None,
+        cp_context: GlobalSequence | None = None,
         **kwargs: Any,
     ) -> tuple[Tensor, None]:
-        # position_ids and cu_seq_lens_q: the model's hook already turned them into the GlobalSequence
-        allowed = ("position_ids", "cu_seq_lens_q")
-        refuse_unhandled(type(module).__name__, {"cache": cache, **kwargs}, allowed=allowed)
+        # position_ids: RoPE came with position_embeddings; cu_seq_lens_q: the documents
+        refuse_unhandled(
+            type(module).__name__, {"cache": cache, **kwargs}, allowed=("position_ids", "cu_seq_lens_q")
+        )
         if module.training and module.attention_dropout:
             raise NotImplementedError(
                 f"{type(module).__name__}: attention_dropout={module.attention_dropout} is not supported "
@@ -74,18 +78,17 @@ def transformers_attention_forward(module: Any, mesh: DeviceMesh, layout: str, h
         if attention_mask is not None:
             raise NotImplementedError(
                 f"{type(module).__name__} under context parallelism takes the padding from the model's "
-                f"per-forward context, not attention_mask= (got {type(attention_mask).__name__}): call the "
-                "whole model, not the layer alone"
+                f"per-forward context (cp_context=), not attention_mask= (got {type(attention_mask).__name__}): "
+                "a mask of this rank's shard cannot describe the keys of the others"
             )
-        seq = holder.get(type(module).__name__)
-        if seq.layout != layout:
-            raise ValueError(
-                f"the model's forward passed a sequence in layout={seq.layout!r} to an attention "
-                f"layer parallelized with layout={layout!r}"
-            )
-        error = shard_error(hidden_states, hidden_size)
-        if error is not None:
-            raise ValueError(error)
+        seq = call_sequence(
+            mesh,
+            layout,
+            hidden_states,
+            hidden_size,
+            cp_context=cp_context,
+            cu_seqlens=kwargs.get("cu_seq_lens_q"),
+        )
         return attention_forward(
             adapter,
             mesh,

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TEXT_MODELS", "MULTIMODAL_MODELS", "CAUSAL_LMS", "find_text_model", "is_text_model"]
+__all__ = [
+    "ATTENTION_LAYERS",
+    "CAUSAL_LMS",
+    "MULTIMODAL_MODELS",
+    "TEXT_MODELS",
+    "find_text_model",
+    "is_qwen35",
+]
 
 TEXT_MODELS = ("Qwen3_5TextModel", "Qwen3_5MoeTextModel")
 MULTIMODAL_MODELS = ("Qwen3_5Model", "Qwen3_5MoeModel")
 CAUSAL_LMS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+ATTENTION_LAYERS = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
 
 
-def is_text_model(module: Any) -> bool:
-    return type(module).__name__ in TEXT_MODELS
+def is_qwen35(model: Any) -> bool:
+    """A Qwen3.5 text or multimodal model, or a model holding one as its ``model``."""
+    holders = TEXT_MODELS + MULTIMODAL_MODELS
+    return any(type(m).__name__ in holders for m in (model, getattr(model, "model", None)))
 
 
 def find_text_model(model: Any) -> tuple[Any, Any]:

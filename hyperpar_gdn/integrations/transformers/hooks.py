@@ -7,12 +7,17 @@ A transformers text model also gets a forward pre-hook that makes its inputs rig
 - ``cp_layout`` (what :meth:`ContextParallelBatch.model_inputs` passes) must name the model's
   layout: a batch cut for another layout stops every rank;
 - the shard lengths are exchanged and a 2-D ``attention_mask`` (this rank's shard of the padding
-  mask) is gathered once per forward, into one :class:`GlobalSequence` left in the model's
-  :class:`ContextHolder`, where every mixer reads it (the softmax-attention layers need the keys of
-  every rank, the GDN layers their own piece; the layers' ``attention_mask`` is None); packed
+  mask) is gathered once per forward, into one :class:`GlobalSequence` added to the text model's
+  keywords as ``cp_context``: its decoder layers pass their keywords on to both mixers (the
+  softmax-attention layers need the keys of every rank, the GDN layers their own piece; the
+  layers' ``attention_mask`` is None); packed
   documents (``position_ids`` that restart, or ``cu_seq_lens_q``) are read on the host once, here,
   and carried in it as host arrays, so no layer copies a device tensor to the host;
 - ``use_cache`` defaults to False; a cache is refused.
+
+transformers' hub kernels are off while the hooks are installed (:mod:`.hub_kernels`: a
+re-kernelization at ``train()``/``eval()`` would drop the styles' forwards); removing the hooks
+turns them on again.
 
 On a causal LM (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) a pre-hook builds that layout
 once for the whole forward and hands it to the text model's hook; its ``labels`` are this rank's
@@ -33,31 +38,29 @@ from hyperpar_gdn.distributed.batch import IGNORE_INDEX
 from hyperpar_gdn.distributed.layout import TokenLayout, layout_mismatch
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
-from hyperpar_gdn.distributed.sequence import ContextHolder, GlobalSequence, exchange_lengths, gather_pieces
-from hyperpar_gdn.integrations.transformers.discovery import is_text_model
+from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths, gather_pieces
+from hyperpar_gdn.integrations.transformers.hub_kernels import pause_hub_kernels, resume_hub_kernels
 from hyperpar_gdn.ops.gdn.varlen import check_cu_seqlens
 
 __all__ = ["install_hooks", "remove_hooks"]
 
 _HOOKS = "_hyperpar_cp_hooks"
+_PAUSED_KERNELS = "_hyperpar_paused_hub_kernels"  # the models whose hub kernels install_hooks turned off
 _LOSS_KEYWORDS = ("shift_labels", "num_items_in_batch", "ignore_index")
 
 
-def install_hooks(
-    model: Any, outer: Any, text_model: Any, mesh: DeviceMesh, layout: str, holder: ContextHolder
-) -> bool:
+def install_hooks(model: Any, outer: Any, text_model: Any, mesh: DeviceMesh, layout: str) -> None:
     """Install the hooks on a transformers text model (and its causal LM or multimodal model
-    around it); False when ``text_model`` is not transformers' (nothing installed). Each forward
-    leaves its :class:`GlobalSequence` in ``holder`` for the mixers."""
-    if not is_text_model(text_model):
-        return False
+    around it). Each forward passes its :class:`GlobalSequence` to the mixers as ``cp_context``."""
     _check_transformers_config(text_model.config)
     if getattr(text_model, _HOOKS, None) is not None:
         raise ValueError(f"{type(model).__name__} already has context parallelism applied; undo it first")
+    # before the styles install their forwards, which a re-kernelization would drop
+    setattr(text_model, _PAUSED_KERNELS, pause_hub_kernels(model))
     slot: dict[str, Any] = {}  # what the causal LM's hook hands to the inner models' hooks
     hooks = [
         text_model.register_forward_pre_hook(
-            _text_model_hook(text_model, mesh, slot, layout, holder), with_kwargs=True
+            _text_model_hook(text_model, mesh, slot, layout), with_kwargs=True
         )
     ]
     if outer is not None:
@@ -68,7 +71,6 @@ def install_hooks(
         hook = _causal_lm_hook(model, mesh, slot, layout, multimodal=outer is not None)
         hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True))
     setattr(text_model, _HOOKS, hooks)
-    return True
 
 
 def remove_hooks(text_model: Any) -> bool:
@@ -78,6 +80,7 @@ def remove_hooks(text_model: Any) -> bool:
     for handle in getattr(text_model, _HOOKS) or ():
         handle.remove()
     delattr(text_model, _HOOKS)
+    resume_hub_kernels(text_model.__dict__.pop(_PAUSED_KERNELS, []))
     return True
 
 
@@ -186,6 +189,7 @@ def _global_sequence(
     # keywords: no layer copies a device tensor to the host.
     sequence = GlobalSequence.build(
         lengths,
+        rank=mesh.get_local_rank(),
         layout=layout,
         key_mask=whole[1] if padded else None,
         host_key_mask=on_host[1] if padded else None,
@@ -229,9 +233,7 @@ def _warn_if_whole_sequence_everywhere(on_host: np.ndarray, lengths: tuple[int, 
         )
 
 
-def _text_model_hook(
-    text_model: Any, mesh: DeviceMesh, slot: dict[str, Any], layout: str, holder: ContextHolder
-) -> Any:
+def _text_model_hook(text_model: Any, mesh: DeviceMesh, slot: dict[str, Any], layout: str) -> Any:
     layer_types = set(text_model.config.layer_types)
 
     def hook(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -244,11 +246,11 @@ def _text_model_hook(
         else:  # the causal LM's hook built it; the loss keywords are for its loss, not the layers
             for key in _LOSS_KEYWORDS:
                 arguments.pop(key, None)
-        # Every mixer reads the same GlobalSequence from the holder: the lengths are exchanged once
-        # per forward, not once per layer (on a GPU or NPU each exchange is a host
-        # synchronisation); the GDN layers take their piece of the padding mask from it. The
-        # layers' own masks are None (a dict per layer type: transformers builds none).
-        holder.current = sequence
+        # Every mixer gets the same GlobalSequence (the decoder layers pass their keywords on): the
+        # lengths are exchanged once per forward, not once per layer (on a GPU or NPU each exchange
+        # is a host synchronisation); the GDN layers take their piece of the padding mask from it.
+        # The layers' own masks are None (a dict per layer type: transformers builds none).
+        arguments["cp_context"] = sequence
         arguments["attention_mask"] = dict.fromkeys(layer_types)
         return (), arguments
 

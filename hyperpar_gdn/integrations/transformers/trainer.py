@@ -28,7 +28,6 @@ Legend: B batch rows, T whole sequence, T/cp a rank's shard, V vocabulary, C hid
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from typing import Any
 
@@ -39,9 +38,7 @@ from hyperpar_gdn.cli import print_line
 from hyperpar_gdn.distributed.batch import IGNORE_INDEX, context_parallel_lm_loss, shard_for_context_parallel
 from hyperpar_gdn.distributed.layout import layout_error
 from hyperpar_gdn.distributed.mesh import init_device_mesh
-from hyperpar_gdn.distributed.parallelize import apply_context_parallel
-from hyperpar_gdn.distributed.plan import CPPlan
-from hyperpar_gdn.distributed.planner import choose_plan
+from hyperpar_gdn.distributed.parallelize import apply_context_parallel, resolve_plan
 from hyperpar_gdn.expert_parallel import apply_expert_parallel, load_balancing_loss, record_router_logits
 from hyperpar_gdn.expert_parallel.grads import expert_mesh
 from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
@@ -50,6 +47,8 @@ from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check
 from hyperpar_gdn.integrations.transformers.trainer_tp import prepare_without_ddp, sync_grads
 from hyperpar_gdn.ops.gdn.kernels import check_kernel, platform_of, resolve_kernel
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
+from hyperpar_gdn.planning.plan import CPPlan
+from hyperpar_gdn.platform.memory_budget import local_ranks
 
 __all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
 
@@ -67,7 +66,7 @@ class ContextParallelMixin:
     Keyword-only options (the rest go to the Trainer unchanged):
 
     - ``cp_size``: ranks per CP group; divides the launched world, the rest is data parallel.
-    - ``cp_mode``: the GDN layers' mode, any of :data:`~hyperpar_gdn.distributed.plan.MODE_CHOICES`:
+    - ``cp_mode``: the GDN layers' mode, any of :data:`~hyperpar_gdn.planning.plan.MODE_CHOICES`:
       ``"p2p"`` (default), ``"all_gather"``, ``"scan"``, ``"ulysses"``, ``"ulysses_hidden"``, a
       two-level mode with ``cp_inner_size``, or ``"auto"`` (the cost model's choice for
       ``cp_seq_len`` tokens, else ``args.max_length``).
@@ -129,6 +128,7 @@ class ContextParallelMixin:
                 cp_seq_len=cp_seq_len,
                 tp_size=tp_size,
                 ep_size=ep_size,
+                gdn_kernel=gdn_kernel,
             )
         except _REFUSALS as error:
             one_line_if_uncaught(error, name=type(self).__name__)
@@ -152,15 +152,17 @@ class ContextParallelMixin:
             if setup.ep > 1:  # the experts over ep of the (dp, cp) ranks
                 self.ep_mesh = expert_mesh((setup.dp, setup.cp, 1), setup.ep, device_type=device_type)
                 apply_expert_parallel(self.model, self.ep_mesh["ep"])
-            self.cp_plan: CPPlan = setup.plan or choose_plan(  # auto: the cost model's plan
+            self.cp_plan: CPPlan = setup.plan or resolve_plan(  # auto: the cost model's plan
                 self.model,
                 self.cp_mesh["cp"],
+                mode="auto",
                 seq_len=setup.seq_len,
                 layout=setup.layout,
                 dtype="bfloat16" if self.args.bf16 else "float32",
                 chunk_size=setup.chunk_size,
+                kernel=gdn_kernel,
+                devices_per_node=local_ranks(0) or None,
             )
-            self.cp_plan = dataclasses.replace(self.cp_plan, kernel=gdn_kernel)
             apply_context_parallel(self.model, self.cp_mesh["cp"], plan=self.cp_plan)
         except _REFUSALS as error:
             one_line_if_uncaught(error, name=type(self).__name__)

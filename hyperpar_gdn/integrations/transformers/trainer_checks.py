@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixers_of
-from hyperpar_gdn.distributed.layout import check_layout
-from hyperpar_gdn.distributed.plan import CPPlan, check_mode, plan_errors
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.ops.projections import wrapper_of
+from hyperpar_gdn.planning.plan import CPPlan, check_layout, check_mode, plan_errors
 
 __all__ = ["CPSetup", "check_head", "check_trainer_setup"]
 
@@ -77,6 +76,7 @@ def check_trainer_setup(
     cp_inner_size: int | None = None,
     cp_seq_len: int | None = None,
     tp_size: int = 1,
+    gdn_kernel: str = "auto",
     ep_size: int = 1,
 ) -> CPSetup:
     """Check a Trainer's set-up for context parallelism; no communication.
@@ -86,7 +86,7 @@ def check_trainer_setup(
         args: its ``TrainingArguments`` (or TRL's config), or None for the defaults.
         world: processes launched (torchrun's ``WORLD_SIZE``).
         cp_size: ranks per CP group; must divide ``world``.
-        cp_mode: one of :data:`~hyperpar_gdn.distributed.plan.MODE_CHOICES` (a one-level mode, a
+        cp_mode: one of :data:`~hyperpar_gdn.planning.plan.MODE_CHOICES` (a one-level mode, a
             two-level mode with ``cp_inner_size``, or ``"auto"``).
         cp_layout: ``"contiguous"``, ``"head_tail"`` or None (head_tail when the model has
             softmax-attention layers and the mode serves it, else contiguous).
@@ -95,6 +95,7 @@ def check_trainer_setup(
         cp_seq_len: the tokens per sequence that ``cp_mode="auto"`` prices (else ``args.max_length``).
         tp_size: tensor-parallel ranks (heads and columns split, :mod:`hyperpar_gdn.tensor_parallel`);
             ``cp_size * tp_size`` must divide ``world``.
+        gdn_kernel: the GDN layers' local kernel, the plan's ``kernel``.
         ep_size: expert-parallel ranks (:mod:`hyperpar_gdn.expert_parallel`), taken from the
             data-parallel x CP ranks: it must divide ``world / tp_size``.
 
@@ -164,7 +165,9 @@ def check_trainer_setup(
     layout = cp_layout or ("head_tail" if "self_attn" in kinds and not two_level else "contiguous")
     plan = None
     if cp_mode != "auto":
-        plan = CPPlan(mode=cp_mode, layout=layout, inner_size=cp_inner_size, chunk_size=cp_chunk_size)
+        plan = CPPlan(
+            mode=cp_mode, layout=layout, inner_size=cp_inner_size, chunk_size=cp_chunk_size, kernel=gdn_kernel
+        )
         _, text_model = find_decoder(model)
         gdn = [
             (i, _tp_rank_dims(LayerDims.of(m), tp_size))

@@ -1,7 +1,7 @@
 """Blockwise causal softmax attention, written once against the platform's tensor functions.
 
 Queries are walked in blocks; each block meets only the key blocks its queries may see
-(:class:`~hyperpar_gdn.ops.attention.plan.BlockPlan`), with an online softmax: a running row
+(:class:`~hyperpar_gdn.ops.attention.visibility.BlockMap`), with an online softmax: a running row
 maximum m, a running sum l and an output accumulator, rescaled by ``exp(m_old - m_new)`` when a
 block raises the maximum. Fully visible blocks run without a mask; from the others a block-sized
 bias is subtracted (0 where visible, +inf where hidden). Extra memory: one ``[B, H, bq, bk]``
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.ops.attention.plan import FULL, NONE, BlockPlan
+from hyperpar_gdn.ops.attention.visibility import FULL, NONE, BlockMap
 from hyperpar_gdn.platform import Tensor, TensorOps
 
 # A finite start for the running maximum: exp(-inf - m) is then 0 for hidden scores, never NaN.
@@ -35,9 +35,9 @@ _FLOOR = -1e30
 
 
 def blockwise_attention(
-    xp: TensorOps, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, plan: BlockPlan
+    xp: TensorOps, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, block_map: BlockMap
 ) -> Tensor:
-    """Attention of q ``[B, H, Tq, D]`` over k, v ``[B, Hkv, Tk, D]`` by ``plan`` (scale
+    """Attention of q ``[B, H, Tq, D]`` over k, v ``[B, Hkv, Tk, D]`` by ``block_map`` (scale
     ``D**-0.5``) -> ``[B, H, Tq, D]`` in q's dtype; a query that sees no key gives zeros."""
     b, h, tq, d = q_BHTD.shape
     hkv = k_BHTD.shape[1]
@@ -45,7 +45,7 @@ def blockwise_attention(
     dtype = xp.compute_dtype(q_BHTD)
     q, k, v = (xp.cast(x, dtype) for x in (q_BHTD, k_BHTD, v_BHTD))
     q_rows = _swap_heads_and_tokens(xp, q.reshape(b, hkv, g, tq, d)).reshape(b, hkv, tq * g, d)
-    fwd, bwd = _functions(xp, plan, g, d**-0.5)
+    fwd, bwd = _functions(xp, block_map, g, d**-0.5)
     (o_rows,) = xp.custom_vjp(fwd, bwd, q_rows, k, v)
     o = _swap_heads_and_tokens(xp, o_rows.reshape(b, hkv, tq, g, d))
     return xp.cast(o.reshape(b, h, tq, d), xp.dtype(q_BHTD))
@@ -58,17 +58,17 @@ def _swap_heads_and_tokens(xp: TensorOps, x: Tensor) -> Tensor:
 
 
 # Long on purpose: the forward, the backward and the block-mask cache they share are closures over
-# one plan; split apart they would pass the plan, the sizes and the cache between them.
-def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tuple[Any, Any]:
-    """The forward and backward of one call (they share the plan and the block masks)."""
-    q_sizes, k_sizes = plan.q_sizes(), plan.k_sizes()
+# one block map; split apart they would pass the map, the sizes and the cache between them.
+def _functions(xp: TensorOps, block_map: BlockMap, groups: int, scale: float) -> tuple[Any, Any]:
+    """The forward and backward of one call (they share the block map and its masks)."""
+    q_sizes, k_sizes = block_map.q_sizes(), block_map.k_sizes()
     row_sizes = [size * groups for size in q_sizes]
     biases: dict[tuple[int, int], Tensor] = {}
 
     def hidden(i: int, j: int, like: Tensor) -> Tensor:
         """``[B or 1, 1, bq, 1, bk]``: 0 where visible, +inf elsewhere (subtracted from scores)."""
         if (i, j) not in biases:
-            mask = plan.mask(i, j)
+            mask = block_map.mask(i, j)
             values = np.where(mask, 0.0, np.inf)[:, None, :, None, :]
             biases[(i, j)] = xp.constant(values, like=like)
         return biases[(i, j)]
@@ -76,7 +76,7 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
     def scores(q_i: Tensor, kt_j: Tensor, i: int, j: int) -> Tensor:
         """``[B, Hkv, bq*G, bk]``: scaled scores, -inf where hidden."""
         s = xp.matmul(q_i, kt_j) * xp.scalar(scale, q_i)
-        if plan.kind[i, j] == FULL:
+        if block_map.kind[i, j] == FULL:
             return s
         b, hkv, rows, bk = s.shape
         return xp.sub(s.reshape(b, hkv, rows // groups, groups, bk), hidden(i, j, s)).reshape(
@@ -95,7 +95,7 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
         for i, q_i in enumerate(rows(q)):
             m = xp.zeros((b, hkv, q_i.shape[2], 1), like=q) + xp.scalar(_FLOOR, q)
             row_sum = acc = None
-            for j in np.flatnonzero(plan.kind[i] != NONE):
+            for j in np.flatnonzero(block_map.kind[i] != NONE):
                 s = scores(q_i, kt_blocks[j], i, int(j))
                 m_new = xp.maximum(m, xp.amax(s, -1, keepdim=True))
                 p = xp.softmax_exp(xp.sub(s, m_new))
@@ -131,7 +131,7 @@ def _functions(xp: TensorOps, plan: BlockPlan, groups: int, scale: float) -> tup
         blocks = zip(rows(q), rows(do), rows(lse), rows(delta), strict=True)
         for i, (q_i, do_i, lse_i, delta_i) in enumerate(blocks):
             dq_i = None
-            for j in np.flatnonzero(plan.kind[i] != NONE):
+            for j in np.flatnonzero(block_map.kind[i] != NONE):
                 p = xp.softmax_exp(xp.sub(scores(q_i, kt_blocks[j], i, int(j)), lse_i))
                 ds = p * xp.sub(xp.matmul(do_i, vt_blocks[j]), delta_i)
                 pt, dst = xp.swapaxes(p, -1, -2), xp.swapaxes(ds, -1, -2)

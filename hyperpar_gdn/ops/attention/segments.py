@@ -1,7 +1,7 @@
 """Causal softmax attention through a platform's fused kernel, with no mask anywhere.
 
 The visible (query, key) pairs are cut into rectangles that are fully visible or causal squares
-(:class:`~hyperpar_gdn.ops.attention.plan.Segments`); the kernel runs each one and returns its
+(:class:`~hyperpar_gdn.ops.attention.visibility.Segments`); the kernel runs each one and returns its
 output and log-sum-exp; the rectangles of one query run are merged exactly:
 ``lse = log(sum_s exp(lse_s))``, ``o = sum_s exp(lse_s - lse) o_s``. Hidden key blocks are never
 computed, and a single causal sequence is one ``is_causal`` call.
@@ -19,34 +19,38 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.ops.attention.plan import Segments
+from hyperpar_gdn.ops.attention.visibility import Segments
 from hyperpar_gdn.platform import AttentionKernel, Tensor, TensorOps
 
 _FLOOR = -1e30  # a finite floor for the running maximum (no exp(-inf + inf))
 
 
 def segment_attention(
-    xp: TensorOps, kernel: AttentionKernel, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, plan: Segments
+    xp: TensorOps, kernel: AttentionKernel, q_BHTD: Tensor, k_BHTD: Tensor, v_BHTD: Tensor, segments: Segments
 ) -> Tensor:
-    """Attention of q ``[B, H, Tq, D]`` over k, v ``[B, Hkv, Tk, D]`` by ``plan`` (scale
+    """Attention of q ``[B, H, Tq, D]`` over k, v ``[B, Hkv, Tk, D]`` by ``segments`` (scale
     ``D**-0.5``) -> ``[B, H, Tq, D]``; a query of no rectangle gives zeros."""
-    fwd, bwd = _functions(xp, kernel, plan, q_BHTD.shape[-1] ** -0.5)
+    fwd, bwd = _functions(xp, kernel, segments, q_BHTD.shape[-1] ** -0.5)
     (o,) = xp.custom_vjp(fwd, bwd, q_BHTD, k_BHTD, v_BHTD)
     return o
 
 
-def _functions(xp: TensorOps, kernel: AttentionKernel, plan: Segments, scale: float) -> tuple[Any, Any]:
+def _functions(xp: TensorOps, kernel: AttentionKernel, segments: Segments, scale: float) -> tuple[Any, Any]:
     def in_run(run: tuple[int, int], lo: int, hi: int) -> bool:
         return run[0] <= lo and hi <= run[1]
 
     # The query runs tile the queries in order; each rectangle lies in one query and one key run.
-    by_q_run = {run: [seg for seg in plan.segments if in_run(run, seg.q0, seg.q1)] for run in plan.q_runs}
-    k_run_of = {seg: next(r for r in plan.k_runs if in_run(r, seg.k0, seg.k1)) for seg in plan.segments}
+    by_q_run = {
+        run: [seg for seg in segments.segments if in_run(run, seg.q0, seg.q1)] for run in segments.q_runs
+    }
+    k_run_of = {
+        seg: next(r for r in segments.k_runs if in_run(r, seg.k0, seg.k1)) for seg in segments.segments
+    }
 
     def forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[Tensor], tuple[Tensor, ...]]:
         b, h, tq, d = q.shape
         pieces, lse_pieces = [], []
-        for run in plan.q_runs:
+        for run in segments.q_runs:
             n = run[1] - run[0]
             o_run = lse_run = None
             for seg in by_q_run[run]:
@@ -80,7 +84,7 @@ def _functions(xp: TensorOps, kernel: AttentionKernel, plan: Segments, scale: fl
         dq_parts = []
         dk_runs: dict[tuple[int, int], Tensor] = {}
         dv_runs: dict[tuple[int, int], Tensor] = {}
-        for run in plan.q_runs:
+        for run in segments.q_runs:
             dq_run = None
             for seg in by_q_run[run]:
                 rows, cols = slice(seg.q0, seg.q1), slice(seg.k0, seg.k1)

@@ -18,8 +18,14 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn.ops.attention.blockwise import blockwise_attention
-from hyperpar_gdn.ops.attention.plan import Tokens, block_plan, check_tokens, segment_plan, visible_pairs
 from hyperpar_gdn.ops.attention.segments import segment_attention
+from hyperpar_gdn.ops.attention.visibility import (
+    Tokens,
+    block_map,
+    check_tokens,
+    visible_pairs,
+    visible_segments,
+)
 from hyperpar_gdn.ops.gdn.varlen import doc_ids_from_cu_seqlens
 from hyperpar_gdn.ops.projections import Projection
 from hyperpar_gdn.platform import Tensor, TensorOps
@@ -194,14 +200,14 @@ def attention(
     if path == "reference":
         return dense_attention(xp, q_BHTD, k_BHTD, v_BHTD, queries=queries, keys=keys, key_mask=mask_np)
     kernel = xp.attention_kernel(q_BHTD) if path in ("auto", "fused") else None
-    segments = segment_plan(queries, keys, mask_np) if kernel is not None else None
+    segments = visible_segments(queries, keys, mask_np) if kernel is not None else None
     if segments is not None:
         return segment_attention(xp, kernel, q_BHTD, k_BHTD, v_BHTD, segments)
     if path == "fused":
         why = "padding that differs between batch rows" if kernel is not None else "these tensors"
         raise ValueError(f"attention path 'fused': the platform {xp.name!r} has no fused kernel for {why}")
-    plan = block_plan(queries, keys, mask_np, block_q=block_size, block_k=block_size)
-    return blockwise_attention(xp, q_BHTD, k_BHTD, v_BHTD, plan)
+    blocks = block_map(queries, keys, mask_np, block_q=block_size, block_k=block_size)
+    return blockwise_attention(xp, q_BHTD, k_BHTD, v_BHTD, blocks)
 
 
 def dense_attention(

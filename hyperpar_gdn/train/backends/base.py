@@ -18,7 +18,6 @@ labelled token of the global batch.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -37,20 +36,24 @@ def apply_cp_mode(backend: Any, config: TrainConfig, model: Any, cp_mesh: Device
     """Make ``model`` context parallel over ``cp_mesh`` with the run's :class:`~hyperpar_gdn.CPPlan`
     and set ``backend.cp_mode``; for --cp-mode auto, ``backend.cp_plan`` is the cost model's plan
     (its ``reason`` says why), else None."""
-    from hyperpar_gdn.distributed.parallelize import apply_context_parallel
-    from hyperpar_gdn.distributed.plan import CPPlan
-    from hyperpar_gdn.distributed.planner import choose_plan
+    from hyperpar_gdn.distributed.parallelize import apply_context_parallel, resolve_plan
+    from hyperpar_gdn.platform.memory_budget import local_ranks
 
-    layout = config.token_layout()
-    if config.cp_mode == "auto":
-        dtype = "bfloat16" if config.dtype == "bf16" else "float32"
-        plan = choose_plan(model, cp_mesh, seq_len=config.seq_len, layout=layout, dtype=dtype)
-        backend.cp_plan = plan
-    else:
-        plan = CPPlan(mode=config.cp_mode, layout=layout, inner_size=config.cp_inner_size)
-        backend.cp_plan = None
+    auto = config.cp_mode == "auto"
+    plan = resolve_plan(
+        model,
+        cp_mesh,
+        mode=config.cp_mode,
+        layout=config.token_layout(),
+        inner_size=config.cp_inner_size,
+        kernel=config.gdn_kernel,
+        seq_len=config.seq_len if auto else None,
+        dtype="bfloat16" if config.dtype == "bf16" else "float32",
+        devices_per_node=(local_ranks(0) or None) if auto else None,
+    )
+    backend.cp_plan = plan if auto else None
     backend.cp_mode = plan.mode
-    apply_context_parallel(model, cp_mesh, plan=dataclasses.replace(plan, kernel=config.gdn_kernel))
+    apply_context_parallel(model, cp_mesh, plan=plan)
 
 
 class TrainBackend(ABC):
@@ -92,8 +95,9 @@ class TrainBackend(ABC):
         """Refuse ``--tp`` above 1 where this backend has no tensor parallelism."""
         if config.tp > 1 and not cls.tensor_parallel:
             raise NotImplementedError(
-                f"--tp {config.tp}: tensor parallelism trains on torch (HP_PLATFORM=cpu / cuda / npu); "
-                f"HP_PLATFORM={platform_name} trains with --tp 1"
+                f"--tp {config.tp}: scripts/train.py trains with tensor parallelism on torch (HP_PLATFORM=cpu / "
+                f"cuda / npu); HP_PLATFORM={platform_name} trains here with --tp 1 (a MindSpore model splits "
+                "by heads in a loop of your own: hyperpar_gdn.tensor_parallel.mindspore_apply)"
             )
         if (config.ep > 1 or config.router_aux_loss_coef) and not cls.expert_parallel:
             raise NotImplementedError(

@@ -2,8 +2,8 @@
 
 A tensor-parallel model (``--tp``) holds its fused projections in an order that does not depend
 on tp but is not the single-device one: ``in_proj_qkv`` and the conv weight grouped by q/k head
-(:func:`~hyperpar_gdn.tensor_parallel.styles.qkv_grouped_order`), the experts' ``gate_up_proj``
-with gate row u beside up row u (:func:`~hyperpar_gdn.tensor_parallel.styles.gate_up_interleaved_order`).
+(:func:`~hyperpar_gdn.planning.tp_rules.qkv_grouped_order`), the experts' ``gate_up_proj``
+with gate row u beside up row u (:func:`~hyperpar_gdn.planning.tp_rules.gate_up_interleaved_order`).
 So each TP rank's shard is one block of rows, and a sharded (DCP) checkpoint saved at tp 2 loads
 at tp 4 as it is. Everything else is in the single-device (canonical) order: whole checkpoints,
 exports, sharded checkpoints of runs without ``--tp``.
@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from hyperpar_gdn.planning.tp_rules import gate_up_interleaved_order, qkv_grouped_order
 
 __all__ = [
     "changed_names",
@@ -56,8 +58,6 @@ def model_row_orders(model: torch.nn.Module) -> dict[str, Spec]:
 
 def _order(spec: Spec) -> np.ndarray:
     """The canonical row of each row in ``spec``'s order."""
-    from hyperpar_gdn.tensor_parallel.styles import gate_up_interleaved_order, qkv_grouped_order
-
     if spec["kind"] == "qkv":
         return qkv_grouped_order(*spec["sizes"])
     if spec["kind"] == "gate_up":

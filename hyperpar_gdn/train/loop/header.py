@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperpar_gdn.distributed.payoff import cp_advice
 from hyperpar_gdn.ops.gdn.kernels import resolve_kernel
+from hyperpar_gdn.planning.payoff import cp_advice
 from hyperpar_gdn.train.config import TrainConfig
 
 

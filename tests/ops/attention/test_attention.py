@@ -2,7 +2,7 @@
 fused-kernel path equal the dense reference in fp64 (outputs and the gradients of q, k and v),
 for causal rows, grouped KV heads, padding, packed documents whose boundaries fall inside blocks,
 documents shorter than a block, a shard of the queries and two query fragments over keys in any
-order; the dense reference equals transformers' attention function; the plans skip what no
+order; the dense reference equals transformers' attention function; the block maps skip what no
 query sees; ``HP_ATTENTION`` forces a path."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from hyperpar_gdn.ops.attention.plan import FULL, NONE, PARTIAL, Tokens, block_plan, segment_plan
 from hyperpar_gdn.ops.attention.softmax import attention, causal_attention, dense_attention
+from hyperpar_gdn.ops.attention.visibility import FULL, NONE, PARTIAL, Tokens, block_map, visible_segments
 from hyperpar_gdn.platform import ops_for
 
 XP = ops_for(torch.empty(0))
@@ -152,30 +152,30 @@ def test_dense_reference_equals_transformers_attention(case: Case) -> None:
 
 
 def _visible(case: Case) -> np.ndarray:
-    from hyperpar_gdn.ops.attention.plan import visible_pairs
+    from hyperpar_gdn.ops.attention.visibility import visible_pairs
 
     vis = visible_pairs(case.queries, case.keys, case.key_mask)
     return np.broadcast_to(vis, (2, *vis.shape[1:]))[:, None].copy()
 
 
-def test_block_plan_skips_hidden_blocks_and_masks_only_the_diagonal() -> None:
-    plan = block_plan(Tokens.span(0, 16), Tokens.span(0, 16), None, block_q=4, block_k=4)
+def test_block_map_skips_hidden_blocks_and_masks_only_the_diagonal() -> None:
+    found = block_map(Tokens.span(0, 16), Tokens.span(0, 16), None, block_q=4, block_k=4)
     expected = np.array([[PARTIAL, NONE, NONE, NONE]] * 4)
     for i in range(4):
         expected[i, :i] = FULL
         expected[i, i] = PARTIAL
         expected[i, i + 1 :] = NONE
-    assert (plan.kind == expected).all(), plan.kind
+    assert (found.kind == expected).all(), found.kind
     docs = np.repeat([0, 1], 8)  # two documents of two blocks each: the cross-document blocks go
-    plan = block_plan(Tokens.span(0, 16, docs), Tokens.span(0, 16, docs), None, block_q=4, block_k=4)
-    assert (plan.kind[2:, :2] == NONE).all() and plan.kind[3, 2] == FULL
+    found = block_map(Tokens.span(0, 16, docs), Tokens.span(0, 16, docs), None, block_q=4, block_k=4)
+    assert (found.kind[2:, :2] == NONE).all() and found.kind[3, 2] == FULL
 
 
-def test_segment_plan_of_one_causal_sequence_is_one_causal_call() -> None:
-    plan = segment_plan(Tokens.span(0, 16), Tokens.span(0, 16), None)
-    assert [(s.q0, s.q1, s.k0, s.k1, s.causal) for s in plan.segments] == [(0, 16, 0, 16, True)]
-    plan = segment_plan(Tokens.span(8, 16), Tokens.span(0, 16), None)  # a later shard: prefix + square
-    assert [(s.q0, s.q1, s.k0, s.k1, s.causal) for s in plan.segments] == [
+def test_visible_segments_of_one_causal_sequence_is_one_causal_call() -> None:
+    found = visible_segments(Tokens.span(0, 16), Tokens.span(0, 16), None)
+    assert [(s.q0, s.q1, s.k0, s.k1, s.causal) for s in found.segments] == [(0, 16, 0, 16, True)]
+    found = visible_segments(Tokens.span(8, 16), Tokens.span(0, 16), None)  # a later shard: prefix + square
+    assert [(s.q0, s.q1, s.k0, s.k1, s.causal) for s in found.segments] == [
         (0, 8, 0, 8, False),
         (0, 8, 8, 16, True),
     ]

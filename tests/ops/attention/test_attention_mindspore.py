@@ -15,8 +15,8 @@ ms = pytest.importorskip("mindspore")
 
 from hyperpar_gdn.models.attention import CausalSelfAttention as TorchAttention  # noqa: E402
 from hyperpar_gdn.models.mindspore import CausalSelfAttention, load_torch_state_dict  # noqa: E402
-from hyperpar_gdn.ops.attention.plan import Tokens  # noqa: E402
 from hyperpar_gdn.ops.attention.softmax import attention  # noqa: E402
+from hyperpar_gdn.ops.attention.visibility import Tokens  # noqa: E402
 from hyperpar_gdn.platform import ops_for  # noqa: E402
 
 TOL = 1e-12  # fp64

@@ -12,9 +12,9 @@ import pytest
 from distributed_harness import run_ranks
 
 from hyperpar_gdn import LinearAttentionContextParallel, init_device_mesh
-from hyperpar_gdn.distributed.plan import CPPlan
 from hyperpar_gdn.models import GatedDeltaNet
 from hyperpar_gdn.ops.gdn.kernels import resolve_kernel
+from hyperpar_gdn.planning.plan import CPPlan
 
 
 def test_auto_is_ours_where_fla_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,7 @@ faster choice when the cost model predicts that CP does not pay at the run's seq
 
 from __future__ import annotations
 
-from hyperpar_gdn.distributed.payoff import cp_payoff
+from hyperpar_gdn.planning.payoff import cp_payoff
 from hyperpar_gdn.train.config import TrainConfig
 from hyperpar_gdn.train.loop.header import run_header
 

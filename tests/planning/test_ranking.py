@@ -57,8 +57,8 @@ def per_rank() -> list[dict[str, dict]]:
 
 @pytest.mark.timeout(300)
 def test_traffic_term_equals_the_bytes_sent(per_rank: list[dict[str, dict]]) -> None:
-    plan = plan_context_parallel(seq_len=T, cp=CP, dtype="float32", device="cpu", hidden_size=32, **SMALL)
-    predicted = {c.mode: c.bytes_sent for c in plan.ranking}
+    ranked = plan_context_parallel(seq_len=T, cp=CP, dtype="float32", device="cpu", hidden_size=32, **SMALL)
+    predicted = {c.mode: c.bytes_sent for c in ranked.ranking}
     sent = [r["bytes"] for r in per_rank]
     for mode in (
         "ulysses",
@@ -82,13 +82,14 @@ def test_traffic_term_equals_the_bytes_sent(per_rank: list[dict[str, dict]]) -> 
 def test_bf16_summary_modes_drift_no_more_than_ulysses(per_rank: list[dict[str, dict]]) -> None:
     """bf16 weights and inputs, T = 2048 over cp 4: against the fp64 one-device run of the same
     bf16-rounded layer, each summary mode's relative error (max-abs and RMS; output, input
-    gradient, every parameter gradient) is at most 1.2x ulysses'. Measured here: worst ratio
-    1.10 (max-abs) and 1.11 (RMS), both on dt_bias' gradient."""
+    gradient, every parameter gradient) is at most 1.35x ulysses'. The ratio depends on the CPU's
+    bf16 matmul kernels: worst 1.10 (max-abs) and 1.11 (RMS) on dt_bias' gradient on a CPU without
+    AMX; 1.26 (max-abs, the conv weight's gradient, every summary mode alike) with AMX-BF16."""
     errors = drift([r["drift"] for r in per_rank], truth(DriftShape(), DRIFT_T))
     assert set(errors) == {"single_bf16", *DRIFT_MODES}
     for metric in ("max", "rms"):
         for mode, (tensor, ratio) in worst_ratios(errors, metric=metric).items():
-            assert ratio <= 1.2, (
+            assert ratio <= 1.35, (
                 f"{mode} {metric} error on {tensor}: {ratio:.3f}x ulysses' ({errors[mode][tensor]})"
             )
     for mode in DRIFT_MODES:  # bf16-sized errors, not a broken run
@@ -122,13 +123,15 @@ def test_ulysses_hidden_against_ulysses() -> None:
     forward and backward) where ulysses sends the heads' projections: fewer bytes for the
     benchmark model at cp 2 (hidden 256 beside 27B's heads / 4), more for Qwen3.5-27B at cp 8."""
     bench = {"num_k_heads": 4, "num_v_heads": 12, "head_k_dim": 128, "head_v_dim": 128}
-    plan = plan_context_parallel(seq_len=8192, cp=2, hidden_size=256, dtype="float32", device="cpu", **bench)
-    costs = {c.mode: c for c in plan.ranking}
+    ranked = plan_context_parallel(
+        seq_len=8192, cp=2, hidden_size=256, dtype="float32", device="cpu", **bench
+    )
+    costs = {c.mode: c for c in ranked.ranking}
     assert costs["ulysses_hidden"].bytes_sent == 4 * 4096 * 256 * 4
     assert costs["ulysses_hidden"].bytes_sent < costs["ulysses"].bytes_sent / 3.9
     assert costs["ulysses_hidden"].messages == costs["ulysses"].messages
-    modes = [c.mode for c in plan.ranking]
-    assert modes.index("ulysses_hidden") < modes.index("ulysses"), plan.why()
+    modes = [c.mode for c in ranked.ranking]
+    assert modes.index("ulysses_hidden") < modes.index("ulysses"), ranked.why()
     unknown = plan_context_parallel(seq_len=8192, cp=2, **bench)  # no hidden_size: not priced
     assert unknown.ranking[-1].mode == "ulysses_hidden"
     assert "hidden size is not known" in unknown.ranking[-1].reason
@@ -163,9 +166,9 @@ def test_two_level_modes_are_ranked_with_inner_size() -> None:
     """ulysses over the 8 devices of a node and a state mode over the nodes for 1/8 of the heads:
     at cp 256 and 128K tokens (512 per rank) it beats every one-level mode on the gpu machine; its
     traffic is ulysses' over 8 ranks plus the state mode's over cp/8 nodes for H/8 heads."""
-    plan = plan_context_parallel(seq_len=1 << 17, cp=256, inner_size=8, **QWEN27B)
-    assert (plan.choice, plan.inner_size) == ("ulysses+scan", 8), plan.why()
-    costs = {c.mode: c for c in plan.ranking}
+    ranked = plan_context_parallel(seq_len=1 << 17, cp=256, inner_size=8, **QWEN27B)
+    assert (ranked.choice, ranked.inner_size) == ("ulysses+scan", 8), ranked.why()
+    costs = {c.mode: c for c in ranked.ranking}
     assert {"ulysses+p2p", "ulysses+all_gather", "ulysses+scan"} <= set(costs)
     assert costs["ulysses+scan"].messages == 4 * 7 + 2 * math.ceil(math.log2(32)) + 2
     assert costs["ulysses+all_gather"].summary_bytes == 32 * 6 * 128 * 256 * 4  # 32 nodes' maps, 6 heads
@@ -220,7 +223,7 @@ def test_bad_plan_input(options: dict, message: str) -> None:
 
 
 def test_auto_mode_on_a_model() -> None:
-    """A one-rank mesh: auto needs seq_len and takes the plan's choice; seq_len is refused
+    """A one-rank mesh: auto needs seq_len and takes the ranking's choice; seq_len is refused
     without auto."""
 
     def worker(rank: int, world: int) -> list[str]:

@@ -1,5 +1,5 @@
 """Which queries see which keys: the token description that causal softmax attention takes, and
-the two host-side plans that its fast paths walk (numpy only, no framework).
+the two host-side maps that its fast paths walk (numpy only, no framework).
 
 Queries and keys are described by where they sit in the whole sequence, not by an offset:
 
@@ -7,7 +7,7 @@ Queries and keys are described by where they sit in the whole sequence, not by a
   of a load-balanced layout or an all-gathered sequence) and, for packed documents, its document
   id. Query q sees key k when ``pos[k] <= pos[q]``, both are in the same document, and the key is
   not padding (``key_mask`` ``[B, Tk]``, 1 = token, 0 = padding).
-- :class:`BlockPlan`: query blocks x key blocks of a fixed size, each block pair ``NONE`` (no
+- :class:`BlockMap`: query blocks x key blocks of a fixed size, each block pair ``NONE`` (no
   query of the block may see any of its keys: skipped), ``FULL`` (every query sees every key: no
   mask) or ``PARTIAL`` (a block-sized mask, built only for those pairs). The generic blockwise
   attention walks it.
@@ -119,7 +119,7 @@ def visible_pairs(queries: Tokens, keys: Tokens, key_mask: np.ndarray | None) ->
 
 
 @dataclass(frozen=True)
-class BlockPlan:
+class BlockMap:
     """Query blocks of ``block_q`` rows x key blocks of ``block_k`` keys.
 
     ``kind`` int ``[nq, nk]``: NONE, FULL or PARTIAL; :meth:`mask` gives a PARTIAL pair's bool
@@ -157,9 +157,9 @@ def _block_reduce(x: np.ndarray, block: int, fn: Any) -> np.ndarray:
     return np.stack([fn(x[..., s : s + block], axis=-1) for s in range(0, x.shape[-1], block)], -1)
 
 
-def block_plan(
+def block_map(
     queries: Tokens, keys: Tokens, key_mask: np.ndarray | None, *, block_q: int, block_k: int
-) -> BlockPlan:
+) -> BlockMap:
     """Classify every (query block, key block) pair from per-block bounds (exact for FULL and
     NONE; a PARTIAL pair may still hide every key, its mask then says so)."""
     qp, kp = queries.positions, keys.positions
@@ -180,7 +180,7 @@ def block_plan(
         none |= ~_block_reduce(valid.any(0), block_k, np.any)[None, :]
         full &= _block_reduce(valid.all(0), block_k, np.all)[None, :]
     kind = np.where(none, NONE, np.where(full, FULL, PARTIAL)).astype(np.int8)
-    return BlockPlan(queries, keys, key_mask, block_q, block_k, kind)
+    return BlockMap(queries, keys, key_mask, block_q, block_k, kind)
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ class Segments:
     k_runs: tuple[tuple[int, int], ...]
 
 
-def segment_plan(queries: Tokens, keys: Tokens, key_mask: np.ndarray | None) -> Segments | None:
+def visible_segments(queries: Tokens, keys: Tokens, key_mask: np.ndarray | None) -> Segments | None:
     """Rectangles that need no mask, or None when the padding differs between batch rows.
 
     A query run at positions ``[p0, p1)`` and a key run at ``[c0, c1)`` of the same document give

@@ -17,10 +17,10 @@ from hyperpar_gdn import (
     init_device_mesh,
     plan_context_parallel,
 )
-from hyperpar_gdn.distributed.cost_model import MACHINES
-from hyperpar_gdn.distributed.cost_model_tp import allreduce_seconds, tp_exchange_bytes
-from hyperpar_gdn.distributed.planner import plan_for_model
-from hyperpar_gdn.distributed.split_planner import rank_tp_cp_splits
+from hyperpar_gdn.distributed.parallelize import resolve_plan
+from hyperpar_gdn.planning.cost_model import MACHINES
+from hyperpar_gdn.planning.cost_model_tp import allreduce_seconds, tp_exchange_bytes
+from hyperpar_gdn.planning.split_ranking import rank_tp_cp_splits
 from hyperpar_gdn.tensor_parallel import count_tp_traffic
 
 QWEN27B = {"num_k_heads": 16, "num_v_heads": 48, "head_k_dim": 128, "head_v_dim": 128, "hidden_size": 5120}
@@ -38,9 +38,8 @@ def _traffic_worker(rank: int, world: int) -> dict[str, object]:
     config = tiny_config(moe=True, layer_types=("linear_attention",) * 4)
     model = apply_tensor_parallel(transformers.Qwen3_5MoeForCausalLM(config).float(), mesh["tp"])
     ids = torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(1))
-    # the planner reads the global heads and tp from the TP layer
-    inputs = plan_for_model(model, mesh["cp"], seq_len=T, dtype="float32").inputs
-    out["plan"] = (inputs["tp"], inputs["H"], inputs["cp"])
+    # auto prices the layer's global heads at the TP layer's tp
+    out["plan"] = resolve_plan(model, mesh["cp"], mode="auto", seq_len=T, dtype="float32").reason
     apply_context_parallel(model, mesh["cp"], mode="p2p")
     shard = ids.view(B, 2, T // 2)[:, mesh["cp"].get_local_rank()]
     with count_tp_traffic() as traffic:
@@ -53,7 +52,8 @@ def test_tp_bytes_equal_what_a_tp_cp_run_counts() -> None:
     """The model's payload per GDN decoder layer x 4 layers equals the counted bytes, per kind
     (a MoE block's router and shared-expert gate among the parameters' gradients)."""
     for rank, counted in enumerate(run_ranks(_traffic_worker, 4, timeout_s=120)):
-        assert counted.pop("plan") == (2, 4, 2), rank
+        reason = counted.pop("plan")
+        assert "cp=2, H=4," in reason and "tp=2," in reason, (rank, reason)
         for name, kinds in counted.items():
             config = tiny_config(moe=name == "moe")
             predicted = tp_exchange_bytes(
@@ -65,8 +65,8 @@ def test_tp_bytes_equal_what_a_tp_cp_run_counts() -> None:
                 num_experts=getattr(config, "num_experts", 0),
             )
             assert kinds == {k: 4 * v for k, v in predicted.items()}, (rank, name, kinds, predicted)
-    plan = plan_context_parallel(seq_len=T, cp=2, tp=2, dtype="float32", device="cpu", batch=B, **QWEN27B)
-    assert plan.ranking[0].tp_bytes == sum(
+    ranked = plan_context_parallel(seq_len=T, cp=2, tp=2, dtype="float32", device="cpu", batch=B, **QWEN27B)
+    assert ranked.ranking[0].tp_bytes == sum(
         tp_exchange_bytes(batch=B, tokens=T / 2, hidden=5120, e=4, head_v_dim=128).values()
     )
 
@@ -77,15 +77,15 @@ def test_a_tp_rank_is_priced_on_its_heads() -> None:
     added to every mode alike, so the choice stays the local layer's."""
     m = MACHINES["gpu"]
     tp, cp, t = 4, 16, 1 << 18
-    plan = plan_context_parallel(seq_len=t, cp=cp, tp=tp, inner_size=2, **QWEN27B)
+    ranked = plan_context_parallel(seq_len=t, cp=cp, tp=tp, inner_size=2, **QWEN27B)
     local = {**QWEN27B, "num_k_heads": 4, "num_v_heads": 12}
     alone = plan_context_parallel(
         seq_len=t, cp=cp, inner_size=2, devices_per_node=m.devices_per_node // tp, **local
     )
-    assert [(c.mode, c.seconds) for c in plan.ranking] == [(c.mode, c.seconds) for c in alone.ranking]
+    assert [(c.mode, c.seconds) for c in ranked.ranking] == [(c.mode, c.seconds) for c in alone.ranking]
     block = t / cp * 5120 * 2
     ring = 4 * allreduce_seconds(block, tp, m.intra) + allreduce_seconds(128 * 4, tp, m.intra)
-    assert all(c.tp_seconds == pytest.approx(ring) for c in plan.ranking if c.feasible)
+    assert all(c.tp_seconds == pytest.approx(ring) for c in ranked.ranking if c.feasible)
     with pytest.raises(ValueError, match="num_k_heads=16 is not divisible by tp=3"):
         plan_context_parallel(seq_len=t, cp=2, tp=3, **QWEN27B)
 

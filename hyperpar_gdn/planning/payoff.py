@@ -7,7 +7,7 @@ each rank runs it on its T/cp tokens and adds its mode's exchanges and extra wor
 ``(1 - 1/cp)`` of one device's, exceeds what the mode adds. The figures are the device kind's
 :data:`~.cost_model.MACHINES` entry (cpu: gloo on one host as ``scripts/bench_scale.py`` measures
 it; gpu, npu: published orders of magnitude), or the caller's (``bandwidth=``, ``latency=``,
-``flops=``, ... as :func:`~.planner.plan_context_parallel` takes them).
+``flops=``, ... as :func:`~.ranking.plan_context_parallel` takes them).
 
 Left out, as in the cost model: the projections, norms and MLPs (cut by cp in every mode, so CP
 gains there too), the softmax-attention layers, and an eager framework's fixed cost per operation,
@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.distributed.plan import SPECS
-from hyperpar_gdn.distributed.planner import DEVICE_KINDS, MACHINES, plan_context_parallel
+from hyperpar_gdn.planning.plan import SPECS
+from hyperpar_gdn.planning.ranking import MACHINES, machine_kind, plan_context_parallel
 
 __all__ = ["CPPayoff", "cp_advice", "cp_payoff"]
 
@@ -92,16 +92,16 @@ def cp_payoff(
             with or without CP and are not counted against it).
         machine: figures that replace the device kind's (``bandwidth``, ``latency``, ``flops``, ...).
     """
-    kind = DEVICE_KINDS.get(device, device if device in MACHINES else "cpu")
+    kind = device if device in MACHINES else machine_kind(device)
     dims = _gdn_dims(model_config)
 
     def at(t: int) -> tuple[float, float]:
         """(the shard's rule seconds, the seconds the mode adds) at T = t."""
-        plan = plan_context_parallel(
+        ranked = plan_context_parallel(
             seq_len=t, cp=cp, dtype=dtype, layout=layout, device=kind, batch=batch, inner_size=inner_size,
             tp=tp, modes=[mode], **dims, **machine,
         )  # fmt: skip
-        cost = plan.ranking[0]
+        cost = ranked.ranking[0]
         if not cost.feasible:
             raise ValueError(f"cp_payoff: {cost.describe()}")
         return cost.shared_seconds, cost.seconds

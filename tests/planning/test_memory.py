@@ -13,9 +13,7 @@ from distributed_harness import run_ranks
 
 from hyperpar_gdn.models.lm import DecoderBlock, HybridLM
 from hyperpar_gdn.models.qwen35_config import Qwen35Config
-from hyperpar_gdn.train.config import TrainConfig
-from hyperpar_gdn.train.memory_check import check_memory, model_shape
-from hyperpar_gdn.train.memory_plan import (
+from hyperpar_gdn.planning.memory import (
     GIB,
     ModelShape,
     StepOptions,
@@ -25,8 +23,8 @@ from hyperpar_gdn.train.memory_plan import (
     mlp_saved_per_token,
     saved_per_token,
 )
+from hyperpar_gdn.planning.rank_shape import tp_shape
 from hyperpar_gdn.train.model_sizes import MODEL_SIZES
-from hyperpar_gdn.train.rank_shape import tp_shape
 
 
 @pytest.mark.parametrize("size", ["tiny", "small"])
@@ -169,18 +167,6 @@ def test_longest_seq_len_is_the_last_that_fits() -> None:
     assert largest_rank(shape, dataclasses.replace(opts, seq_len=longest)).total <= budget
     assert largest_rank(shape, dataclasses.replace(opts, seq_len=longest + 4)).total > budget
     assert longest_seq_len(shape, opts, 2**20) == 0  # not even the runtime fits
-
-
-def test_mindspore_has_no_plan_and_says_so() -> None:
-    with pytest.raises(ValueError, match="the MindSpore trainer has no memory plan"):
-        check_memory(TrainConfig(max_memory_gb=1.0), platform="mindspore")
-    check_memory(TrainConfig(), platform="mindspore")  # no plan asked: nothing to check
-
-
-def test_a_bad_budget_is_refused() -> None:
-    with pytest.raises(ValueError, match="--max-memory-gb must be > 0; got 0.0"):
-        TrainConfig(max_memory_gb=0.0)
-    assert model_shape(TrainConfig(model_size="small")) == ModelShape.of(MODEL_SIZES["small"])
 
 
 def _tp_worker(rank: int, world: int) -> dict[str, tuple[int, int]]:

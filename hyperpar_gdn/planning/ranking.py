@@ -1,38 +1,39 @@
-"""Rank the GDN context-parallel modes by the cost model of :mod:`.cost_model`, and pick one.
+"""Rank the GDN context-parallel modes by the cost model of :mod:`.cost_model`.
 
 :func:`plan_context_parallel` takes a layer's geometry, T, cp, the dtype, a device kind's
 :data:`~.cost_model.MACHINES` entry (links inside and between nodes, devices per node, FLOP rate;
-every field overridable) and, for the two-level modes, ``inner_size``; it returns a :class:`Plan`,
-the modes ranked by predicted seconds. :func:`plan_for_model` does it for a model's GDN layers on
-a CP mesh (``mode="auto"`` of ``apply_context_parallel`` and ``scripts/train.py``).
+every field overridable) and, for the two-level modes, ``inner_size``; it returns a
+:class:`Ranking`, the modes ranked by predicted seconds. :func:`~.choice.choose_plan` turns its
+first into the :class:`~.plan.CPPlan` that ``mode="auto"`` runs.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry, Link, Machine, ModeCost, mode_cost
-from hyperpar_gdn.distributed.cost_model_tp import cp_machine, tp_exchange, tp_rank_geometry
-from hyperpar_gdn.distributed.plan import MODES, TWO_LEVEL_MODES, CPPlan
+from hyperpar_gdn.planning.cost_model import MACHINES, Geometry, Link, Machine, ModeCost, mode_cost
+from hyperpar_gdn.planning.cost_model_tp import cp_machine, tp_exchange, tp_rank_geometry
+from hyperpar_gdn.planning.plan import LAYOUTS, MODES, TWO_LEVEL_MODES
 
 __all__ = [
+    "DTYPE_BYTES",
     "MACHINES",
+    "MACHINE_KEYWORDS",
     "Link",
     "Machine",
     "ModeCost",
-    "Plan",
-    "choose_plan",
+    "Ranking",
+    "machine_kind",
     "plan_context_parallel",
-    "plan_for_model",
+    "with_figures",
 ]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 @dataclass(frozen=True)
-class Plan:
+class Ranking:
     """The modes ranked by predicted seconds (feasible ones first) and the inputs of the model."""
 
     ranking: tuple[ModeCost, ...]
@@ -86,7 +87,7 @@ def plan_context_parallel(
     modes: Sequence[str] | None = None,
     tp: int = 1,
     num_experts: int = 0,
-) -> Plan:
+) -> Ranking:
     """Rank the CP modes of a GDN layer by the cost model of :mod:`.cost_model`.
 
     ``hidden_size`` (the layer's input width) prices ``ulysses_hidden``, which is ranked last as not
@@ -98,14 +99,14 @@ def plan_context_parallel(
     mode on a TP rank's Hk/tp q/k and H/tp value heads, CP ranks tp devices apart, and adds TP's
     all-reduces of the layer and its MLP (``num_experts``: a MoE block's router gradient too) to
     every mode's ``tp_seconds`` (:mod:`.cost_model_tp`; needs ``hidden_size``). Returns a
-    :class:`Plan`: ``plan.choice``, ``plan.inner_size``, ``plan.ranking`` (every mode's
-    :class:`ModeCost`, fastest first, infeasible ones last), ``plan.why()``.
+    :class:`Ranking`: ``ranked.choice``, ``ranked.inner_size``, ``ranked.ranking`` (every mode's
+    :class:`ModeCost`, fastest first, infeasible ones last), ``ranked.why()``.
 
     Example (Qwen3.5-27B's GDN heads, 128K tokens on 128 GPUs, 16 nodes of 8)::
 
-        plan = plan_context_parallel(seq_len=131072, cp=128, num_k_heads=16, num_v_heads=48,
-                                     head_k_dim=128, head_v_dim=128, inner_size=8)
-        plan.choice, plan.inner_size     # ('ulysses+scan', 8)
+        ranked = plan_context_parallel(seq_len=131072, cp=128, num_k_heads=16, num_v_heads=48,
+                                       head_k_dim=128, head_v_dim=128, inner_size=8)
+        ranked.choice, ranked.inner_size     # ('ulysses+scan', 8)
     """
     for name, value in (
         ("seq_len", seq_len),
@@ -140,7 +141,7 @@ def plan_context_parallel(
         raise ValueError(f"plan_context_parallel: dtype={dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     if device not in MACHINES:
         raise ValueError(f"plan_context_parallel: device={device!r}; choose one of {', '.join(MACHINES)}")
-    if layout not in ("contiguous", "head_tail"):
+    if layout not in LAYOUTS:
         raise ValueError(f"plan_context_parallel: layout={layout!r}; choose 'contiguous' or 'head_tail'")
     allowed = MODES + (TWO_LEVEL_MODES if inner_size is not None else ())
     modes = allowed if modes is None else tuple(modes)
@@ -150,7 +151,7 @@ def plan_context_parallel(
             f"plan_context_parallel: modes={list(modes)}; choose among {', '.join(allowed)}"
             + ("" if inner_size is not None else " (the two-level modes need inner_size)")
         )
-    machine = _machine(
+    machine = with_figures(
         MACHINES[device], bandwidth, latency, inter_bandwidth, inter_latency, devices_per_node, flops
     )
     geometry = Geometry(
@@ -171,10 +172,10 @@ def plan_context_parallel(
     ranking = tuple(sorted(costs, key=lambda c: (not c.feasible, c.seconds)))
     inputs = {"T": seq_len, "cp": cp, "H": num_v_heads, "K": head_k_dim, "V": head_v_dim, "dtype": dtype}
     inputs |= {"tp": tp} if tp > 1 else {}
-    return Plan(ranking=ranking, inputs=inputs | {"device": device})
+    return Ranking(ranking=ranking, inputs=inputs | {"device": device})
 
 
-def _machine(
+def with_figures(
     base: Machine,
     bandwidth: float | None,
     latency: float | None,
@@ -207,98 +208,6 @@ DEVICE_KINDS = {"cuda": "gpu", "npu": "npu"}  # a mesh's device_type -> a MACHIN
 MACHINE_KEYWORDS = ("bandwidth", "latency", "inter_bandwidth", "inter_latency", "devices_per_node", "flops")
 
 
-def plan_for_model(
-    model: object,
-    mesh: object,
-    *,
-    seq_len: int,
-    layout: str = "contiguous",
-    dtype: str = "bfloat16",
-    inner_size: int | None = None,
-    **machine: float,
-) -> Plan:
-    """:func:`plan_context_parallel` for the GDN layers of ``model`` (``HybridLM`` or transformers'
-    Qwen3.5 models; every GDN layer of a model has the same shape) over the 1-D CP ``mesh``, on the
-    machine of the mesh's device kind (``machine``: any of ``MACHINE_KEYWORDS``).
-
-    The two-level modes are ranked too when ``inner_size`` is given, or else when the CP groups
-    are blocks of consecutive ranks (as they require; under tensor parallelism ranks tp apart)
-    and one covers more than one node: then ``inner_size`` is the CP ranks per node (the
-    devices per node over tp; ``devices_per_node=``, else torchrun's ``LOCAL_WORLD_SIZE``, else
-    the machine's default). A model under tensor parallelism is priced at its tp
-    (:func:`plan_context_parallel`'s ``tp``)."""
-    from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
-    from hyperpar_gdn.distributed.mesh import as_cp_mesh
-    from hyperpar_gdn.ops.gdn.layer import LayerDims
-
-    unknown = sorted(set(machine) - set(MACHINE_KEYWORDS))
-    if unknown:
-        raise TypeError(
-            f"plan_for_model: unknown keywords {unknown}; the machine takes {', '.join(MACHINE_KEYWORDS)}"
-        )
-    cp_mesh = as_cp_mesh(mesh)
-    _, text_model = find_decoder(model)
-    gdn = [
-        m for i, b in enumerate(text_model.layers) for kind, m in [mixer_of(i, b)] if kind == "linear_attn"
-    ]
-    if not gdn:
-        raise ValueError(f"{type(model).__name__} has no GDN layers: there is no mode to choose")
-    dims = LayerDims.of(gdn[0])
-    device = DEVICE_KINDS.get(cp_mesh.device_type, "cpu")
-    cp, tp = cp_mesh.size(), dims.tp
-    ranks = list(cp_mesh.rank_list)
-    # what two levels need: a block of cp x tp consecutive ranks, the CP ranks tp apart
-    blocks = ranks == list(range(ranks[0], ranks[0] + cp * tp, tp)) and ranks[0] % (cp * tp) < tp
-    if inner_size is None and blocks:
-        per_node = int(machine.get("devices_per_node") or os.environ.get("LOCAL_WORLD_SIZE") or 0)
-        per_node = (per_node or MACHINES[device].devices_per_node) // tp
-        inner_size = per_node if 1 < per_node < cp and cp % per_node == 0 else None
-    return plan_context_parallel(
-        seq_len=seq_len,
-        cp=cp,
-        num_k_heads=dims.num_k_heads * tp,  # under TP the layer's dims are one rank's share
-        num_v_heads=dims.num_v_heads * tp,
-        head_k_dim=dims.head_k_dim,
-        head_v_dim=dims.head_v_dim,
-        conv_kernel_size=dims.conv_kernel_size,
-        hidden_size=dims.hidden_size,
-        dtype=dtype,
-        layout=layout,
-        device=device,
-        inner_size=inner_size,
-        tp=tp,
-        num_experts=_num_experts(text_model) if tp > 1 else 0,
-        **machine,
-    )
-
-
-def _num_experts(text_model: object) -> int:
-    """The routed experts of the model's MoE blocks (0 when dense)."""
-    config = getattr(text_model, "config", None)
-    return int(getattr(config, "num_experts", 0) or 0)
-
-
-def choose_plan(
-    model: object,
-    mesh: object,
-    *,
-    seq_len: int,
-    layout: str = "contiguous",
-    dtype: str = "bfloat16",
-    inner_size: int | None = None,
-    chunk_size: int = 64,
-    **machine: float,
-) -> CPPlan:
-    """The :class:`~hyperpar_gdn.CPPlan` that ``mode="auto"`` runs: :func:`plan_for_model`'s
-    fastest mode for ``model`` on the CP ``mesh`` at ``seq_len`` tokens in ``dtype``; its
-    ``reason`` is the cost model's line (:meth:`Plan.why`)."""
-    ranked = plan_for_model(
-        model, mesh, seq_len=seq_len, layout=layout, dtype=dtype, inner_size=inner_size, **machine
-    )
-    return CPPlan(
-        mode=ranked.choice,
-        layout=layout,
-        inner_size=ranked.inner_size,
-        chunk_size=chunk_size,
-        reason=ranked.why(),
-    )
+def machine_kind(device_type: str) -> str:
+    """The :data:`MACHINES` entry of a mesh's ``device_type``: ``cuda`` -> gpu, ``npu`` -> npu, else cpu."""
+    return DEVICE_KINDS.get(device_type, "cpu")

@@ -1,26 +1,23 @@
 """The context-parallel plan: what a model's GDN layers run under CP, owned in one place.
 
 This module is the one place that names the CP modes (:data:`MODES`, :data:`TWO_LEVEL_MODES`,
-:data:`MODE_CHOICES`) and what each mode is (:class:`ModeSpec`: head parallel, two levels, which
-state exchange). A :class:`CPPlan` (mode, token layout, inner size, chunk size) is frozen and checks
-itself when built; :func:`plan_errors` checks it against a model's GDN layers and a CP mesh (heads,
-inner groups, rank blocks) before anything changes, and :func:`agree_on_plan` makes the ranks of a
-CP group compare their plans and layer shapes in one small collective, so that a rank launched with
-another mode, layout or model stops every rank with the same line instead of hanging.
+:data:`MODE_CHOICES`), what each mode is (:class:`ModeSpec`: head parallel, two levels, which
+state exchange) and the token layouts (:data:`LAYOUTS`). A :class:`CPPlan` (mode, token layout,
+inner size, chunk size, kernel) is frozen and checks itself when built; :func:`plan_errors` checks
+it against a model's GDN layers and a CP group's ranks before anything changes (the ranks then
+agree on it: :func:`hyperpar_gdn.distributed.agreement.agree_on_plan`).
 
-``mode="auto"`` is not a plan: :func:`hyperpar_gdn.distributed.planner.choose_plan` turns it into
+``mode="auto"`` is not a plan: :func:`hyperpar_gdn.planning.choice.choose_plan` turns it into
 one with the cost model (for a sequence length and a dtype).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperpar_gdn.distributed.layout import LAYOUTS, check_layout
-from hyperpar_gdn.ops.gdn.kernels import KERNELS, check_kernel
+from hyperpar_gdn.ops.gdn.kernels import check_kernel
 
 __all__ = [
     "HEAD_MODES",
@@ -31,8 +28,9 @@ __all__ = [
     "TWO_LEVEL_MODES",
     "CPPlan",
     "ModeSpec",
-    "agree_on_plan",
-    "first",
+    "check_layout",
+    "check_mode",
+    "cp_groups",
     "head_split_error",
     "inner_size_option_error",
     "plan_errors",
@@ -82,6 +80,14 @@ TWO_LEVEL_MODES = tuple(s.name for s in _SPECS if s.two_level)
 HEAD_MODES = tuple(s.name for s in _SPECS if s.head_parallel)
 STATE_MODES = tuple(s.name for s in _SPECS if s.state_exchange is not None and not s.two_level)
 MODE_CHOICES = (*MODES, *TWO_LEVEL_MODES, "auto")  # what a user may ask for
+LAYOUTS = ("contiguous", "head_tail")  # which tokens a rank holds (hyperpar_gdn.distributed.layout)
+
+
+def check_layout(layout: object) -> str:
+    """``layout`` if it is one of :data:`LAYOUTS`, else a ValueError naming the valid ones."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not a token layout; choose one of {', '.join(LAYOUTS)}")
+    return layout  # type: ignore[return-value]
 
 
 def check_mode(mode: object, *, allow_auto: bool = False) -> str:
@@ -112,7 +118,7 @@ class CPPlan:
 
     Attributes:
         mode: one of :data:`MODES` or :data:`TWO_LEVEL_MODES` (``"auto"`` is resolved before a
-            plan exists: :func:`~hyperpar_gdn.distributed.planner.choose_plan`).
+            plan exists: :func:`~hyperpar_gdn.planning.choice.choose_plan`).
         layout: which tokens a rank holds: ``"contiguous"`` (the r-th piece of cp) or
             ``"head_tail"`` (pieces r and 2cp-1-r of 2cp).
         inner_size: ranks per inner group (a node) for the two-level modes, and only for them.
@@ -237,97 +243,3 @@ def plan_errors(plan: CPPlan, gdn_dims: Sequence[tuple[int, Any]], *, cp: int, r
             errors.append(ValueError(f"layer {index}: {error}"))
             break  # every GDN layer of a model has the same heads: one line says it
     return errors
-
-
-# --- the ranks agree ---------------------------------------------------------------------------------
-# One int64 per rank: the plan's fields and the model's shapes packed into bit fields, so that a
-# difference can be named (which field, which value on which ranks). -1: this rank refused its set-up.
-_FIELDS = (("mode", 4), ("layout", 2), ("kernel", 2), ("inner_size", 8), ("chunk_size", 12),
-           ("GDN layers", 8), ("layer shapes", 24))  # fmt: skip
-
-
-def _fingerprint(plan: CPPlan, layers: Sequence[tuple[str, tuple]]) -> list[int]:
-    shapes = hashlib.sha256(repr(list(layers)).encode()).digest()
-    return [
-        MODES.index(plan.mode) if plan.mode in MODES else len(MODES) + TWO_LEVEL_MODES.index(plan.mode),
-        LAYOUTS.index(plan.layout),
-        KERNELS.index(plan.kernel),
-        plan.inner_size or 0,
-        plan.chunk_size,
-        sum(1 for kind, _ in layers if kind == "linear_attn"),
-        int.from_bytes(shapes[:8], "big"),
-    ]
-
-
-def _pack(values: Sequence[int]) -> int:
-    code, shift = 0, 0
-    for (_, bits), value in zip(_FIELDS, values, strict=True):
-        code |= (value % (1 << bits)) << shift
-        shift += bits
-    return code
-
-
-def _unpack(code: int) -> list[int]:
-    values, shift = [], 0
-    for _, bits in _FIELDS:
-        values.append((code >> shift) % (1 << bits))
-        shift += bits
-    return values
-
-
-def _shown(name: str, value: int) -> str:
-    if name == "mode":
-        both = MODES + TWO_LEVEL_MODES
-        return repr(both[value]) if value < len(both) else str(value)
-    for key, names in (("layout", LAYOUTS), ("kernel", KERNELS)):
-        if name == key:
-            return repr(names[value]) if value < len(names) else str(value)
-    return f"{value:07x}" if name == "layer shapes" else str(value)
-
-
-def agree_on_plan(
-    mesh: Any, plan: CPPlan, layers: Sequence[tuple[str, tuple]], error: Exception | None
-) -> None:
-    """Make every rank of the 1-D CP ``mesh`` stop with the same line unless all have the same plan
-    and the same layers: one all-gather of one int per rank (call it on every rank, whatever its
-    set-up; a mesh of one rank exchanges nothing).
-
-    Args:
-        mesh: the CP mesh (:class:`~hyperpar_gdn.distributed.mesh.DeviceMesh`).
-        plan: this rank's plan; layers: (mixer kind, shape) of every decoder layer, in order.
-        error: what this rank found wrong with its own set-up (raised here after the exchange; the
-            other ranks raise a ValueError that says these ranks refused), or None.
-    """
-    if mesh.size() == 1:
-        if error is not None:
-            raise error
-        return
-    code = -1 if error is not None else _pack(_fingerprint(plan, layers))
-    codes = mesh.platform.collectives.all_gather_int(code, mesh.get_group())
-    if error is not None:
-        raise error
-    refused = [r for r, c in enumerate(codes) if c < 0]
-    if refused:
-        raise ValueError(
-            f"CP ranks {refused} refused their set-up (their own errors say why); every rank stops before "
-            "changing the model"
-        )
-    differences = []
-    for (name, _), values in zip(_FIELDS, zip(*(_unpack(c) for c in codes), strict=True), strict=True):
-        if len(set(values)) > 1:
-            by_value: dict[int, list[int]] = {}
-            for rank, value in enumerate(values):
-                by_value.setdefault(value, []).append(rank)
-            differences.append(
-                f"{name} (" + ", ".join(f"{_shown(name, v)} on ranks {r}" for v, r in by_value.items()) + ")"
-            )
-    if differences:
-        raise ValueError(
-            "the CP ranks were given different set-ups: " + "; ".join(differences)
-            + ": launch every rank of a CP group with the same mode, layout, kernel, inner size, chunk size and model"
-        )  # fmt: skip
-
-
-def first(errors: Sequence[Exception]) -> Exception | None:
-    """The first of ``errors`` (the one a rank raises), or None."""
-    return errors[0] if errors else None

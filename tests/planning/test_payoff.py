@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from hyperpar_gdn.distributed.cost_model import MACHINES, Geometry, mode_cost
-from hyperpar_gdn.distributed.payoff import cp_advice, cp_payoff
 from hyperpar_gdn.models.config import HybridLMConfig
+from hyperpar_gdn.planning.cost_model import MACHINES, Geometry, mode_cost
+from hyperpar_gdn.planning.payoff import cp_advice, cp_payoff
 
 CONFIG = HybridLMConfig().to_dict()  # 2 key / 4 value heads of 16, conv 4, hidden 64
 

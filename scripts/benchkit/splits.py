@@ -15,7 +15,8 @@ from typing import Any
 
 __all__ = ["BUDGET_GIB", "MODELS", "SPLIT_DEVICES", "SPLIT_TOKENS", "split_rows"]
 
-# The models' sizes (transformers' Qwen3.5 names), from public copies of their config.json: 27B
+# The models' sizes (transformers' Qwen3.5 names), from public copies of their config.json (122B-A10B's
+# from its published architecture, not checked against a config.json; they give 122.1B parameters): 27B
 # dense (hidden 5120, 64 layers, FFN 17408, 24 query heads and 4 K/V heads of 256); 397B-A17B MoE
 # (hidden 4096, 60 layers, 512 experts of 1024 with 10 per token and a shared expert of 1024, 32
 # query heads and 2 K/V heads of 256); 122B-A10B MoE (hidden 3072, 48 layers, 256 experts of 1024

@@ -14,10 +14,11 @@ Two parts, one JSON (and a PNG of where each mode wins), from :mod:`benchkit.sca
 - predicted: ``plan_context_parallel`` for Qwen3.5-27B's and Qwen3.5-397B-A17B's GDN heads at cp
   8..256 and T 128K..1M on the ``gpu`` and ``npu`` machines (nodes of 8; two-level modes with a
   node as the inner group);
-- splits: the whole models split over 8..64 devices as tp x cp (tensor parallelism inside a
-  node), ranked by ``rank_tp_cp_splits`` at 128K, 256K and 1M tokens with the mode ``auto``
-  picks and the memory per rank (:mod:`benchkit.splits`), and ``splits.png``: the best tp per
-  point.
+- splits: the whole models (Qwen3.5-27B, and the MoE 397B-A17B, 122B-A10B and 35B-A3B) split
+  over 8..256 devices as ep x tp x cp (tensor parallelism inside a node, expert parallelism over
+  the CP ranks), ranked by ``rank_tp_cp_splits`` at 128K, 256K and 1M tokens with the mode
+  ``auto`` picks and the memory per rank (:mod:`benchkit.splits`), the fewest devices whose best
+  split fits the budget per model and T, and ``splits.png``: the best tp per point.
 
 The predictions alone (no ranks, seconds): ``--predict-only``. Timing claims need a quiet
 machine; on a shared one run it small, to see that it works::
@@ -81,14 +82,21 @@ def best_split_map(rows: list[dict]) -> list[Panel]:
     return panels
 
 
+def _name(s: dict) -> str:
+    """ep x tp x cp of a split."""
+    return f"{s['ep']}x{s['tp']}x{s['cp']}"
+
+
 def print_splits(rows: list[dict]) -> None:
-    """Per model, device, T and devices: the ranking (tp x cp: ms per GDN layer, GiB per rank;
-    * over the budget), and the best split with the mode auto picks."""
-    print(f"{'model':<18} {'dev':<4} {'T':>6} {'D':>3} {'best':<7} {'auto':<13} ranking (ms/layer, GiB/rank)")
+    """Per model, device, T and devices: the ranking's first five (ep x tp x cp: ms per GDN layer,
+    GiB per rank; * over the budget), and the best split with the mode auto picks; then per model,
+    device and T the fewest devices whose best split fits the budget."""
+    print(
+        f"{'model':<18} {'dev':<4} {'T':>6} {'D':>3} {'best':<9} {'auto':<13} first five (ms/layer, GiB/rank)"
+    )
     for r in rows:
         ranked = [
-            f"{s['tp']}x{s['cp']} {s['layer_seconds'] * 1e3:.1f}ms "
-            f"{s['memory_gib']:.0f}G{'' if s['fits'] else '*'}"
+            f"{_name(s)} {s['layer_seconds'] * 1e3:.1f}ms {s['memory_gib']:.0f}G{'' if s['fits'] else '*'}"
             for s in r["ranking"]
             if s["feasible"]
         ]
@@ -96,8 +104,24 @@ def print_splits(rows: list[dict]) -> None:
         mode = best["mode"] or "none"
         print(
             f"{r['model']:<18} {r['device']:<4} {r['seq_len'] // 1024:>5}K {r['devices']:>3} "
-            f"{best['tp']}x{best['cp']:<5} {mode:<13} " + "; ".join(ranked)
+            f"{_name(best):<9} {mode:<13} " + "; ".join(ranked[:5])
         )
+    print(f"{'model':<18} {'dev':<4} {'T':>6} fewest devices whose best split fits (ep x tp x cp)")
+    for model, device, t in dict.fromkeys((r["model"], r["device"], r["seq_len"]) for r in rows):
+        fits = [
+            r
+            for r in rows
+            if (r["model"], r["device"], r["seq_len"]) == (model, device, t) and r["best_fits"]
+        ]
+        line = "none up to the largest count"
+        if fits:
+            r = min(fits, key=lambda r: r["devices"])
+            s = r["ranking"][0]
+            line = (
+                f"{r['devices']} devices: {_name(s)} {s['mode'] or 'none'} {s['layer_seconds'] * 1e3:.1f} ms/layer "
+                f"(ep {s['ep_seconds'] * 1e3:.1f}), {s['memory_gib']:.1f} GiB of {r['budget_gib']:.0f}"
+            )
+        print(f"{model:<18} {device:<4} {t // 1024:>5}K {line}")
 
 
 def main() -> None:

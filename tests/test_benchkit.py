@@ -120,9 +120,9 @@ def test_scale_predictions_and_their_map(tmp_path: Path) -> None:
 
 
 def test_split_rows_and_their_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench_scale's (tp, cp) part at one point per model and machine: every split of the devices
-    listed, the best one first, its mode the planner's choice at that tp and cp, and the map of
-    the best tp drawn."""
+    """bench_scale's (ep, cp, tp) part at one point per model and machine: every (tp, cp) of the
+    devices listed, each ep dividing cp and the experts, the best one first, its mode the
+    planner's choice at that tp and cp, and the map of the best tp drawn."""
     import bench_scale
 
     from benchkit import splits
@@ -135,10 +135,12 @@ def test_split_rows_and_their_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     rows = splits.split_rows()
     assert len(rows) == len(splits.MODELS) * len(splits.BUDGET_GIB)
     for r in rows:
-        assert sorted((s["tp"], s["cp"]) for s in r["ranking"]) == [(t, 16 // t) for t in (1, 2, 4, 8, 16)]
-        first = r["ranking"][0]
-        assert (first["tp"], first["cp"], first["mode"]) == tuple(r["best"].values())
         shape = ModelShape.of(splits.MODELS[r["model"]])
+        assert sorted({(s["tp"], s["cp"]) for s in r["ranking"]}) == [(t, 16 // t) for t in (1, 2, 4, 8, 16)]
+        experts = shape.num_experts or 1
+        assert all(s["cp"] % s["ep"] == 0 and experts % s["ep"] == 0 for s in r["ranking"])
+        first = r["ranking"][0]
+        assert (first["ep"], first["tp"], first["cp"], first["mode"]) == tuple(r["best"].values())
         plan = plan_context_parallel(
             seq_len=1 << 18, cp=first["cp"], tp=first["tp"], device=r["device"],
             inner_size=first["inner_size"] if first["inner_size"] else None,
@@ -147,6 +149,6 @@ def test_split_rows_and_their_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         )  # fmt: skip
         assert plan.choice == first["mode"]
     panels = bench_scale.best_split_map(rows)
-    assert len(panels) == 4
+    assert len(panels) == 2 * len(splits.MODELS)
     save_png(tmp_path / "splits.png", panels)
     assert (tmp_path / "splits.png").stat().st_size > 5_000

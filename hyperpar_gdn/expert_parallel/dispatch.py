@@ -19,7 +19,9 @@ exchange). No token is dropped and no row padded: the rows a rank computes are e
 routed to its experts from all ranks of the group.
 
 :func:`count_ep_traffic` records, per dispatch, the rows this rank computed, sent away and
-received, and the bytes; docs/expert_parallel.md writes the formula.
+received, and the bytes; docs/expert_parallel.md writes the formula, and
+:func:`hyperpar_gdn.planning.cost_model_ep.ep_dispatch_bytes` computes it (framework-free, for the
+cost model).
 
 Legend: N tokens on this rank, k experts per token, C hidden size, M = N k rows.
 """

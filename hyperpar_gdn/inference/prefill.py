@@ -144,7 +144,7 @@ def prefill_context_parallel(
     if cu is not None:
         return logits[0], hf.dynamic_caches(model, text_model, states, cu)
     if transformers_model:
-        return logits[:, 0], hf.dynamic_cache(model, text_model, states)
+        return logits[:, 0], hf.dynamic_cache(model, text_model, states, tokens=t)
     return logits[:, 0], state_from_prefill(model, states, t)
 
 

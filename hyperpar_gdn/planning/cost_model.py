@@ -90,15 +90,18 @@ class Link:
 @dataclass(frozen=True)
 class Machine:
     """Nodes of ``devices_per_node`` devices: ``intra`` links inside a node, ``inter`` between
-    nodes (per device), ``flops`` FLOP/s of the rule's chunk work on one device, and
+    nodes (per device), ``flops`` FLOP/s of the rule's chunk work on one device,
     ``saturating_heads``: rows x value heads per rank from which the chunk kernel's state passes
-    fill the device (its cores over the kernel's blocks per head; 0: no such limit)."""
+    fill the device (its cores over the kernel's blocks per head; 0: no such limit), and
+    ``matmul_flops``: FLOP/s of large matrix products on one device (the experts' SwiGLU; 0: not
+    priced)."""
 
     intra: Link
     inter: Link
     devices_per_node: int
     flops: float
     saturating_heads: float = 0.0
+    matmul_flops: float = 0.0
 
     def rate(self, heads: float) -> float:
         """FLOP/s of the chunk work of a rank that runs ``heads`` rows x value heads."""
@@ -115,13 +118,25 @@ class Machine:
 # of the platform's send/recv: 2.2 GB/s, 0.36 ms per message; the chunk rule forward+backward in
 # fp32 on one core: 18 GFLOP/s). saturating_heads: an H100/H800 has 132 SMs and fla's state
 # passes run 4 blocks of 32 value columns per head (V = 128): 33; an Ascend 910B has 24 AI cores,
-# one block per head: 24 (the CPU has no such limit).
+# one block per head: 24 (the CPU has no such limit). matmul_flops: about 40% of the dense bf16
+# peak an H100 (989 TFLOP/s) and a 910B (about 320 TFLOP/s) publish, what grouped expert products
+# of a few thousand rows reach.
 MACHINES = {
     "gpu": Machine(
-        Link(300e9, 10e-6), Link(40e9, 20e-6), devices_per_node=8, flops=50e12, saturating_heads=33
+        Link(300e9, 10e-6),
+        Link(40e9, 20e-6),
+        devices_per_node=8,
+        flops=50e12,
+        saturating_heads=33,
+        matmul_flops=400e12,
     ),
     "npu": Machine(
-        Link(56e9, 15e-6), Link(25e9, 20e-6), devices_per_node=8, flops=50e12, saturating_heads=24
+        Link(56e9, 15e-6),
+        Link(25e9, 20e-6),
+        devices_per_node=8,
+        flops=50e12,
+        saturating_heads=24,
+        matmul_flops=130e12,
     ),
     "cpu": Machine(Link(2.2e9, 360e-6), Link(2.2e9, 360e-6), devices_per_node=1 << 20, flops=18e9),
 }

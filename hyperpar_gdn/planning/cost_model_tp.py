@@ -21,7 +21,9 @@ whole-held parameters' gradients   1 per param   V_d 4 (the gated norm's weight)
                                                  expert gate C 4
 =================================  ============  ==========================================
 
-(e: the activations' bytes per element, as the CP terms use; gradients of parameters fp32.) A
+(e: the activations' bytes per element, as the CP terms use; gradients of parameters fp32.) Under
+expert parallelism (``moe_whole``) the MoE block is whole on every TP rank: only the mixer's two
+all-reduces and its norm's gradient remain. A
 ring all-reduce of P bytes over tp ranks takes 2 (tp-1) steps in sequence, each sending P/tp
 over the TP link (the intra-node link while tp <= devices_per_node): 2 (tp-1) (latency +
 P / (tp bandwidth)) seconds, 2 (tp-1)/tp P bytes on the wire per rank.
@@ -60,16 +62,25 @@ class TPExchange:
 
 
 def tp_exchange_bytes(
-    *, batch: int, tokens: float, hidden: int, e: int, head_v_dim: int, num_experts: int = 0
+    *,
+    batch: int,
+    tokens: float,
+    hidden: int,
+    e: int,
+    head_v_dim: int,
+    num_experts: int = 0,
+    moe_whole: bool = False,
 ) -> dict[str, float]:
     """Payload bytes per rank of one GDN decoder layer's TP all-reduces, by kind (``output``,
     ``input_grad``, ``param_grad``: :class:`~hyperpar_gdn.tensor_parallel.TPTraffic`'s kinds) for
-    ``tokens`` local tokens of width ``hidden`` in ``e`` bytes."""
+    ``tokens`` local tokens of width ``hidden`` in ``e`` bytes (``moe_whole``: the MoE block is
+    not split over tp, as under expert parallelism)."""
     activation = batch * tokens * hidden * e
-    params = head_v_dim + (num_experts * hidden + hidden if num_experts else 0)
+    blocks = 1 if moe_whole else BLOCKS
+    params = head_v_dim + (num_experts * hidden + hidden if num_experts and not moe_whole else 0)
     return {
-        "output": BLOCKS * activation,
-        "input_grad": BLOCKS * activation,
+        "output": blocks * activation,
+        "input_grad": blocks * activation,
         "param_grad": params * PARAM_BYTES,
     }
 
@@ -81,20 +92,25 @@ def allreduce_seconds(payload: float, n: int, link: Link) -> float:
     return 2 * (n - 1) * (link.latency + payload / (n * link.bandwidth))
 
 
-def tp_exchange(g: Geometry, tp: int, m: Machine, *, num_experts: int = 0) -> TPExchange:
+def tp_exchange(
+    g: Geometry, tp: int, m: Machine, *, num_experts: int = 0, moe_whole: bool = False
+) -> TPExchange:
     """TP's all-reduces of one GDN decoder layer of geometry ``g`` (the whole layer's heads; T/cp
-    local tokens; ``g.hidden`` known) at ``tp`` on ``m``."""
+    local tokens; ``g.hidden`` known) at ``tp`` on ``m`` (``moe_whole``: see
+    :func:`tp_exchange_bytes`)."""
     if tp == 1:
         return TPExchange(1, 0.0, 0.0, 0.0, 0.0)
     if g.hidden is None:
         raise ValueError("the TP all-reduces carry the hidden states: give hidden_size= with tp > 1")
     kinds = tp_exchange_bytes(
-        batch=g.b, tokens=g.t / g.cp, hidden=g.hidden, e=g.e, head_v_dim=g.v, num_experts=num_experts
-    )
+        batch=g.b, tokens=g.t / g.cp, hidden=g.hidden, e=g.e, head_v_dim=g.v, num_experts=num_experts,
+        moe_whole=moe_whole,
+    )  # fmt: skip
     link = m.intra if tp <= m.devices_per_node else m.inter
-    block = kinds["output"] / BLOCKS
-    calls = [block] * (2 * BLOCKS) + [g.v * PARAM_BYTES]
-    if num_experts:
+    blocks = 1 if moe_whole else BLOCKS
+    block = kinds["output"] / blocks
+    calls = [block] * (2 * blocks) + [g.v * PARAM_BYTES]
+    if num_experts and not moe_whole:
         calls += [num_experts * g.hidden * PARAM_BYTES, g.hidden * PARAM_BYTES]
     payload = sum(kinds.values())
     seconds = sum(allreduce_seconds(p, tp, link) for p in calls)

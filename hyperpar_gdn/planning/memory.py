@@ -15,7 +15,10 @@ parallelism one TP rank's, :func:`~.rank_shape.tp_shape`) and the step's options
   moments; under FSDP all three divided over the dp x cp ranks, plus the gathered weights of the
   root and two decoder layers (the one computing and the one prefetched); at tp > 1 each rank
   holds its share of the layers' matrices and whole embedding, norms, LM head (and the whole K/V
-  projections when tp exceeds the K/V heads);
+  projections when tp exceeds the K/V heads); at ep > 1 its ``E / ep`` routed experts (their
+  MoE blocks whole over tp), which FSDP divides over the dp x cp / ep ranks holding the same
+  experts (so the experts' share per rank is E / (dp cp) of them with or without EP; EP shrinks
+  the gathered layers and, without FSDP, the experts held);
 - step phase: the tensors autograd saves in the forward (:func:`saved_per_token`, counted from
   the code of each stage: the norms, the SwiGLU MLP or the routed MoE, the GDN layer's
   projections, conv and the chunk rule's hand-written forward, the attention projections, RoPE,
@@ -31,9 +34,10 @@ parallelism one TP rank's, :func:`~.rank_shape.tp_shape`) and the step's options
 - heap holes (:func:`heap_holes`): on the CPU, where freed memory stays in the heap, the blocks
   of the loss's forward that its backward cannot reuse;
 - communication: per GDN layer the mode's buffers (p2p's states, all_gather's cp maps, scan's
-  rounds, ulysses' all-to-all of activations, for the local heads at tp > 1), and TP's
-  all-reduce copy of a block's output ``[N, C]``; after the backward, the flat all-reduce buffer of
-  the gradients (one per dtype, the size of the gradients) when there is more than one rank and
+  rounds, ulysses' all-to-all of activations, for the local heads at tp > 1), TP's
+  all-reduce copy of a block's output ``[N, C]``, and at ep > 1 the dispatch's send and receive
+  buffers of one MoE block (``[N k, C]`` each, a balanced router); after the backward, the flat
+  all-reduce buffer of the gradients (one per dtype, the size of the gradients) when there is more than one rank and
   no FSDP, or the optimizer's temporaries (two of the largest parameter's size).
 
 Ranks differ where the work does: with contiguous shards the last CP rank's attention reads every
@@ -113,7 +117,9 @@ class StepOptions:
         seq_len: T of a sequence; rows: sequences per DP replica (packed into one row with
             document boundaries: the same tokens).
         cp: ranks of a CP group; tp: ranks of a TP group (tensor parallelism, the innermost axis);
-            world_size: all ranks, dp x cp x tp (FSDP shards over the dp x cp of them).
+            world_size: all ranks, dp x cp x tp (FSDP shards over the dp x cp of them);
+            ep: ranks of an EP group, taken from the dp x cp ranks (ep divides dp x cp and the
+            model's ``num_experts``).
         cp_mode: the GDN layers' mode; layout: "contiguous" or "head_tail".
         ac, dtype ("fp32" / "bf16"), fsdp, check_parity: as ``scripts/train.py``'s options.
         packed: documents restart inside a row (the conv keeps its padded input too).
@@ -130,6 +136,7 @@ class StepOptions:
     cp: int = 1
     tp: int = 1
     world_size: int = 1
+    ep: int = 1
     cp_mode: str = "p2p"
     layout: str = "contiguous"
     ac: bool = False
@@ -143,7 +150,7 @@ class StepOptions:
     kept_heap: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "rows", "cp", "tp", "world_size"):
+        for name in ("seq_len", "rows", "cp", "tp", "world_size", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StepOptions.{name} must be >= 1; got {getattr(self, name)}")
         if self.dtype not in ("fp32", "bf16") or self.loss not in ("chunked", "logits"):
@@ -153,6 +160,11 @@ class StepOptions:
         if self.world_size % (self.cp * self.tp):
             raise ValueError(
                 f"StepOptions: cp x tp = {self.cp} x {self.tp} must divide world_size={self.world_size}"
+            )
+        if (self.world_size // self.tp) % self.ep:
+            raise ValueError(
+                f"StepOptions: ep={self.ep} must divide the dp x cp ranks, world_size / tp = "
+                f"{self.world_size // self.tp}"
             )
 
 
@@ -270,13 +282,15 @@ def heap_holes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
 
 
 def _comm_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
-    """The largest per-layer buffer of the GDN mode (one layer's exchange at a time), and TP's
-    copy of a block's output (``shape`` is one TP rank's)."""
+    """The largest per-layer buffer of the GDN mode (one layer's exchange at a time), TP's copy of
+    a block's output and EP's dispatch buffers (``shape`` is one TP rank's)."""
     width = 2 if opts.dtype == "bf16" else 4
-    tp_copy = tokens * shape.hidden_size * width if opts.tp > 1 else 0
+    buffers = tokens * shape.hidden_size * width if opts.tp > 1 else 0
+    if opts.ep > 1:  # the dispatch's rows sent and received, [N k, C] each
+        buffers += 2 * tokens * shape.num_experts_per_tok * shape.hidden_size * width
     if opts.cp == 1 or LINEAR not in shape.layer_types:
-        return tp_copy
-    return tp_copy + _cp_bytes(shape, opts, tokens)
+        return buffers
+    return buffers + _cp_bytes(shape, opts, tokens)
 
 
 def _cp_bytes(shape: ModelShape, opts: StepOptions, tokens: int) -> int:
@@ -328,15 +342,17 @@ def _step_terms(shape: ModelShape, opts: StepOptions, rank: int) -> dict[str, in
 
 def estimate(shape: ModelShape, opts: StepOptions, *, rank: int = 0) -> Estimate:
     """The memory of ``rank`` during a training step with ``opts`` (see the module docstring);
-    ``shape`` is the whole model's (``ValueError`` when ``opts.tp`` does not split it)."""
-    whole, shape = shape, tp_shape(shape, opts.tp)
+    ``shape`` is the whole model's (``ValueError`` when ``opts.tp`` or ``opts.ep`` does not split it)."""
+    whole, shape = shape, tp_shape(shape, opts.tp, opts.ep)
     params = shape.num_parameters()
     shards = opts.world_size // opts.tp if opts.fsdp else 1
+    experts = shape.expert_parameters()  # FSDP shards a rank's experts over their dp cp / ep replicas
+    held = (params - experts) * 4 // shards + experts * 4 // max(1, shards // opts.ep)
     terms = dict.fromkeys(TERMS, 0)
     terms["runtime"] = opts.runtime_bytes
-    terms["parameters"] = params * 4 // shards
-    terms["gradients"] = params * 4 // shards
-    terms["optimizer"] = 2 * params * 4 // shards
+    terms["parameters"] = held
+    terms["gradients"] = held
+    terms["optimizer"] = 2 * held
     if opts.fsdp:  # gathered: the root (embedding, norm) and two decoder layers
         width = 2 if opts.dtype == "bf16" else 4
         layer = max((shape.layer_parameters(k) for k in shape.layer_types), default=0)
@@ -351,7 +367,7 @@ def estimate(shape: ModelShape, opts: StepOptions, *, rank: int = 0) -> Estimate
     terms["gradient sync"] = max(flat, optimizer_temporaries)
     if opts.check_parity and rank == 0:  # a whole copy trained on the whole batch, full logits
         dp = opts.world_size // (opts.cp * opts.tp)
-        one = dataclasses.replace(opts, cp=1, tp=1, world_size=1, rows=opts.rows * dp, loss="logits")
+        one = dataclasses.replace(opts, cp=1, tp=1, ep=1, world_size=1, rows=opts.rows * dp, loss="logits")
         ref = _step_terms(whole, one, 0)
         terms["parameters"] += whole.num_parameters() * 4
         terms["gradients"] += whole.num_parameters() * 4

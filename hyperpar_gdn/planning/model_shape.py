@@ -42,6 +42,11 @@ class ModelShape:
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
 
     @property
+    def routed_experts(self) -> int:
+        """The routed experts whose weights a rank holds (all ``num_experts`` of the whole model)."""
+        return self.num_experts
+
+    @property
     def value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
@@ -56,8 +61,9 @@ class ModelShape:
             q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
             mixer = 2 * c * q + 2 * c * kv + q * c + 2 * self.head_dim
         if self.num_experts:
-            e, im, shared = self.num_experts, self.moe_intermediate_size, self.shared_expert_intermediate_size
-            mlp = 3 * c * (e * im + shared) + e * c + c
+            e, im = self.routed_experts, self.moe_intermediate_size
+            # the experts held, the shared expert, the router's [E, C] and the shared gate's [1, C]
+            mlp = 3 * c * (e * im + self.shared_expert_intermediate_size) + self.num_experts * c + c
         else:
             mlp = 3 * c * self.intermediate_size
         return 2 * c + mixer + mlp
@@ -68,8 +74,15 @@ class ModelShape:
         sizes = [self.vocab_size * c, c * self.conv_dim, c * self.intermediate_size]
         sizes.append(2 * c * self.num_attention_heads * self.head_dim)  # the query with its gate
         if self.num_experts:  # the experts' gate and up projections, one [E, 2I, C] tensor
-            sizes.append(2 * self.num_experts * self.moe_intermediate_size * c)
+            sizes.append(2 * self.routed_experts * self.moe_intermediate_size * c)
         return max(sizes)
+
+    def expert_parameters(self) -> int:
+        """Parameters of the routed experts held (every MoE layer's ``gate_up_proj`` and ``down_proj``)."""
+        if not self.num_experts:
+            return 0
+        per_layer = 3 * self.hidden_size * self.routed_experts * self.moe_intermediate_size
+        return per_layer * len(self.layer_types)
 
     def num_parameters(self) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)

@@ -79,11 +79,16 @@ def apply_tensor_parallel(model: Any, mesh: Any) -> Any:
             (torch), before :func:`~hyperpar_gdn.apply_context_parallel`.
         mesh: the 1-D TP axis: ours (``init_device_mesh(...)["tp"]``) or a torch ``DeviceMesh``.
 
-    Returns ``model``, changed in place (there is no undo: the parameters are re-made as shards).
+    Returns ``model``, changed in place (there is no undo: the parameters are re-made as shards;
+    a transformers model's hub kernels stay off, :mod:`~hyperpar_gdn.integrations.transformers.hub_kernels`).
     """
     tp_mesh = as_tp_mesh(mesh)
     _, text_model = find_decoder(model)
     plan = tensor_parallel_plan(text_model, tp_mesh.size())
+    if from_transformers(text_model):  # for good: a re-kernelization would drop the styles' forwards
+        from hyperpar_gdn.integrations.transformers.hub_kernels import pause_hub_kernels
+
+        pause_hub_kernels(model)
     parallelize_module(text_model, tp_mesh, plan)
     return model
 

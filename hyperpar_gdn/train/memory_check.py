@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from hyperpar_gdn.cli import ranks
+from hyperpar_gdn.cli import ranks as count_ranks
 from hyperpar_gdn.ops.attention.softmax import attention_path
 from hyperpar_gdn.planning.memory import (
     GIB,
@@ -107,7 +107,7 @@ def _gib(n: int) -> str:
 
 def _flags(opts: StepOptions, other: StepOptions) -> str:
     """The command-line options that turn ``opts`` into ``other``."""
-    flags = [f"--cp-size {other.cp} ({ranks(other.world_size)})"] if other.cp != opts.cp else []
+    flags = [f"--cp-size {other.cp} ({count_ranks(other.world_size)})"] if other.cp != opts.cp else []
     flags += ["--ac"] if other.ac != opts.ac else []
     flags += [f"--dtype {other.dtype}"] if other.dtype != opts.dtype else []
     return " ".join(flags)
@@ -161,7 +161,7 @@ def plan_lines(config: TrainConfig, *, platform: str) -> list[str]:
     head = f"{'term':<16}" + "".join(f"{'rank ' + str(e.rank):>14}" for e in shown)
     lines = [
         f"memory plan of {config.model_name} ({shape.num_parameters():,} parameters), T={opts.seq_len}, "
-        f"{opts.rows} row(s) per replica, {ranks(world)} = dp {world // (opts.cp * opts.tp)} x cp {opts.cp}"
+        f"{opts.rows} row(s) per replica, {count_ranks(world)} = dp {world // (opts.cp * opts.tp)} x cp {opts.cp}"
         f"{f' x tp {opts.tp}' if opts.tp > 1 else ''} "
         f"(--cp-mode {opts.cp_mode}, --cp-layout {opts.layout}), --dtype {opts.dtype}"
         f"{', --ac' if opts.ac else ''}{', --fsdp' if opts.fsdp else ''}, attention path {opts.attention}",

@@ -13,7 +13,14 @@ from hyperpar_gdn.integrations.transformers.discovery import CAUSAL_LMS
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
-__all__ = ["check_causal_lm", "dynamic_cache", "dynamic_caches", "gdn_forward_with_cache", "prefill_hidden"]
+__all__ = [
+    "check_causal_lm",
+    "dynamic_cache",
+    "dynamic_caches",
+    "gdn_forward_with_cache",
+    "prefill_hidden",
+    "store_gdn_states",
+]
 
 
 def check_causal_lm(model: Any) -> None:
@@ -52,10 +59,10 @@ def prefill_hidden(
     return text_model(**inputs).last_hidden_state
 
 
-def dynamic_cache(model: Any, text_model: Any, states: PrefillStates) -> Any:
-    """transformers' ``DynamicCache`` for ``model`` holding the recorded states, filled through
-    its own update methods as its prefill fills it."""
-    return _filled_cache(model, text_model, states)
+def dynamic_cache(model: Any, text_model: Any, states: PrefillStates, *, tokens: int) -> Any:
+    """transformers' ``DynamicCache`` for ``model`` holding the recorded states of a ``tokens``-token
+    prompt, filled through its own update methods as its prefill fills it."""
+    return _filled_cache(model, text_model, states, tokens=tokens)
 
 
 def dynamic_caches(model: Any, text_model: Any, states: PrefillStates, cu: np.ndarray) -> list[Any]:
@@ -63,16 +70,38 @@ def dynamic_caches(model: Any, text_model: Any, states: PrefillStates, cu: np.nd
     recorded a row per prompt (conv ``[N, C, W]``, S ``[N, H, K, V]``), the attention layers the K
     and V of the whole row ``[1, Hkv, T, D]``, cut at the bounds."""
     return [
-        _filled_cache(model, text_model, states, prompt=(n, int(cu[n]), int(cu[n + 1])))
+        _filled_cache(
+            model, text_model, states, tokens=int(cu[n + 1] - cu[n]), prompt=(n, int(cu[n]), int(cu[n + 1]))
+        )
         for n in range(len(cu) - 1)
     ]
 
 
+def store_gdn_states(cache: Any, i: int, conv: Tensor, s: Tensor, *, tokens: int) -> None:
+    """GDN layer ``i``'s conv state ``[B, C, W]`` and recurrent state S ``[B, H, K, V]`` after a
+    ``tokens``-token prompt into a fresh layer of ``cache`` (a ``DynamicCache``).
+
+    From transformers 5.25 a GDN layer of the cache counts its tokens (``get_seq_length``, where
+    ``generate`` takes the next position from) by the conv inputs it is handed: a state of W
+    columns would count W, so the count is set to ``tokens``. Older releases count the attention
+    layers' keys only."""
+    cache.update_conv_state(conv, i, conv_kernel_size=conv.shape[-1])
+    cache.update_recurrent_state(s, i)
+    count = getattr(cache.layers[i], "cumulative_length_linear", None)
+    if count is not None:
+        count.fill_(tokens)
+
+
 def _filled_cache(
-    model: Any, text_model: Any, states: PrefillStates, *, prompt: tuple[int, int, int] | None = None
+    model: Any,
+    text_model: Any,
+    states: PrefillStates,
+    *,
+    tokens: int,
+    prompt: tuple[int, int, int] | None = None,
 ) -> Any:
-    """A ``DynamicCache`` holding the recorded states: all of them, or with ``prompt`` = (n,
-    start, stop) the GDN states of row n and the attention K/V of tokens [start, stop)."""
+    """A ``DynamicCache`` holding the recorded states of ``tokens`` tokens: all of them, or with
+    ``prompt`` = (n, start, stop) the GDN states of row n and the attention K/V of tokens [start, stop)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -82,8 +111,7 @@ def _filled_cache(
             conv, s = states.gdn[id(module)]
             if prompt is not None:
                 conv, s = conv[prompt[0] : prompt[0] + 1], s[prompt[0] : prompt[0] + 1]
-            cache.update_conv_state(conv.to(module.conv1d.weight.dtype), i, conv_kernel_size=conv.shape[-1])
-            cache.update_recurrent_state(s, i)
+            store_gdn_states(cache, i, conv.to(module.conv1d.weight.dtype), s, tokens=tokens)
         else:
             k, v = states.kv[id(module)]
             if prompt is not None:
@@ -113,8 +141,7 @@ def gdn_forward_with_cache(
         states = PrefillStates()
         y = layer_forward(module, hidden_states, attention_mask, cu_seqlens=cu_seqlens, prefill_states=states)
         conv, s = states.gdn[id(module)]
-        cache.update_conv_state(conv.to(hidden_states.dtype), i, conv_kernel_size=conv.shape[-1])
-        cache.update_recurrent_state(s, i)
+        store_gdn_states(cache, i, conv.to(hidden_states.dtype), s, tokens=t)
         return y
     if t != 1 or cu_seqlens is not None:
         raise NotImplementedError(
@@ -134,4 +161,7 @@ def gdn_forward_with_cache(
     )
     conv.copy_(new_conv)
     cache.update_recurrent_state(s, i)
+    count = getattr(cache.layers[i], "cumulative_length_linear", None)  # transformers >= 5.25: one token more
+    if count is not None:
+        count.add_(1)
     return y

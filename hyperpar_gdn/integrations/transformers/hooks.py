@@ -15,6 +15,10 @@ A transformers text model also gets a forward pre-hook that makes its inputs rig
   and carried in it as host arrays, so no layer copies a device tensor to the host;
 - ``use_cache`` defaults to False; a cache is refused.
 
+transformers' hub kernels are off while the hooks are installed (:mod:`.hub_kernels`: a
+re-kernelization at ``train()``/``eval()`` would drop the styles' forwards); removing the hooks
+turns them on again.
+
 On a causal LM (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) a pre-hook builds that layout
 once for the whole forward and hands it to the text model's hook; its ``labels`` are this rank's
 shifted labels (``shard.labels``), passed to transformers' loss as ``shift_labels`` with
@@ -35,11 +39,13 @@ from hyperpar_gdn.distributed.layout import TokenLayout, layout_mismatch
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import refuse_unhandled
 from hyperpar_gdn.distributed.sequence import GlobalSequence, exchange_lengths, gather_pieces
+from hyperpar_gdn.integrations.transformers.hub_kernels import pause_hub_kernels, resume_hub_kernels
 from hyperpar_gdn.ops.gdn.varlen import check_cu_seqlens
 
 __all__ = ["install_hooks", "remove_hooks"]
 
 _HOOKS = "_hyperpar_cp_hooks"
+_PAUSED_KERNELS = "_hyperpar_paused_hub_kernels"  # the models whose hub kernels install_hooks turned off
 _LOSS_KEYWORDS = ("shift_labels", "num_items_in_batch", "ignore_index")
 
 
@@ -49,6 +55,8 @@ def install_hooks(model: Any, outer: Any, text_model: Any, mesh: DeviceMesh, lay
     _check_transformers_config(text_model.config)
     if getattr(text_model, _HOOKS, None) is not None:
         raise ValueError(f"{type(model).__name__} already has context parallelism applied; undo it first")
+    # before the styles install their forwards, which a re-kernelization would drop
+    setattr(text_model, _PAUSED_KERNELS, pause_hub_kernels(model))
     slot: dict[str, Any] = {}  # what the causal LM's hook hands to the inner models' hooks
     hooks = [
         text_model.register_forward_pre_hook(
@@ -72,6 +80,7 @@ def remove_hooks(text_model: Any) -> bool:
     for handle in getattr(text_model, _HOOKS) or ():
         handle.remove()
     delattr(text_model, _HOOKS)
+    resume_hub_kernels(text_model.__dict__.pop(_PAUSED_KERNELS, []))
     return True
 
 

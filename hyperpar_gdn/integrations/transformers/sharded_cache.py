@@ -14,6 +14,7 @@ from typing import Any
 
 from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
 from hyperpar_gdn.distributed.parallel_style import from_transformers
+from hyperpar_gdn.integrations.transformers.cache import store_gdn_states
 from hyperpar_gdn.platform import Tensor
 
 __all__ = ["cut_cache", "is_causal_lm", "step"]
@@ -41,9 +42,7 @@ def cut_cache(
         kind, _ = mixer_of(i, block)
         layer = cache.layers[i]
         if kind == "linear_attn":
-            conv = layer.conv_states[0]
-            gdn.update_conv_state(conv, i, conv_kernel_size=conv.shape[-1])
-            gdn.update_recurrent_state(layer.recurrent_states[0], i)
+            store_gdn_states(gdn, i, layer.conv_states[0], layer.recurrent_states[0], tokens=length)
         else:
             check_cached_tokens(i, layer.keys.shape[2], length)
             keys[i] = layer.keys[:, :, start:stop].clone()

@@ -284,6 +284,15 @@ def _check_args(args: Any) -> None:
                 f"TrainingArguments {field}={value!r} is not supported under context parallelism "
                 f"({why}); set {field}={needed[0] if isinstance(needed, tuple) else needed!r}"
             )
+    fsdp_config = getattr(args, "fsdp_config", None)
+    fsdp_config = fsdp_config if isinstance(fsdp_config, dict) else {}
+    version = fsdp_config.get("fsdp_version", fsdp_config.get("version"))
+    if getattr(args, "fsdp", None) and str(version) == "2":
+        raise NotImplementedError(
+            f"TrainingArguments fsdp={args.fsdp!r} with fsdp_version=2 is not supported under context "
+            "parallelism (accelerate's FSDP2 beside the CP loss is untested, and on the CPU accelerate runs "
+            "DDP in its place); leave fsdp unset (DDP over the processes) or train with scripts/train.py --fsdp"
+        )
     config = getattr(args, "parallelism_config", None)
     if config is not None:
         sizes = {name: getattr(config, name, 1) or 1 for name in ("cp_size", "sp_size", "tp_size")}

@@ -39,11 +39,16 @@ def test_setup_reads_dp_and_the_default_layout() -> None:
         (SimpleNamespace(label_smoothing_factor=0.1), {}, "label_smoothing_factor=0.1"),
         (SimpleNamespace(average_tokens_across_devices=False), {}, "average_tokens_across_devices=False"),
         (SimpleNamespace(train_sampling_strategy="batch_rebalance"), {}, "batch_rebalance"),
+        (
+            SimpleNamespace(fsdp="full_shard", fsdp_config={"fsdp_version": 2}),
+            {},
+            "fsdp='full_shard' with fsdp_version=2 is not supported",
+        ),
         (None, {"cp_mode": "ring"}, "cp_mode='ring' is not a context-parallel mode"),
         (None, {"cp_layout": "zigzag"}, "layout='zigzag' is not a token layout"),
         (None, {"cp_size": 0}, "cp_size=0 must be a positive int"),
     ],
-    ids=["loss_type", "liger", "smoothing", "average_tokens", "rebalance", "mode", "layout", "cp0"],
+    ids=["loss_type", "liger", "smoothing", "average_tokens", "rebalance", "fsdp2", "mode", "layout", "cp0"],
 )
 def test_unsupported_options_are_one_line(args: object, options: dict, fragment: str) -> None:
     with pytest.raises((ValueError, NotImplementedError)) as error:

@@ -210,8 +210,6 @@ def main(argv: list[str] | None = None) -> None:
         kind, mode, layout, dtype, rank, *inner = text.split(":")
         cases.append(dict(kind=kind, mode=mode, layout=layout, dtype=dtype, rank=int(rank),
                           inner_size=int(inner[0]) if inner else None))  # fmt: skip
-    import transformers  # noqa: F401 (imported before the fake tensors: a model built under them is plain)
-
     results: list[dict] = []
     for rank in sorted({c["rank"] for c in cases}):
         from torch.testing._internal.distributed.fake_pg import FakeStore

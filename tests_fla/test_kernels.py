@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from oracles import rel_err
@@ -106,3 +107,51 @@ def test_model_decode_steps_on_fla_equal_ours() -> None:
         token = out["native"].argmax(-1, keepdim=True)
     gdn_layers = sum(block.layer_type == "linear_attention" for block in model.layers)
     assert FLA_CALLS == {"recurrent": 3 * gdn_layers}
+
+
+class _Exchange:
+    """One shard alone: no state enters it (S_in = 0) and none leaves it (dS_out = 0)."""
+
+    def forward(self, s_ext: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        return torch.zeros_like(s_ext)
+
+    def backward(self, ds_in: torch.Tensor | None) -> torch.Tensor:
+        raise AssertionError("forward only")
+
+
+def test_state_mode_calls_run_flas_triton_kernel_past_its_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend registered with fla (as FlashQLA is on Hopper) is asked about every dispatched call:
+    a whole sequence's call reaches it, a state mode's plain and widened shard calls do not (they
+    run fla's Triton kernel on every rank of a chain)."""
+    from fla.backends import BaseBackend, register
+
+    from hyperpar_gdn.ops.gdn import fla_kernel
+
+    widths: list[int] = []
+
+    class Recording(BaseBackend):  # declines every call after noting its value width
+        backend_type = "hp_recording"
+        env_var = "HP_RECORDING_BACKEND"
+        default_enable = False  # off outside this test
+        priority = 0
+
+        def chunk_gated_delta_rule_verifier(self, q, k, v, *args, **kwargs):
+            widths.append(v.shape[-1])
+            return False, "recording only"
+
+    register("gated_delta_rule")(Recording)
+    monkeypatch.setenv("HP_RECORDING_BACKEND", "1")
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 64, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(1, 64, 4, 16, generator=gen)
+    g = -torch.rand(1, 64, 4, generator=gen)
+    beta = torch.rand(1, 64, 4, generator=gen)
+    with torch.no_grad():
+        fla_kernel.plain_call(q, k, v, g, beta)
+        assert widths == [16]
+        for widened in (False, True):
+            fla_kernel.shard_call(q, k, v, g, beta, _Exchange(), widened=widened)
+            fla_kernel.shard_call(
+                q, k, v, g, beta, _Exchange(), widened=widened, doc_starts=np.arange(64) % 40 == 0
+            )
+    assert widths == [16], widths

@@ -19,12 +19,19 @@ row's summary is the final state of its last piece.
 States and summaries are fp32; q, k, v, beta keep their dtype (bf16 as fla takes it), g is fp32.
 fla's ``cu_seqlens_cpu`` is given beside ``cu_seqlens`` so that fla reads the bounds from the host.
 
+A state mode's calls (plain and widened, on every rank of a chain) run fla's Triton kernel itself,
+past fla's backend dispatch: a backend that serves only some widths (FlashQLA: V = 128 on
+Hopper/Blackwell) would take the plain calls and leave the widened ones (V + K columns) to Triton,
+so the ranks of one chain would run different kernels. Whole sequences (:func:`plain_call`) take
+whatever backend fla dispatches to.
+
 Legend: R rows (batch or fragments), T tokens per row, Hk q/k heads, H value heads, K/V head dims,
 P pieces.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from typing import Any
 
@@ -39,10 +46,14 @@ from hyperpar_gdn.platform import Tensor, ops_for
 FLA_CALLS: Counter[str] = Counter()
 
 
-def _fla():
+def _fla(*, dispatched: bool = True):
+    """fla's chunk and fused recurrent functions. ``dispatched=False``: the chunk function past
+    fla's backend dispatch, i.e. its Triton kernel whatever other backend is installed (a state
+    mode's calls, :func:`shard_call`)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    chunk = chunk_gated_delta_rule if dispatched else inspect.unwrap(chunk_gated_delta_rule)
+    return chunk, fused_recurrent_gated_delta_rule
 
 
 def _bounds(cu_seqlens: Any, like: Tensor) -> dict[str, Any]:
@@ -61,8 +72,20 @@ def _bounds(cu_seqlens: Any, like: Tensor) -> dict[str, Any]:
     }
 
 
-def _call(kind: str, q, k, v, g, beta, *, cu_seqlens: Any = None, initial_state=None, final_state=False):
-    chunk, _ = _fla()
+def _call(
+    kind: str,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    dispatched: bool,
+    cu_seqlens: Any = None,
+    initial_state=None,
+    final_state=False,
+):
+    chunk, _ = _fla(dispatched=dispatched)
     FLA_CALLS[kind] += 1
     xp = ops_for(q)
     if initial_state is not None:
@@ -94,7 +117,16 @@ def plain_call(
     """fla's chunk kernel: q, k ``[B, T, Hk, K]``, v ``[B, T, H, V]``, g, beta ``[B, T, H]`` ->
     (o ``[B, T, H, V]``, the final state(s) ``[B or N, H, K, V]`` fp32 or None)."""
     o, s = _call(
-        "chunk", q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, final_state=final_state
+        "chunk",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        dispatched=True,
+        cu_seqlens=cu_seqlens,
+        initial_state=initial_state,
+        final_state=final_state,
     )
     return o, (s if final_state else None)
 
@@ -205,7 +237,15 @@ def shard_call(
     if doc_starts is None:
         initial = None if entry is None else entry + xp.zeros((rows, h, dk, width), like=entry)
         o_wide, final = _call(
-            "widened" if widened else "chunk", q, k, values, g, beta, initial_state=initial, final_state=True
+            "widened" if widened else "chunk",
+            q,
+            k,
+            values,
+            g,
+            beta,
+            dispatched=False,
+            initial_state=initial,
+            final_state=True,
         )
     else:
         cu, entered, last = _pieces(doc_starts, rows, seq_len, widened)
@@ -218,6 +258,7 @@ def shard_call(
         o_wide, finals = _call(
             "widened" if widened else "chunk",
             *(packed(x) for x in (q, k, values, g, beta)),
+            dispatched=False,
             cu_seqlens=cu,
             initial_state=initial,
             final_state=True,

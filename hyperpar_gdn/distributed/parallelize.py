@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 from hyperpar_gdn.distributed.agreement import agree_on_plan, first
+from hyperpar_gdn.distributed.cp.ulysses_hidden import ulysses_hidden_error
 from hyperpar_gdn.distributed.decoder_layers import (
     adapter_for,
     base_model_of,
@@ -202,6 +203,8 @@ def resolve_plan(
     if not gdn:
         raise ValueError(f"{type(model).__name__} has no GDN layers: there is no mode to choose")
     figures = {} if devices_per_node is None else {"devices_per_node": devices_per_node}
+    # a mode the layers would refuse (ulysses_hidden over a wrapped projection) is not a choice
+    refused = any(ulysses_hidden_error(m, "linear_attn") is not None for m in gdn)
     plan = choose_plan(
         LayerDims.of(gdn[0]),  # every GDN layer of a model has the same shape
         ranks=list(cp_mesh.rank_list),
@@ -213,6 +216,7 @@ def resolve_plan(
         chunk_size=chunk_size,
         kernel=kernel,
         num_experts=int(getattr(getattr(text_model, "config", None), "num_experts", 0) or 0),
+        leave_out=("ulysses_hidden",) if refused else (),
         **figures,
     )
     logger.info("apply_context_parallel(mode='auto'): %s", plan.reason)

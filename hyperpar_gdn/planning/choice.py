@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from hyperpar_gdn.ops.gdn.layer import LayerDims
 from hyperpar_gdn.planning.cost_model import MACHINES
-from hyperpar_gdn.planning.plan import CPPlan
+from hyperpar_gdn.planning.plan import MODES, TWO_LEVEL_MODES, CPPlan
 from hyperpar_gdn.planning.ranking import Ranking, plan_context_parallel
 
 __all__ = ["choose_plan", "rank_for_layer", "two_level_inner_size"]
@@ -40,13 +40,15 @@ def rank_for_layer(
     dtype: str = "bfloat16",
     inner_size: int | None = None,
     num_experts: int = 0,
+    leave_out: Sequence[str] = (),
     **machine: float,
 ) -> Ranking:
     """:func:`~.ranking.plan_context_parallel` for a GDN layer of ``dims`` (one TP rank's share
     when ``dims.tp`` > 1: the layer is priced at its tp) over the CP group of global ``ranks`` on
     the ``device`` machine (a :data:`~.cost_model.MACHINES` key; ``machine``: its figures
     overridden). Without ``inner_size`` the two-level modes are ranked when the group spans nodes
-    (:func:`two_level_inner_size`; ``devices_per_node`` else the machine's)."""
+    (:func:`two_level_inner_size`; ``devices_per_node`` else the machine's). ``leave_out``: modes
+    the caller cannot run on this layer (ulysses_hidden over wrapped projections), not ranked."""
     if device not in MACHINES:
         raise ValueError(f"rank_for_layer: device={device!r}; choose one of {', '.join(MACHINES)}")
     tp, cp = dims.tp, len(ranks)
@@ -68,6 +70,7 @@ def rank_for_layer(
         inner_size=inner_size,
         tp=tp,
         num_experts=num_experts if tp > 1 else 0,
+        modes=[m for m in MODES + (TWO_LEVEL_MODES if inner_size else ()) if m not in leave_out],
         **machine,
     )
 
@@ -84,6 +87,7 @@ def choose_plan(
     chunk_size: int = 64,
     kernel: str = "auto",
     num_experts: int = 0,
+    leave_out: Sequence[str] = (),
     **machine: float,
 ) -> CPPlan:
     """The :class:`~.plan.CPPlan` that ``mode="auto"`` runs: :func:`rank_for_layer`'s fastest
@@ -106,6 +110,7 @@ def choose_plan(
         dtype=dtype,
         inner_size=inner_size,
         num_experts=num_experts,
+        leave_out=leave_out,
         **machine,
     )
     return CPPlan(

@@ -65,3 +65,16 @@ def test_a_tp_rank_is_priced_at_the_layers_heads() -> None:
     assert ranked == direct
     with pytest.raises(ValueError, match="device='tpu'; choose one of"):
         rank_for_layer(QWEN27B, ranks=range(4), device="tpu", seq_len=T)
+
+
+def test_a_mode_left_out_is_not_ranked() -> None:
+    """A caller that cannot run a mode on its layer leaves it out: the next fastest is chosen."""
+    narrow = LayerDims(
+        hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32, conv_kernel_size=4,
+        norm_eps=1e-6,
+    )  # fmt: skip
+    common = {"ranks": [0, 1], "device": "cpu", "seq_len": 4096}
+    assert choose_plan(narrow, **common).mode == "ulysses_hidden"
+    ranked = rank_for_layer(narrow, **common, leave_out=("ulysses_hidden",))
+    assert "ulysses_hidden" not in [c.mode for c in ranked.ranking]
+    assert choose_plan(narrow, **common, leave_out=("ulysses_hidden",)).mode == ranked.choice == "ulysses"

@@ -1,14 +1,15 @@
 """CI: README.md's shell commands, each from a new shell, in the README's order.
 
 README.md's first ```bash block is the set-up, ``python3 -m venv .venv && .venv/bin/pip install -e
-'.[extras]'``; every other block is one command line that starts with ``. .venv/bin/activate && ``
+'.[extras]'``, then ``&& . .venv/bin/activate && `` and the first run; every other block is one command line that starts with ``. .venv/bin/activate && ``
 (or makes its own environment), so that it runs from a new shell in the repository's root. Each
 block runs under ``env -i`` (HOME, the system PATH, LANG and the ``--env`` variables only) with
 ``bash -c`` and a deadline. Cheap where it can be:
 
-- the set-up is skipped when ``--venv`` already satisfies every requirement of its extras (CI's
-  ``.venv``, which .ci/run made from '.[test,mindspore]'): a second ``pip install -e`` would only
-  rebuild the editable wheel to install nothing. Otherwise it runs, installing into ``.venv``;
+- the set-up's install is skipped when ``--venv`` already satisfies every requirement of its extras
+  (CI's ``.venv``, which .ci/run made from '.[test,mindspore]'): a second ``pip install -e`` would
+  only rebuild the editable wheel to install nothing. Otherwise it runs, installing into ``.venv``;
+  the first run follows either way;
 - ``. .venv/bin/activate`` activates ``--venv`` (the same environment by default);
 - skipped, with the reason printed: the test-suite block (.ci/run runs the whole suite itself) and
   the MindSpore-only block (.ci/mindspore_only runs the same step in a fresh environment without
@@ -38,7 +39,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETUP = re.compile(r"^python3 -m venv \.venv && \.venv/bin/pip install -e '\.\[(?P<extras>[\w,]+)\]'$")
+SETUP = re.compile(
+    r"^python3 -m venv \.venv && \.venv/bin/pip install -e '\.\[(?P<extras>[\w,]+)\]'"
+    r" && \. \.venv/bin/activate && (?P<run>.+)$"
+)
 ACTIVATE = ". .venv/bin/activate && "
 SKIPPED = {
     "python -m pytest": "the test suite: .ci/run runs the whole of it (--full)",
@@ -106,11 +110,15 @@ def run(block: str, venv: Path, env: dict[str, str], timeout: float) -> bool:
     command = block
     if match:
         why_not = satisfied(venv, match["extras"])
+        run_first = f". {venv}/bin/activate && {match['run']}"
         if why_not is None:
-            print(f"== {block}\n   skipped: '.[{match['extras']}]' already satisfied by {venv}")
-            return True
-        print(f"== {block}\n   (installing: {why_not})")
-        command = f"python3 -m venv {venv} && {venv}/bin/pip install -e '.[{match['extras']}]'"
+            print(f"== {block}\n   (install skipped: '.[{match['extras']}]' already satisfied by {venv})")
+            command = run_first
+        else:
+            print(f"== {block}\n   (installing: {why_not})")
+            command = (
+                f"python3 -m venv {venv} && {venv}/bin/pip install -e '.[{match['extras']}]' && {run_first}"
+            )
     elif block.startswith(ACTIVATE):
         command = f". {venv}/bin/activate && {block[len(ACTIVATE) :]}"
         print(f"== {block}")

@@ -210,7 +210,7 @@ def test_readme_first_command_runs_the_embedded_default() -> None:
     commands = [line for line in lines if line and not line.startswith("#")]
     assert commands, "README.md has no command block"
     assert "pip install" in commands[0] and "pip install" not in commands[1], commands[:2]  # one set-up
-    launch = shlex.split(commands[1].split("&&")[-1])  # the first run, after activating the set-up
+    launch = shlex.split(commands[0].split("&&")[-1])  # the first run, after the set-up and its activation
     while launch and re.fullmatch(r"[A-Z_]+=\S*", launch[0]):  # environment assignments
         launch.pop(0)
     assert launch == ["torchrun", "--nproc-per-node", "2", "scripts/train.py"], commands[0]

@@ -281,7 +281,7 @@ class LinearAttentionContextParallel(ParallelStyle):
             seq = GlobalSequence.build(lengths, rank=cp.rank, layout=self.layout, cu_seqlens=cu_seqlens)
         elif error is not None:  # the model checked its input on every rank: this rank's own error
             raise ValueError(error)
-        with forward_constants(seq.device_constants):  # the packed documents' masks: once per forward
+        with forward_constants(seq.memo.device_constants):  # the packed documents' masks: once per forward
             lengths, tokens = list(seq.lengths), seq.token_layout()
             if self._levels_by_ranks:
                 return wrap(self._two_level(cp, call, x, attention_mask, lengths, seq.doc_starts, states))

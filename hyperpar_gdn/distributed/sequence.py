@@ -35,6 +35,19 @@ from hyperpar_gdn.ops.gdn.varlen import check_cu_seqlens
 from hyperpar_gdn.platform import Tensor, ops_for
 
 
+class ForwardMemo:
+    """What the layers of one forward compute once and share: ``shard_docs`` (the documents as the
+    GDN layers' convs see them) and ``device_constants`` (the device tensors built from them: masks,
+    fla's bounds; :func:`~hyperpar_gdn.ops.gdn.varlen.forward_constants`). A plain object, neither
+    a dataclass nor a container: a wrapper that rebuilds the context per module to cast its
+    tensors (FSDP2's mixed precision does, with ``dataclasses.replace``) copies the reference, so
+    the layers still share one memo."""
+
+    def __init__(self) -> None:
+        self.shard_docs: dict[tuple[int, bool], tuple[ShardDocs, ...]] = {}
+        self.device_constants: dict = {}
+
+
 @dataclass(frozen=True)
 class GlobalSequence:
     """The whole sequence as rank ``rank`` of the CP group sees it in one forward. Build one with
@@ -64,13 +77,8 @@ class GlobalSequence:
     cu_seqlens: np.ndarray | None = None
     doc_starts: np.ndarray | None = None
     layout: str = "contiguous"
-    # The documents as the GDN layers' convs see them, computed by the first layer that asks.
-    _shard_docs: dict[tuple[int, bool], tuple[ShardDocs, ...]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    # The device tensors its layers build from the documents (masks, fla's bounds), made by the
-    # first layer that needs each (ops.gdn.varlen.forward_constants).
-    device_constants: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # What the first layer that needs it computes for the others: see ForwardMemo.
+    memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -129,15 +137,15 @@ class GlobalSequence:
         if self.doc_starts is None:
             return None
         key = (width, by_fragment)
-        if key not in self._shard_docs:
+        if key not in self.memo.shard_docs:
             starts, r = self.doc_starts, self.rank
             spans = (
                 [(f.start, f.length) for f in self.token_layout().mine(r)]
                 if by_fragment
                 else [(self.offset(r), self.lengths[r])]
             )
-            self._shard_docs[key] = tuple(ShardDocs.of_segment(starts, a, t, width) for a, t in spans)
-        return self._shard_docs[key]
+            self.memo.shard_docs[key] = tuple(ShardDocs.of_segment(starts, a, t, width) for a, t in spans)
+        return self.memo.shard_docs[key]
 
 
 def check_context(

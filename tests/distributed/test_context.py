@@ -112,3 +112,18 @@ def test_the_context_is_passed_explicitly() -> None:
         # transformers' GDN layer computes its gates in float32 (~1e-8 here); a document boundary
         # read from the forward before would change the rows by far more
         assert all(err < 1e-6 for _, err in out["alone"]), out["alone"]
+
+
+def test_a_context_rebuilt_to_cast_its_tensors_shares_its_memo() -> None:
+    """FSDP2's mixed precision rebuilds a dataclass argument with ``dataclasses.replace`` to cast its
+    tensors before each wrapped block: the copy must build, cast, and share the forward's memo (the
+    documents cut once, the device masks copied once)."""
+    import dataclasses
+
+    seq = GlobalSequence.build(
+        [6, 6], rank=1, cu_seqlens=[0, 5, 12], key_mask=torch.ones(1, 12), host_key_mask=torch.ones(1, 12)
+    )
+    cast = dataclasses.replace(seq, key_mask=seq.key_mask.to(torch.bfloat16))
+    docs = cast.shard_docs(4, by_fragment=False)
+    assert cast.key_mask.dtype == torch.bfloat16 and seq.memo is cast.memo
+    assert seq.shard_docs(4, by_fragment=False) is docs

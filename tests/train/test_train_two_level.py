@@ -28,7 +28,9 @@ def test_two_level_head_tail_trains_as_one_process(tmp_path: Path) -> None:
         timeout=220,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "dp 1 x cp 4 (--cp-mode ulysses+p2p, --cp-layout head_tail)" in done.stdout, done.stdout
+    assert "dp 1 x cp 4 (--cp-mode ulysses+p2p, --cp-inner-size 2, --cp-layout head_tail)" in done.stdout, (
+        done.stdout
+    )
     assert "[rank 0] parity OK" in done.stdout, done.stdout
     metrics = json.loads(metrics_path.read_text())
     assert len(metrics["losses"]) == 3 and metrics["world_size"] == 4

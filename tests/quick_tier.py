@@ -27,6 +27,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_a_tp_rank_is_priced_on_its_heads",
         "test_the_split_ranking_follows_its_terms",
     ),
+    "tests/distributed/test_context.py": ("test_a_context_rebuilt_to_cast_its_tensors_shares_its_memo",),
     "tests/distributed/test_dtensor.py": ("test_placement_checks",),
     "tests/distributed/test_layout.py": (
         "test_head_tail_gives_rank_r_pieces_r_and_2cp_minus_1_minus_r",
@@ -51,11 +52,13 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_replay_finds_a_ring_of_lone_sends_deadlocked",
         "test_replay_counts_a_chain_hop_by_hop_and_checks_shapes",
     ),
+    "tests/distributed/test_resolve_plan.py": ("test_auto_leaves_out_a_mode_the_layers_refuse",),
     "tests/planning/test_choice.py": (
         "test_the_plan_is_the_rankings_first_with_the_callers_options",
         "test_devices_per_node_is_passed_in_not_read_from_the_environment",
         "test_two_levels_need_a_block_of_consecutive_ranks",
         "test_a_tp_rank_is_priced_at_the_layers_heads",
+        "test_a_mode_left_out_is_not_ranked",
     ),
     "tests/planning/test_tp_rules.py": (
         "test_a_torch_shard_of_the_grouped_rows_is_the_ranks_heads",

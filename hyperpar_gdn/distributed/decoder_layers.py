@@ -39,14 +39,23 @@ __all__ = [
 ]
 
 
-def adapter_for(model: Any) -> ModelAdapter:
-    """The adapter serving ``model``; a ValueError naming each adapter's reason when none does."""
+def _first_serving(declines: Any) -> tuple[ModelAdapter | None, list[str]]:
+    """The first registered adapter that ``declines(cls)`` does not refuse (None if every one does),
+    and the reasons of those asked before it ("name: why")."""
     reasons = []
     for cls in ADAPTERS:
-        why = cls.declines(model)
+        why = declines(cls)
         if why is None:
-            return cls()
+            return cls(), reasons
         reasons.append(f"{cls.name}: {why}")
+    return None, reasons
+
+
+def adapter_for(model: Any) -> ModelAdapter:
+    """The adapter serving ``model``; a ValueError naming each adapter's reason when none does."""
+    adapter, reasons = _first_serving(lambda cls: cls.declines(model))
+    if adapter is not None:
+        return adapter
     raise ValueError(
         f"{type(model).__name__} has no decoder layers to parallelize: expected HybridLM or transformers' "
         "Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, their text models, or "
@@ -56,12 +65,9 @@ def adapter_for(model: Any) -> ModelAdapter:
 
 def layer_adapter_for(module: Any) -> ModelAdapter:
     """The adapter serving the softmax-attention layer ``module``; a TypeError when none does."""
-    reasons = []
-    for cls in ADAPTERS:
-        why = cls.declines_layer(module)
-        if why is None:
-            return cls()
-        reasons.append(f"{cls.name}: {why}")
+    adapter, reasons = _first_serving(lambda cls: cls.declines_layer(module))
+    if adapter is not None:
+        return adapter
     raise TypeError(
         f"{type(module).__name__}: SoftmaxAttentionContextParallel supports "
         "hyperpar_gdn.models.attention.CausalSelfAttention and transformers' Qwen3.5 attention "

@@ -16,7 +16,8 @@ the model and trainer_state.json (every logged loss).
 
 Compared with a plain SFTTrainer script, three things are new: the mixin class, cp_size (and
 optionally cp_mode / cp_layout / cp_inner_size / cp_seq_len) in its constructor, and
-pad_to_multiple_of so every packed row splits evenly over the ranks.
+pad_to_multiple_of so every packed row splits evenly over the ranks. (The process group is
+closed at the end, as every torch.distributed script should.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import statistics
 import tempfile
 
 import datasets
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 from trl import SFTConfig, SFTTrainer
@@ -100,6 +102,10 @@ def main() -> None:
         if options.output_dir:
             trainer.save_model()  # a normal model directory, written by rank 0
             trainer.save_state()  # trainer_state.json: the logged losses
+    if dist.is_initialized():
+        # the Trainer started the process group and leaves it open: close it while Python is
+        # whole, or gloo's worker threads can abort the process on its way out
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

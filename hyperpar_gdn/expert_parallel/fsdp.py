@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from hyperpar_gdn.expert_parallel.grads import EXPERT_MESH_AXES, expert_mesh_shape
-from hyperpar_gdn.expert_parallel.style import EP_RECORD
+from hyperpar_gdn.expert_parallel.style import EP_RECORD, EXPERT_PARAMS
 
 __all__ = ["expert_torch_mesh", "fully_shard_experts"]
 
@@ -44,11 +44,32 @@ def fully_shard_experts(
     """``fully_shard`` every expert-parallel MoE block's experts of ``model`` over ``replicas``
     (``expert_torch_mesh(...)["ep_replica"]``, whose ``ep`` axis the experts are split over),
     gradients summed over it and divided by ``dp``. ``mp_policy``: FSDP's mixed precision (the
-    same as the rest of the model's). Returns how many blocks' experts it sharded."""
+    same as the rest of the model's). Returns how many blocks' experts it sharded.
+
+    Each rank's ``E / ep`` experts are cut over the replicas by expert (dim 0) when the replicas
+    divide them, else along dim 1 (``2I`` of ``gate_up_proj``, ``C`` of ``down_proj``) when the
+    replicas divide those; anything else is one ``ValueError`` before any block changes."""
     blocks = [m for m in model.modules() if getattr(m, EP_RECORD, None) is not None]
+    n = replicas.size()
+    placements = {}
+    for block in blocks:  # every block checked before any changes
+        local = {name: getattr(block.experts, name).to_local().shape for name in EXPERT_PARAMS}
+        if all(shape[0] % n == 0 for shape in local.values()):
+            placements[block] = Shard(0)
+        elif all(shape[1] % n == 0 for shape in local.values()):
+            placements[block] = Shard(1)
+        else:
+            sizes = ", ".join(f"{name} {list(shape)}" for name, shape in sorted(local.items()))
+            raise ValueError(
+                f"FSDP over {n} expert replicas: this rank's experts ({sizes}) divide by {n} neither by "
+                "expert (dim 0) nor along dim 1"
+            )
     options = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in blocks:
-        experts = fully_shard(block.experts, mesh=replicas, shard_placement_fn=lambda _: Shard(1), **options)
+        cut = placements[block]
+        experts = fully_shard(block.experts, mesh=replicas, shard_placement_fn=lambda _, p=cut: p, **options)
         experts.set_gradient_divide_factor(float(dp))
-        experts.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+        # gloo has no pre-multiplied sum: sum, then divide; on one replica FSDP divides while it
+        # copies (and would divide a second time after a forced sum)
+        experts.set_force_sum_reduction_for_comms(n > 1)
     return len(blocks)

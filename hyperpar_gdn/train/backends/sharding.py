@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
 from hyperpar_gdn.expert_parallel.fsdp import fully_shard_experts
@@ -74,13 +74,10 @@ def apply_fsdp(
     options = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     if expert_replicas is not None:
         fully_shard_experts(model, expert_replicas, dp=dp, mp_policy=policy)
-    for layer in text_model_of(model).layers:
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(float(dp))
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    for module in (*text_model_of(model).layers, model):
+        fully_shard(module, **options)
+        module.set_gradient_divide_factor(float(dp))
+        module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
 
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, Any]:

@@ -68,8 +68,10 @@ def fully_shard_experts(
     for block in blocks:
         cut = placements[block]
         experts = fully_shard(block.experts, mesh=replicas, shard_placement_fn=lambda _, p=cut: p, **options)
-        experts.set_gradient_divide_factor(float(dp))
-        # gloo has no pre-multiplied sum: sum, then divide; on one replica FSDP divides while it
-        # copies (and would divide a second time after a forced sum)
-        experts.set_force_sum_reduction_for_comms(n > 1)
+        # summed over the replicas, then divided by dp in the hook that runs on the sum: FSDP's own
+        # divide factor would divide twice on a one-rank mesh (torch 2.13), and gloo has no
+        # pre-multiplied sum
+        experts.set_gradient_divide_factor(1.0)
+        experts.set_force_sum_reduction_for_comms(True)
+        experts.set_all_reduce_hook(lambda summed: summed.div_(dp))
     return len(blocks)

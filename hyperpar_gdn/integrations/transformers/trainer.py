@@ -184,7 +184,7 @@ class ContextParallelMixin:
             option = f"tp_size={setup.tp}" if setup.tp > 1 else f"ep_size={setup.ep}"
             error = NotImplementedError(
                 f"resume_from_checkpoint={resume!r} with {option}: a checkpoint holds rank "
-                "0's optimizer shard only; resume without tensor parallelism or train from the saved model"
+                "0's optimizer shard only; resume without tensor or expert parallelism or train from the saved model"
             )
             one_line_if_uncaught(error, name=type(self).__name__)
             raise error

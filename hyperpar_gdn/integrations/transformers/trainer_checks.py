@@ -155,7 +155,8 @@ def check_trainer_setup(
     if tp_size > 1:
         from hyperpar_gdn.tensor_parallel import tensor_parallel_plan
 
-        tensor_parallel_plan(find_decoder(model)[1], tp_size)  # ValueError naming the layer; no change
+        # ValueError naming the layer; no change (expert-parallel MoE blocks stay whole over tp)
+        tensor_parallel_plan(find_decoder(model)[1], tp_size, moe_expert_parallel=ep_size > 1)
     two_level = cp_inner_size is not None or "+" in cp_mode
     layout = cp_layout or ("head_tail" if "self_attn" in kinds and not two_level else "contiguous")
     plan = None

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from distributed_harness import run_ranks
 from test_transformers_trainer import STEPS, TOL, _args, _examples, _padded, _rel
-from tiny_models import tiny_model
+from tiny_models import tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,3 +103,10 @@ def test_ep_size_refused_in_one_line() -> None:
     assert (setup.dp, setup.cp, setup.ep, setup.router_coef) == (2, 2, 4, 0.0)
     setup = check_trainer_setup(model, None, world=8, cp_size=2, tp_size=2, ep_size=4, **common)
     assert (setup.dp, setup.cp, setup.tp, setup.ep) == (2, 2, 2, 4)
+    # expert-parallel MoE blocks stay whole over tp: their sizes need not divide it
+    odd = tiny_config(moe=True, num_experts=8)
+    odd.moe_intermediate_size = odd.shared_expert_intermediate_size = 25
+    odd_model = transformers.Qwen3_5MoeForCausalLM(odd)
+    with pytest.raises(ValueError, match="moe_intermediate_size=25 is not divisible by tp=2"):
+        check_trainer_setup(odd_model, None, world=4, cp_size=2, tp_size=2, **common)
+    assert check_trainer_setup(odd_model, None, world=4, cp_size=2, tp_size=2, ep_size=2, **common).ep == 2

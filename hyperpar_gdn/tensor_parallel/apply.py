@@ -180,7 +180,7 @@ def _block_error(
         getattr(mlp, EP_RECORD, None) is not None or (moe_expert_parallel and is_moe_block(mlp))
     ):
         return None  # its experts are split over ep; every TP rank runs the block whole
-    return error or _mlp_error(getattr(block, "mlp", None), tp)
+    return error or _mlp_error(mlp, tp)
 
 
 def _gdn_error(mixer: nn.Module, tp: int) -> str | None:

@@ -26,7 +26,7 @@ from hyperpar_gdn.expert_parallel import apply_expert_parallel
 from hyperpar_gdn.expert_parallel.fsdp import expert_torch_mesh
 from hyperpar_gdn.expert_parallel.grads import expert_mesh, expert_parameters, sync_expert_parallel_grads
 from hyperpar_gdn.train.backends.optim import clip_gradients
-from hyperpar_gdn.train.backends.sharding import apply_fsdp
+from hyperpar_gdn.parallel.fsdp import apply_fsdp
 
 B, T = 2, 32
 

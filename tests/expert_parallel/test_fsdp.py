@@ -25,8 +25,8 @@ from hyperpar_gdn import (
 from hyperpar_gdn.expert_parallel import apply_expert_parallel
 from hyperpar_gdn.expert_parallel.fsdp import expert_torch_mesh
 from hyperpar_gdn.expert_parallel.grads import expert_mesh, expert_parameters, sync_expert_parallel_grads
-from hyperpar_gdn.train.backends.optim import clip_gradients
 from hyperpar_gdn.parallel.fsdp import apply_fsdp
+from hyperpar_gdn.train.backends.optim import clip_gradients
 
 B, T = 2, 32
 

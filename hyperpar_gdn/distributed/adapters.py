@@ -35,6 +35,7 @@ class ModelAdapter:
     serve (:meth:`declines`, :meth:`declines_layer`: None, or why not) and implement the rest."""
 
     name: ClassVar[str] = ""
+    silu_activations: ClassVar[tuple[str, ...]] = ("SiLU",)  # this family's SiLU module classes
 
     @classmethod
     def declines(cls, model: Any) -> str | None:

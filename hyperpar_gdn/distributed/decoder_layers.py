@@ -32,6 +32,7 @@ __all__ = [
     "base_model_of",
     "find_decoder",
     "has_mixer",
+    "is_silu",
     "layer_adapter_for",
     "mixer_of",
     "mixers_of",
@@ -83,6 +84,11 @@ def module_adapter_for(obj: Any) -> ModelAdapter:
         if cls.owns(obj):
             return cls()
     return DecoderAdapter()
+
+
+def is_silu(activation: Any) -> bool:
+    """Whether the activation module ``activation`` is its family's SiLU."""
+    return type(activation).__name__ in module_adapter_for(activation).silu_activations
 
 
 def text_model_of(model: Any) -> Any:

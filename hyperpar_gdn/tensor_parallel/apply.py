@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of, module_adapter_for
+from hyperpar_gdn.distributed.decoder_layers import find_decoder, is_silu, mixer_of, module_adapter_for
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallel_style import is_parallelized
 from hyperpar_gdn.expert_parallel.style import EP_RECORD, is_moe_block
@@ -210,7 +210,7 @@ def _mlp_error(mlp: nn.Module | None, tp: int) -> str | None:
         swiglu_parts = (mlp,)
     else:
         return f"mlp ({type(mlp).__name__}) is not a SwiGLU MLP or MoE block the tensor-parallel plan covers"
-    if act is not None and type(act).__name__ not in ("SiLU", "SiLUActivation"):
+    if act is not None and not is_silu(act):
         return f"mlp: activation {type(act).__name__} is not the SiLU of the SwiGLU the plan covers"
     for part in swiglu_parts:
         for name in ("gate_proj", "up_proj", "down_proj"):

@@ -31,6 +31,7 @@ class TransformersAdapter(ModelAdapter):
     language model of ``Qwen3_5(Moe)ForConditionalGeneration`` / ``Qwen3_5(Moe)Model``."""
 
     name = "transformers"
+    silu_activations = ("SiLU", "SiLUActivation")
 
     @classmethod
     def declines(cls, model: Any) -> str | None:

@@ -123,9 +123,13 @@ def as_tp_mesh(mesh: Any) -> Any:
     )
 
 
-def tensor_parallel_plan(text_model: Any, tp: int) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(
+    text_model: Any, tp: int, *, moe_expert_parallel: bool = False
+) -> dict[str, ParallelStyle]:
     """The TP style of every block of ``text_model`` (the module holding the decoder ``layers``),
-    by module path; raises ``ValueError`` naming every block the plan cannot split at ``tp``."""
+    by module path; raises ``ValueError`` naming every block the plan cannot split at ``tp``.
+    ``moe_expert_parallel``: check a model whose MoE blocks will be expert-parallel before tensor
+    parallelism is applied (they stay whole over tp, so their sizes need not divide it)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r} must be a positive int")
     plan: dict[str, ParallelStyle] = {}
@@ -133,7 +137,7 @@ def tensor_parallel_plan(text_model: Any, tp: int) -> dict[str, ParallelStyle]:
     for i, block in enumerate(text_model.layers):
         kind, mixer = mixer_of(i, block)
         prefix = f"layers.{i}"
-        error = _block_error(block, kind, mixer, tp)
+        error = _block_error(block, kind, mixer, tp, moe_expert_parallel)
         if error is not None:
             errors.append(f"layer {i}: {error}")
             continue
@@ -147,7 +151,9 @@ def tensor_parallel_plan(text_model: Any, tp: int) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int) -> str | None:
+def _block_error(
+    block: nn.Module, kind: str, mixer: nn.Module, tp: int, moe_expert_parallel: bool = False
+) -> str | None:
     if head_shard_of(mixer) is not None:
         return "tensor parallelism is already applied"
     if is_parallelized(mixer):
@@ -165,9 +171,12 @@ def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int) -> str 
         if top not in (kind, "mlp") and p.dim() != 1:
             return f"{name} {tuple(p.shape)} is not a part the tensor-parallel plan covers (norms, the mixer, the mlp)"
     error = _gdn_error(mixer, tp) if kind == "linear_attn" else _attention_error(mixer, tp)
-    if error is None and getattr(getattr(block, "mlp", None), EP_RECORD, None) is not None:
+    mlp = getattr(block, "mlp", None)
+    if error is None and (
+        getattr(mlp, EP_RECORD, None) is not None or (moe_expert_parallel and is_moe_block(mlp))
+    ):
         return None  # its experts are split over ep; every TP rank runs the block whole
-    return error or _mlp_error(getattr(block, "mlp", None), tp)
+    return error or _mlp_error(mlp, tp)
 
 
 def _gdn_error(mixer: nn.Module, tp: int) -> str | None:

@@ -5,7 +5,7 @@ transformers Qwen3.5 model read from ``--model DIR``; under ``--tp`` :mod:`.tens
 splits its blocks over the TP axis of a torch ``(dp, cp, tp)`` mesh first;
 :func:`apply_context_parallel` makes its
 mixers context parallel (a transformers model gets our layers even without CP: its own would drop
-the packed documents on a CPU), then activation checkpointing and FSDP2 (:mod:`.sharding`) wrap it.
+the packed documents on a CPU), then activation checkpointing and FSDP2 (:mod:`hyperpar_gdn.parallel`) wrap it.
 
 A step: the final hidden states and the head weight
 (:func:`~hyperpar_gdn.integrations.transformers.lm_head.hidden_and_head`), the loss
@@ -38,13 +38,13 @@ from hyperpar_gdn.expert_parallel.style import is_moe_block
 from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_model_dir
 from hyperpar_gdn.models.lm import HybridLM
+from hyperpar_gdn.parallel.checkpointing import apply_activation_checkpointing
+from hyperpar_gdn.parallel.fsdp import apply_fsdp
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.tensor_parallel.comm import sync_tp_grads
 from hyperpar_gdn.train.backends.base import TrainBackend, apply_cp_mode
 from hyperpar_gdn.train.backends.optim import adamw_step, build_adamw, clip_gradients, torch_optimizer_step
-from hyperpar_gdn.train.backends.sharding import (
-    apply_activation_checkpointing,
-    apply_fsdp,
+from hyperpar_gdn.train.backends.state_dicts import (
     full_model_state_dict,
     full_state_dicts,
     load_full_state_dicts,

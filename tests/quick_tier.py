@@ -95,7 +95,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "tests/integrations/transformers/test_transformers_trainer_checks.py": (
         "test_setup_reads_dp_and_the_default_layout",
         "test_unsupported_options_are_one_line",
-        "test_a_model_name_is_refused_and_router_aux_loss_only_with_tp",
+        "test_a_model_name_is_refused_and_the_router_loss_read_under_tp_and_ep",
         "test_packed_keys_must_describe_the_same_documents",
         "test_tp_size_sets_the_mesh",
         "test_bad_tp_setups_are_one_line",
@@ -223,6 +223,10 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_chunk_rule_with_cu_seqlens",
         "test_summary_with_doc_starts",
         "test_layer_with_packed_documents",
+    ),
+    "tests/ops/test_head_shard.py": (
+        "test_a_record_names_its_rank_heads_and_is_set_once",
+        "test_a_tp_split_layer_records_its_ranks_heads",
     ),
     "tests/ops/test_lm_loss.py": (
         "test_equals_cross_entropy_over_logits",

@@ -25,15 +25,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyperpar_gdn.distributed.decoder_layers import find_decoder
+from hyperpar_gdn.distributed.decoder_layers import find_decoder, is_silu
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.expert_parallel.dispatch import expert_parallel_experts
 from hyperpar_gdn.expert_parallel.grouped import grouped_swiglu
 
-__all__ = ["EP_RECORD", "ExpertParallel", "apply_expert_parallel", "expert_parallel_error", "is_moe_block"]
+__all__ = [
+    "EP_RECORD",
+    "EXPERT_PARAMS",
+    "ExpertParallel",
+    "apply_expert_parallel",
+    "expert_parallel_error",
+    "is_moe_block",
+]
 
 EP_RECORD = "_hyperpar_ep"  # on every expert-parallel MoE block: (num_experts, ep)
-_EXPERT_PARAMS = {"gate_up_proj", "down_proj"}
+EXPERT_PARAMS = ("down_proj", "gate_up_proj")  # the routed experts' parameters
 
 
 def is_moe_block(mlp: Any) -> bool:
@@ -49,7 +56,7 @@ def expert_parallel_error(block: nn.Module, ep: int) -> str | None:
         return f"{type(block).__name__} is not a Qwen3.5 sparse MoE block (gate, experts, shared_expert)"
     experts = block.experts
     names = {n for n, _ in experts.named_parameters()}
-    if names != _EXPERT_PARAMS or hasattr(experts, "parametrizations"):
+    if names != set(EXPERT_PARAMS) or hasattr(experts, "parametrizations"):
         return (
             f"experts ({type(experts).__name__}, parameters {sorted(names)}) is not transformers' fused "
             "experts: expert parallelism splits gate_up_proj and down_proj themselves and would bypass "
@@ -60,7 +67,7 @@ def expert_parallel_error(block: nn.Module, ep: int) -> str | None:
             "the experts are already split (tensor parallelism?): apply expert parallelism to whole experts"
         )
     act = getattr(experts, "act_fn", None)
-    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+    if not is_silu(act):
         return f"experts: activation {type(act).__name__} is not the SiLU of the SwiGLU experts"
     num_experts = experts.gate_up_proj.shape[0]
     if num_experts % ep:
@@ -116,7 +123,7 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f"expert parallelism at ep={ours.size()}: {error}")
         experts = module.experts
         num_experts = experts.gate_up_proj.shape[0]
-        for name in sorted(_EXPERT_PARAMS):
+        for name in sorted(EXPERT_PARAMS):
             _shard_experts(experts, name, torch_mesh)
         group, collectives, experts_fn = ours.get_group(), ours.platform.collectives, self.experts_fn
 

@@ -61,8 +61,8 @@ def measure_step(rank: int, cp: int, job: dict[str, Any]) -> dict[str, Any]:
     from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
     from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
     from hyperpar_gdn.ops.lm_loss import lm_loss_sum
+    from hyperpar_gdn.parallel.checkpointing import apply_activation_checkpointing
     from hyperpar_gdn.platform import get_platform
-    from hyperpar_gdn.train.backends.sharding import apply_activation_checkpointing
 
     platform = get_platform("cpu")
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))

@@ -5,7 +5,7 @@ transformers Qwen3.5 model read from ``--model DIR``; under ``--tp`` :mod:`.tens
 splits its blocks over the TP axis of a torch ``(dp, cp, tp)`` mesh first;
 :func:`apply_context_parallel` makes its
 mixers context parallel (a transformers model gets our layers even without CP: its own would drop
-the packed documents on a CPU), then activation checkpointing and FSDP2 (:mod:`.sharding`) wrap it.
+the packed documents on a CPU), then activation checkpointing and FSDP2 (:mod:`hyperpar_gdn.parallel`) wrap it.
 
 A step: the final hidden states and the head weight
 (:func:`~hyperpar_gdn.integrations.transformers.lm_head.hidden_and_head`), the loss
@@ -33,18 +33,19 @@ from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
 from hyperpar_gdn.expert_parallel import apply_expert_parallel, load_balancing_loss, record_router_logits
+from hyperpar_gdn.expert_parallel.fsdp import expert_torch_mesh
 from hyperpar_gdn.expert_parallel.grads import expert_mesh, sync_expert_parallel_grads
 from hyperpar_gdn.expert_parallel.style import is_moe_block
 from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_model_dir
 from hyperpar_gdn.models.lm import HybridLM
+from hyperpar_gdn.parallel.checkpointing import apply_activation_checkpointing
+from hyperpar_gdn.parallel.fsdp import apply_fsdp
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.tensor_parallel.comm import sync_tp_grads
 from hyperpar_gdn.train.backends.base import TrainBackend, apply_cp_mode
 from hyperpar_gdn.train.backends.optim import adamw_step, build_adamw, clip_gradients, torch_optimizer_step
-from hyperpar_gdn.train.backends.sharding import (
-    apply_activation_checkpointing,
-    apply_fsdp,
+from hyperpar_gdn.train.backends.state_dicts import (
     full_model_state_dict,
     full_state_dicts,
     load_full_state_dicts,
@@ -95,10 +96,12 @@ class TorchBackend(TrainBackend):
             apply_context_parallel(self.reference, solo, mode="p2p")
         self.ref_optimizer = None if self.reference is None else build_adamw(self.reference, config)
         self.cp_mode, self.cp_plan = config.cp_mode, None
-        self.ep_mesh = None  # --ep: the (dp cp / ep, ep, tp) mesh over the same ranks
+        self.ep_mesh = None  # --ep: the (dp cp / ep, ep, tp) mesh over the same ranks (torch's under --fsdp)
         if config.ep > 1:  # first: tensor parallelism then leaves the MoE blocks whole over tp
-            dp, cp = mesh.size(0), mesh.size(1)
-            self.ep_mesh = expert_mesh((dp, cp, config.tp), config.ep, device_type=self.device.type)
+            shape, build = (mesh.size(0), mesh.size(1), config.tp), expert_mesh
+            if config.fsdp:  # a torch mesh: FSDP composes with EP on axes of one torch mesh only
+                build = expert_torch_mesh
+            self.ep_mesh = build(shape, config.ep, device_type=self.device.type)
             apply_expert_parallel(self.model, self.ep_mesh["ep"])
         self.torch_mesh = None  # --tp: torch's (dp, cp, tp) mesh, which TP and FSDP share
         if config.tp > 1:
@@ -118,6 +121,7 @@ class TorchBackend(TrainBackend):
                 dp=mesh.size(0),
                 bf16=config.dtype == "bf16",
                 mesh=data,
+                expert_replicas=None if self.ep_mesh is None else self.ep_mesh["ep_replica"],
             )
         self.optimizer = build_adamw(self.model, config)  # over the sharded parameters under FSDP
         # --async-save: the background writes talk over a gloo group of their own, never the one

@@ -17,7 +17,7 @@ from hyperpar_gdn import apply_tensor_parallel, init_device_mesh
 from hyperpar_gdn.tensor_parallel import canonical_grads, canonical_state_dict
 from hyperpar_gdn.train.checkpoints.row_orders import model_row_orders, reorder_state
 from hyperpar_gdn.train.checkpoints.sharded import load_shards, sharded_state, write_shards
-from hyperpar_gdn.train.backends.sharding import full_state_dicts
+from hyperpar_gdn.train.backends.state_dicts import full_state_dicts
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> torch.optim.Optimizer:

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
 
-__all__ = ["apply_fsdp"]
+__all__ = ["apply_fsdp", "fsdp_mesh_of"]
 
 
 def apply_fsdp(
@@ -31,7 +31,7 @@ def apply_fsdp(
     shard over (under tensor parallelism the flattened ``(dp, cp)`` axes of the ``(dp, cp, tp)``
     mesh whose ``tp`` axis holds the TP shards); default: every rank."""
     if mesh is None:
-        mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+        mesh = fsdp_mesh_of(device_type)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     options = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     for layer in text_model_of(model).layers:
@@ -41,3 +41,11 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(float(dp))
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+
+
+def fsdp_mesh_of(device_type: str, tp_mesh: Any = None) -> Any:
+    """The 1-D torch mesh FSDP shards over (collective): every rank, or under tensor parallelism
+    the flattened ``(dp, cp)`` axes of torch's ``(dp, cp, tp)`` mesh ``tp_mesh``."""
+    if tp_mesh is None:
+        return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    return tp_mesh["dp", "cp"]._flatten("dp_cp")

@@ -127,9 +127,13 @@ def as_tp_mesh(mesh: Any) -> Any:
     )
 
 
-def tensor_parallel_plan(text_model: Any, tp: int) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(
+    text_model: Any, tp: int, *, experts_split: bool = False
+) -> dict[str, ParallelStyle]:
     """The TP style of every block of ``text_model`` (the module holding the decoder ``layers``),
-    by module path; raises ``ValueError`` naming every block the plan cannot split at ``tp``."""
+    by module path; raises ``ValueError`` naming every block the plan cannot split at ``tp``.
+    ``experts_split``: every MoE block is to be split by expert parallelism first (such a block
+    stays whole over tp, as one already split does)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r} must be a positive int")
     plan: dict[str, ParallelStyle] = {}
@@ -137,21 +141,23 @@ def tensor_parallel_plan(text_model: Any, tp: int) -> dict[str, ParallelStyle]:
     for i, block in enumerate(text_model.layers):
         kind, mixer = mixer_of(i, block)
         prefix = f"layers.{i}"
-        error = _block_error(block, kind, mixer, tp)
+        mlp = getattr(block, "mlp", None)
+        whole = getattr(mlp, EP_RECORD, None) is not None or (experts_split and is_moe_block(mlp))
+        error = _block_error(block, kind, mixer, tp, whole_mlp=whole)
         if error is not None:
             errors.append(f"layer {i}: {error}")
             continue
         plan[f"{prefix}.{kind}"] = (
             GatedDeltaNetTensorParallel() if kind == "linear_attn" else AttentionTensorParallel()
         )
-        if getattr(block.mlp, EP_RECORD, None) is None:  # an expert-parallel block stays whole over tp
-            plan[f"{prefix}.mlp"] = MoETensorParallel() if is_moe_block(block.mlp) else MLPTensorParallel()
+        if not whole:  # an expert-parallel block stays whole over tp
+            plan[f"{prefix}.mlp"] = MoETensorParallel() if is_moe_block(mlp) else MLPTensorParallel()
     if errors:
         raise ValueError(f"tensor parallelism at tp={tp}: " + "; ".join(errors))
     return plan
 
 
-def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int) -> str | None:
+def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int, *, whole_mlp: bool) -> str | None:
     if getattr(mixer, TP_RECORD, None) is not None:
         return "tensor parallelism is already applied"
     if is_parallelized(mixer):
@@ -169,7 +175,7 @@ def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int) -> str 
         if top not in (kind, "mlp") and p.dim() != 1:
             return f"{name} {tuple(p.shape)} is not a part the tensor-parallel plan covers (norms, the mixer, the mlp)"
     error = _gdn_error(mixer, tp) if kind == "linear_attn" else _attention_error(mixer, tp)
-    if error is None and getattr(getattr(block, "mlp", None), EP_RECORD, None) is not None:
+    if error is None and whole_mlp:
         return None  # its experts are split over ep; every TP rank runs the block whole
     return error or _mlp_error(getattr(block, "mlp", None), tp)
 

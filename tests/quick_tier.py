@@ -92,7 +92,7 @@ QUICK: dict[str, tuple[str, ...]] = {
     "tests/integrations/transformers/test_transformers_trainer_checks.py": (
         "test_setup_reads_dp_and_the_default_layout",
         "test_unsupported_options_are_one_line",
-        "test_a_model_name_is_refused_and_router_aux_loss_only_with_tp",
+        "test_a_model_name_is_refused_and_the_router_loss_read_under_tp_and_ep",
         "test_packed_keys_must_describe_the_same_documents",
         "test_tp_size_sets_the_mesh",
         "test_bad_tp_setups_are_one_line",

@@ -168,7 +168,7 @@ def _check(model: Any, mesh: DeviceMesh, config: ParallelConfig) -> tuple[CPPlan
             from hyperpar_gdn.tensor_parallel.apply import tensor_parallel_plan
 
             try:
-                tensor_parallel_plan(text_model_of(model), config.tp, experts_split=config.ep > 1)
+                tensor_parallel_plan(text_model_of(model), config.tp, moe_expert_parallel=config.ep > 1)
             except ValueError as error:
                 errors.append(error)
         if config.cp_mode is not None:

@@ -128,12 +128,12 @@ def as_tp_mesh(mesh: Any) -> Any:
 
 
 def tensor_parallel_plan(
-    text_model: Any, tp: int, *, experts_split: bool = False
+    text_model: Any, tp: int, *, moe_expert_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
     """The TP style of every block of ``text_model`` (the module holding the decoder ``layers``),
     by module path; raises ``ValueError`` naming every block the plan cannot split at ``tp``.
-    ``experts_split``: every MoE block is to be split by expert parallelism first (such a block
-    stays whole over tp, as one already split does)."""
+    ``moe_expert_parallel``: check a model whose MoE blocks will be expert-parallel before tensor
+    parallelism is applied (they stay whole over tp, so their sizes need not divide it)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r} must be a positive int")
     plan: dict[str, ParallelStyle] = {}
@@ -141,23 +141,23 @@ def tensor_parallel_plan(
     for i, block in enumerate(text_model.layers):
         kind, mixer = mixer_of(i, block)
         prefix = f"layers.{i}"
-        mlp = getattr(block, "mlp", None)
-        whole = getattr(mlp, EP_RECORD, None) is not None or (experts_split and is_moe_block(mlp))
-        error = _block_error(block, kind, mixer, tp, whole_mlp=whole)
+        error = _block_error(block, kind, mixer, tp, moe_expert_parallel)
         if error is not None:
             errors.append(f"layer {i}: {error}")
             continue
         plan[f"{prefix}.{kind}"] = (
             GatedDeltaNetTensorParallel() if kind == "linear_attn" else AttentionTensorParallel()
         )
-        if not whole:  # an expert-parallel block stays whole over tp
-            plan[f"{prefix}.mlp"] = MoETensorParallel() if is_moe_block(mlp) else MLPTensorParallel()
+        if getattr(block.mlp, EP_RECORD, None) is None:  # an expert-parallel block stays whole over tp
+            plan[f"{prefix}.mlp"] = MoETensorParallel() if is_moe_block(block.mlp) else MLPTensorParallel()
     if errors:
         raise ValueError(f"tensor parallelism at tp={tp}: " + "; ".join(errors))
     return plan
 
 
-def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int, *, whole_mlp: bool) -> str | None:
+def _block_error(
+    block: nn.Module, kind: str, mixer: nn.Module, tp: int, moe_expert_parallel: bool = False
+) -> str | None:
     if getattr(mixer, TP_RECORD, None) is not None:
         return "tensor parallelism is already applied"
     if is_parallelized(mixer):
@@ -175,7 +175,10 @@ def _block_error(block: nn.Module, kind: str, mixer: nn.Module, tp: int, *, whol
         if top not in (kind, "mlp") and p.dim() != 1:
             return f"{name} {tuple(p.shape)} is not a part the tensor-parallel plan covers (norms, the mixer, the mlp)"
     error = _gdn_error(mixer, tp) if kind == "linear_attn" else _attention_error(mixer, tp)
-    if error is None and whole_mlp:
+    mlp = getattr(block, "mlp", None)
+    if error is None and (
+        getattr(mlp, EP_RECORD, None) is not None or (moe_expert_parallel and is_moe_block(mlp))
+    ):
         return None  # its experts are split over ep; every TP rank runs the block whole
     return error or _mlp_error(getattr(block, "mlp", None), tp)
 

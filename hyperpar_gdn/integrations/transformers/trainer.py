@@ -78,13 +78,14 @@ class ContextParallelMixin:
     - ``tp_size``: tensor-parallel ranks (1: none); the world is ``(dp, cp, tp)``, tp innermost, and
       the model is split by heads and columns (``apply_tensor_parallel``) before CP; the data split
       over dp only.
-    - ``ep_size``: expert-parallel ranks (1: none), taken from the (dp, cp) ranks (it divides
-      them): every MoE block's routed experts split by expert (``apply_expert_parallel``); DDP
-      replaced as under ``tp_size``.
+    - ``ep_size``: expert-parallel ranks (1: none), taken from the dp x cp ranks of each TP index
+      (it divides them): every MoE block's routed experts split by expert
+      (``apply_expert_parallel``, before tensor parallelism, which then leaves those blocks whole
+      over tp); DDP replaced as under ``tp_size``.
 
     A MoE model whose config sets ``output_router_logits`` trains with the router's
     load-balancing loss times its ``router_aux_loss_coef``, counted over the whole global batch
-    (every CP and DP rank): one device's loss and gradients.
+    (every CP and DP rank): one device's loss and gradients, under ``tp_size`` and ``ep_size`` too.
 
     Batches ``[B, T]`` need T divisible by cp (2*cp for head_tail): pad with the collator's
     ``pad_to_multiple_of``. Packed rows (``position_ids`` restarting per document, B = 1) train as
@@ -144,14 +145,15 @@ class ContextParallelMixin:
             self.cp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp", "tp"))
         try:
             check_head(self.model)  # a PeftModel too (TRL wraps the model given with peft_config=)
-            if setup.tp > 1:  # heads first, then the sequence on each TP rank's heads
+            self.ep_mesh = None
+            if setup.ep > 1:  # the experts over ep of the (dp, cp) ranks of each TP index
+                shape = (setup.dp, setup.cp, setup.tp)
+                self.ep_mesh = expert_mesh(shape, setup.ep, device_type=device_type)
+                apply_expert_parallel(self.model, self.ep_mesh["ep"])
+            if setup.tp > 1:  # heads (an expert-parallel MoE block stays whole), then the sequence
                 from hyperpar_gdn.tensor_parallel import apply_tensor_parallel
 
                 apply_tensor_parallel(self.model, self.cp_mesh["tp"])
-            self.ep_mesh = None
-            if setup.ep > 1:  # the experts over ep of the (dp, cp) ranks
-                self.ep_mesh = expert_mesh((setup.dp, setup.cp, 1), setup.ep, device_type=device_type)
-                apply_expert_parallel(self.model, self.ep_mesh["ep"])
             self.cp_plan: CPPlan = setup.plan or resolve_plan(  # auto: the cost model's plan
                 self.model,
                 self.cp_mesh["cp"],
@@ -182,7 +184,7 @@ class ContextParallelMixin:
             option = f"tp_size={setup.tp}" if setup.tp > 1 else f"ep_size={setup.ep}"
             error = NotImplementedError(
                 f"resume_from_checkpoint={resume!r} with {option}: a checkpoint holds rank "
-                "0's optimizer shard only; resume without tensor parallelism or train from the saved model"
+                "0's optimizer shard only; resume without tensor or expert parallelism or train from the saved model"
             )
             one_line_if_uncaught(error, name=type(self).__name__)
             raise error
@@ -198,9 +200,10 @@ class ContextParallelMixin:
         mode = plan.mode if setup.plan is not None else f"auto: {plan.mode}"
         inner = "" if plan.inner_size is None else f", inner size {plan.inner_size}"
         tp = "" if setup.tp == 1 else f" x tp {setup.tp}"
+        ep = "" if setup.ep == 1 else f", ep {setup.ep} (experts over dp x cp)"
         return (
             f"context parallelism: cp {setup.cp}{tp} x dp {setup.dp} ({setup.world} processes, "
-            f"{self.args.device.type}), mode {mode}{inner}, layout {plan.layout}, kernel {kernel.name} "
+            f"{self.args.device.type}){ep}, mode {mode}{inner}, layout {plan.layout}, kernel {kernel.name} "
             f"({kernel.reason})"
         )
 
@@ -312,13 +315,22 @@ class ContextParallelMixin:
             loss = lm_loss_sum(hidden, head_weight, shard.labels) / num_items_in_batch * scale
             if coef:  # this rank's share of the global batch's load-balancing loss
                 meshes = (cp_mesh, self.cp_mesh["dp"])
-                loss = loss + coef * self._router_loss(router_logits, shard, meshes) * scale
+                aux = coef * self._router_loss(router_logits, shard, meshes) * scale
+                loss = loss + _gradient_over(aux, self._router_copies)
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def _router_loss(self, router_logits: list, shard: Any, meshes: tuple) -> torch.Tensor:
         """This rank's share of the load-balancing loss over the tokens of ``meshes``' ranks."""
         top_k = self.accelerator.unwrap_model(self.model).config.num_experts_per_tok
         return load_balancing_loss(router_logits, top_k=top_k, meshes=meshes, mask=shard.attention_mask)
+
+    @property
+    def _router_copies(self) -> int:
+        """How many ranks' load-balancing shares reach one router gradient: the TP ranks where the
+        MoE blocks are split over tp (every TP rank adds the same share, and the TP styles sum the
+        router's and the block input's gradients over them); 1 where each TP rank runs its
+        expert-parallel blocks whole (nothing summed over tp)."""
+        return self.cp_setup.tp if self.cp_setup.ep == 1 else 1
 
     # --- tensor or expert parallelism: no DDP, the gradients averaged by sync_grads ---------------
 
@@ -438,6 +450,14 @@ def _packed_cu_seqlens(inputs: dict[str, Any]) -> torch.Tensor | None:
                 f"batch key {key} does not describe the documents of cu_seq_lens_q={cu.tolist()}"
             )
     return cu
+
+
+def _gradient_over(x: torch.Tensor, copies: int) -> torch.Tensor:
+    """``x`` as its value, with its gradient divided by ``copies``: a term that ``copies`` ranks
+    add alike and whose gradients are summed over them (the logged loss keeps the whole value)."""
+    if copies == 1:
+        return x
+    return x / copies + (x - x / copies).detach()
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:

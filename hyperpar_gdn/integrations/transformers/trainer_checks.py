@@ -60,7 +60,7 @@ class CPSetup:
     plan: CPPlan | None = None
     seq_len: int | None = None
     tp: int = 1  # tensor-parallel ranks (the innermost axis of the (dp, cp, tp) mesh)
-    ep: int = 1  # expert-parallel ranks, taken from the dp x cp ranks
+    ep: int = 1  # expert-parallel ranks, taken from the dp x cp ranks of each TP index
     router_coef: float = 0.0  # the load-balancing loss's weight (the model's, under output_router_logits)
 
 
@@ -120,11 +120,6 @@ def check_trainer_setup(
             f"ep_size={ep_size} does not divide the {world // tp_size} data-parallel x CP ranks "
             f"(WORLD_SIZE={world} / tp_size={tp_size}): expert parallelism spans ranks that hold different tokens"
         )
-    if ep_size > 1 and tp_size > 1:
-        raise NotImplementedError(
-            f"ep_size={ep_size} with tp_size={tp_size}: expert parallelism composes with CP and data "
-            "parallelism here; set tp_size=1"
-        )
     try:
         check_mode(cp_mode, allow_auto=True)
     except ValueError as error:
@@ -148,7 +143,7 @@ def check_trainer_setup(
     elif cp_seq_len is not None:
         raise ValueError(f"cp_seq_len is for cp_mode='auto' only; got cp_mode={cp_mode!r}")
     kinds = _check_model(model)
-    router_coef = _router_coefficient(model, tp_size)
+    router_coef = _router_coefficient(model)
     if ep_size > 1:
         from hyperpar_gdn.expert_parallel import expert_parallel_error
         from hyperpar_gdn.expert_parallel.style import is_moe_block
@@ -160,7 +155,8 @@ def check_trainer_setup(
     if tp_size > 1:
         from hyperpar_gdn.tensor_parallel import tensor_parallel_plan
 
-        tensor_parallel_plan(find_decoder(model)[1], tp_size)  # ValueError naming the layer; no change
+        # ValueError naming the layer; no change (expert-parallel MoE blocks stay whole over tp)
+        tensor_parallel_plan(find_decoder(model)[1], tp_size, moe_expert_parallel=ep_size > 1)
     two_level = cp_inner_size is not None or "+" in cp_mode
     layout = cp_layout or ("head_tail" if "self_attn" in kinds and not two_level else "contiguous")
     plan = None
@@ -236,17 +232,12 @@ def _check_tp_args(args: Any, tp: int, ep: int = 1) -> None:
             )
 
 
-def _router_coefficient(model: Any, tp: int) -> float:
+def _router_coefficient(model: Any) -> float:
     """The load-balancing loss's weight: the model's ``router_aux_loss_coef`` when its config sets
     ``output_router_logits``, else 0 (the trainer computes that loss over the global batch)."""
     config = getattr(model, "config", None)
     if not getattr(config, "output_router_logits", False):
         return 0.0
-    if tp > 1:
-        raise NotImplementedError(
-            f"{type(model).__name__}.config.output_router_logits=True with tp_size={tp}: the load-balancing "
-            "loss is computed with tp_size=1 only; set it to False or tp_size=1"
-        )
     return float(getattr(config, "router_aux_loss_coef", 0.0))
 
 

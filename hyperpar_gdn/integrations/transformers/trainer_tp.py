@@ -6,8 +6,10 @@ is prepared without DDP (:func:`prepare_without_ddp`: accelerate's device placem
 only) and, once per optimizer step, before clipping, :func:`sync_grads` averages each rank's
 gradients over the ranks holding the same shard (the library's
 :func:`~hyperpar_gdn.tensor_parallel.comm.sync_tp_grads`, then divided by cp: the loss carries
-the factor dp x cp, as under DDP it carries the world). The norm and clipping
-are the whole model's (:func:`~hyperpar_gdn.tensor_parallel.comm.clip_grad_norm_`).
+the factor dp x cp, as under DDP it carries the world). Under ``ep_size`` (with or without
+tp) the routed experts' gradients are summed over the ranks holding the same experts instead. The
+norm and clipping are the whole model's (:func:`~hyperpar_gdn.tensor_parallel.comm.clip_grad_norm_`:
+each shard counted once, a TP shard over its tp ranks, an expert over its ep ranks).
 
 Legend: dp, cp, tp: the mesh's axes (tp innermost).
 """

@@ -56,14 +56,18 @@ def test_unsupported_options_are_one_line(args: object, options: dict, fragment:
     assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
-def test_a_model_name_is_refused_and_router_aux_loss_only_with_tp() -> None:
+def test_a_model_name_is_refused_and_the_router_loss_read_under_tp_and_ep() -> None:
     with pytest.raises(TypeError, match="needs the loaded model object"):
         _check("Qwen/Qwen3.5-0.8B")
-    moe = tiny_model(moe=True)
+    moe = tiny_model(moe=True, num_experts=8)
     moe.config.output_router_logits = True
-    assert _check(moe).router_coef == moe.config.router_aux_loss_coef  # the trainer adds the loss
-    with pytest.raises(NotImplementedError, match="output_router_logits=True with tp_size=2"):
-        _check(moe, world=4, tp_size=2)
+    coef = moe.config.router_aux_loss_coef
+    assert _check(moe).router_coef == coef  # the trainer adds the loss
+    assert _check(moe, world=4, tp_size=2).router_coef == coef
+    setup = _check(moe, world=8, tp_size=2, ep_size=4)
+    assert (setup.dp, setup.cp, setup.tp, setup.ep, setup.router_coef) == (2, 2, 2, 4, coef)
+    moe.config.output_router_logits = False
+    assert _check(moe, world=8, tp_size=2, ep_size=2).router_coef == 0.0
 
 
 def test_packed_keys_must_describe_the_same_documents() -> None:

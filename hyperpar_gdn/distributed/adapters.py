@@ -15,6 +15,11 @@ refused with each adapter's reason. This library's own decoder models (``HybridL
 MindSpore) are served by :class:`~hyperpar_gdn.distributed.decoder_layers.DecoderAdapter`;
 transformers' Qwen3.5 models by :mod:`hyperpar_gdn.integrations.transformers.adapter`, which
 ``import hyperpar_gdn`` registers.
+
+Tensor parallelism asks the adapter of the family a module belongs to
+(:func:`~hyperpar_gdn.distributed.decoder_layers.module_adapter_for`: the first whose :meth:`owns`
+claims it, else ``DecoderAdapter``) how that family's layers meet a split by heads: their head
+counts, the forward of a GDN layer on its local heads, and how to keep installed forwards.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class ModelAdapter:
     serve (:meth:`declines`, :meth:`declines_layer`: None, or why not) and implement the rest."""
 
     name: ClassVar[str] = ""
+    silu_activations: ClassVar[tuple[str, ...]] = ("SiLU",)  # this family's SiLU module classes
 
     @classmethod
     def declines(cls, model: Any) -> str | None:
@@ -56,6 +62,33 @@ class ModelAdapter:
 
     def attention_forward(self, module: Any, mesh: Any, layout: str) -> Callable:
         """The context-parallel forward of this family's attention layer ``module``."""
+        raise NotImplementedError
+
+    @classmethod
+    def owns(cls, obj: Any) -> bool:
+        """Whether ``obj`` (a model or any module of one) is of this family's classes. The library's
+        own adapter claims nothing: it serves every module no other family claims."""
+        return False
+
+    def attention_heads(self, module: Any) -> tuple[int, int] | None:
+        """(query heads, K/V heads) of this family's attention layer ``module``; None when it
+        has no such counts."""
+        raise NotImplementedError
+
+    def set_local_attention_heads(self, module: Any, heads: int, kv_heads: int) -> None:
+        """Make the attention layer ``module`` compute on ``heads`` query and ``kv_heads`` K/V
+        heads (a tensor-parallel rank's share)."""
+        raise NotImplementedError
+
+    def head_sharded_gdn_forward(self, module: Any) -> Callable | None:
+        """The forward of this family's GDN layer ``module`` once it is split by heads (its weights
+        read through :meth:`~hyperpar_gdn.ops.gdn.layer.LayerWeights.of`); None when the layer's
+        own forward reads them so already."""
+        raise NotImplementedError
+
+    def keep_installed_forwards(self, model: Any) -> None:
+        """Make sure forwards installed on ``model``'s modules stay for good (tensor parallelism has
+        no undo): a family that re-selects its modules' forwards by itself is told not to."""
         raise NotImplementedError
 
 

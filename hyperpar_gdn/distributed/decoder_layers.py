@@ -32,9 +32,11 @@ __all__ = [
     "base_model_of",
     "find_decoder",
     "has_mixer",
+    "is_silu",
     "layer_adapter_for",
     "mixer_of",
     "mixers_of",
+    "module_adapter_for",
     "text_model_of",
 ]
 
@@ -73,6 +75,20 @@ def layer_adapter_for(module: Any) -> ModelAdapter:
         "hyperpar_gdn.models.attention.CausalSelfAttention and transformers' Qwen3.5 attention "
         f"({'; '.join(reasons) or 'no adapter registered'})"
     )
+
+
+def module_adapter_for(obj: Any) -> ModelAdapter:
+    """The adapter of the family ``obj`` (a model or any module of one) belongs to: the first
+    registered adapter that :meth:`~ModelAdapter.owns` it, else :class:`DecoderAdapter`."""
+    for cls in ADAPTERS:
+        if cls.owns(obj):
+            return cls()
+    return DecoderAdapter()
+
+
+def is_silu(activation: Any) -> bool:
+    """Whether the activation module ``activation`` is its family's SiLU."""
+    return type(activation).__name__ in module_adapter_for(activation).silu_activations
 
 
 def text_model_of(model: Any) -> Any:
@@ -169,6 +185,20 @@ class DecoderAdapter(ModelAdapter):
             return wrap(attention_forward(adapter, mesh, x_BTC, seq, prefill_states=prefill_states))
 
         return forward
+
+    def attention_heads(self, module: Any) -> tuple[int, int] | None:
+        if not hasattr(module, "num_kv_heads"):
+            return None
+        return int(module.num_heads), int(module.num_kv_heads)
+
+    def set_local_attention_heads(self, module: Any, heads: int, kv_heads: int) -> None:
+        module.num_heads, module.num_kv_heads = heads, kv_heads
+
+    def head_sharded_gdn_forward(self, module: Any) -> Callable | None:
+        return None  # GatedDeltaNet's forward reads its weights through LayerWeights.of
+
+    def keep_installed_forwards(self, model: Any) -> None:
+        return None  # our modules keep the forward they are given
 
 
 class _OwnAttention:

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ParallelStyle", "applied_layout", "from_transformers", "is_parallelized", "refuse_unhandled"]
+__all__ = ["ParallelStyle", "applied_layout", "is_parallelized", "refuse_unhandled"]
 
 _HANDLE = "_hyperpar_cp"
 _LAYOUT = "_hyperpar_cp_layout"
@@ -84,9 +84,3 @@ def refuse_unhandled(owner: str, arguments: dict[str, Any], *, allowed: tuple[st
             "supported: a full-sequence forward/backward without a cache"
             + (f" (with {', '.join(allowed)})" if allowed else "")
         )
-
-
-def from_transformers(obj: Any) -> bool:
-    """Whether ``obj`` is an instance of a transformers class: its adapters live in
-    :mod:`hyperpar_gdn.integrations.transformers`, loaded only then."""
-    return type(obj).__module__.split(".", 1)[0] == "transformers"

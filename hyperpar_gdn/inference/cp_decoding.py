@@ -42,7 +42,7 @@ import numpy as np
 
 from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
-from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
+from hyperpar_gdn.distributed.parallel_style import is_parallelized
 from hyperpar_gdn.inference.decoding import (
     DecodingState,
     check_step_ids,
@@ -52,6 +52,7 @@ from hyperpar_gdn.inference.decoding import (
 )
 from hyperpar_gdn.inference.prefill import prompt_lengths
 from hyperpar_gdn.integrations.transformers import sharded_cache as hf
+from hyperpar_gdn.integrations.transformers.discovery import from_transformers
 from hyperpar_gdn.ops.attention.partials import merge_partials, partial_attention
 from hyperpar_gdn.platform import Tensor, ops_for
 

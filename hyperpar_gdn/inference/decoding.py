@@ -31,6 +31,7 @@ from hyperpar_gdn.ops.blocks import decoder_block, lm_logits
 from hyperpar_gdn.ops.gdn.decode import gdn_decode_step
 from hyperpar_gdn.ops.gdn.kernels import platform_of, resolve_kernel
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
+from hyperpar_gdn.ops.head_shard import head_shard_of
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import Tensor, ops_for
 
@@ -204,12 +205,8 @@ def step_blocks(
 def _summed_over_tp(mixer: Any, out: Tensor) -> Tensor:
     """A tensor-parallel mixer's share of the output ``[B, 1, hidden]`` summed over its TP group
     (its parts were called here, not through the module and its hooks); others' as they are."""
-    group = getattr(mixer, "_hyperpar_tp_group", None)
-    if group is None:
-        return out
-    from hyperpar_gdn.tensor_parallel.comm import reduce_from_tp
-
-    return reduce_from_tp(out, group)
+    shard = head_shard_of(mixer)
+    return out if shard is None else shard.reduce(out)
 
 
 def greedy_continue(

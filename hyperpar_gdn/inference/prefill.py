@@ -35,7 +35,7 @@ import numpy as np
 from hyperpar_gdn.distributed.decoder_layers import base_model_of, mixer_of, text_model_of
 from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
-from hyperpar_gdn.distributed.parallel_style import applied_layout, from_transformers, is_parallelized
+from hyperpar_gdn.distributed.parallel_style import applied_layout, is_parallelized
 from hyperpar_gdn.inference.decoding import (
     check_prompt,
     inference_mode,
@@ -44,6 +44,7 @@ from hyperpar_gdn.inference.decoding import (
     state_from_prefill,
 )
 from hyperpar_gdn.inference.packed import packed_bounds, packed_positions
+from hyperpar_gdn.integrations.transformers.discovery import from_transformers
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.ops.projections import Projection, WeightLinear
 from hyperpar_gdn.platform import Tensor, ops_for

@@ -34,11 +34,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
+from hyperpar_gdn.distributed.decoder_layers import find_decoder, is_silu, mixer_of, module_adapter_for
 from hyperpar_gdn.distributed.mesh import DeviceMesh
-from hyperpar_gdn.distributed.parallel_style import from_transformers, is_parallelized
+from hyperpar_gdn.distributed.parallel_style import is_parallelized
 from hyperpar_gdn.expert_parallel.style import EP_RECORD, is_moe_block
 from hyperpar_gdn.ops.gdn.layer import LayerDims
+from hyperpar_gdn.ops.head_shard import head_shard_of
 from hyperpar_gdn.ops.projections import wrapper_of
 from hyperpar_gdn.planning.tp_rules import (
     attention_head_error,
@@ -47,12 +48,10 @@ from hyperpar_gdn.planning.tp_rules import (
     tensor_parallel_head_error,
 )
 from hyperpar_gdn.tensor_parallel.styles import (
-    TP_RECORD,
     AttentionTensorParallel,
     GatedDeltaNetTensorParallel,
     MLPTensorParallel,
     MoETensorParallel,
-    attention_heads,
 )
 
 __all__ = [
@@ -79,16 +78,13 @@ def apply_tensor_parallel(model: Any, mesh: Any) -> Any:
             (torch), before :func:`~hyperpar_gdn.apply_context_parallel`.
         mesh: the 1-D TP axis: ours (``init_device_mesh(...)["tp"]``) or a torch ``DeviceMesh``.
 
-    Returns ``model``, changed in place (there is no undo: the parameters are re-made as shards;
-    a transformers model's hub kernels stay off, :mod:`~hyperpar_gdn.integrations.transformers.hub_kernels`).
+    Returns ``model``, changed in place (there is no undo: the parameters are re-made as shards,
+    and the installed forwards stay: :meth:`~hyperpar_gdn.distributed.adapters.ModelAdapter.keep_installed_forwards`).
     """
     tp_mesh = as_tp_mesh(mesh)
     _, text_model = find_decoder(model)
     plan = tensor_parallel_plan(text_model, tp_mesh.size())
-    if from_transformers(text_model):  # for good: a re-kernelization would drop the styles' forwards
-        from hyperpar_gdn.integrations.transformers.hub_kernels import pause_hub_kernels
-
-        pause_hub_kernels(model)
+    module_adapter_for(text_model).keep_installed_forwards(model)
     parallelize_module(text_model, tp_mesh, plan)
     return model
 
@@ -158,7 +154,7 @@ def tensor_parallel_plan(
 def _block_error(
     block: nn.Module, kind: str, mixer: nn.Module, tp: int, moe_expert_parallel: bool = False
 ) -> str | None:
-    if getattr(mixer, TP_RECORD, None) is not None:
+    if head_shard_of(mixer) is not None:
         return "tensor parallelism is already applied"
     if is_parallelized(mixer):
         return "context parallelism is applied: apply tensor parallelism first, then apply_context_parallel"
@@ -180,7 +176,7 @@ def _block_error(
         getattr(mlp, EP_RECORD, None) is not None or (moe_expert_parallel and is_moe_block(mlp))
     ):
         return None  # its experts are split over ep; every TP rank runs the block whole
-    return error or _mlp_error(getattr(block, "mlp", None), tp)
+    return error or _mlp_error(mlp, tp)
 
 
 def _gdn_error(mixer: nn.Module, tp: int) -> str | None:
@@ -196,15 +192,14 @@ def _gdn_error(mixer: nn.Module, tp: int) -> str | None:
 
 def _attention_error(mixer: nn.Module, tp: int) -> str | None:
     needed = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim")
-    if (
-        not from_transformers(mixer)
-        and not hasattr(mixer, "num_kv_heads")
-        or not all(hasattr(mixer, n) for n in needed)
-    ):
+    heads = (
+        module_adapter_for(mixer).attention_heads(mixer) if all(hasattr(mixer, n) for n in needed) else None
+    )
+    if heads is None:
         return f"self_attn ({type(mixer).__name__}) is not an attention layer the tensor-parallel plan covers"
     if mixer.o_proj.bias is not None:
         return "self_attn: o_proj has a bias; the row-parallel o_proj of the plan takes none"
-    return attention_head_error(*attention_heads(mixer), tp)
+    return attention_head_error(*heads, tp)
 
 
 def _mlp_error(mlp: nn.Module | None, tp: int) -> str | None:
@@ -224,7 +219,7 @@ def _mlp_error(mlp: nn.Module | None, tp: int) -> str | None:
         swiglu_parts = (mlp,)
     else:
         return f"mlp ({type(mlp).__name__}) is not a SwiGLU MLP or MoE block the tensor-parallel plan covers"
-    if act is not None and type(act).__name__ not in ("SiLU", "SiLUActivation"):
+    if act is not None and not is_silu(act):
         return f"mlp: activation {type(act).__name__} is not the SiLU of the SwiGLU the plan covers"
     for part in swiglu_parts:
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -271,14 +266,12 @@ def _reorders(model: Any) -> dict[int, tuple[int, torch.Tensor]]:
     """By parameter id: (dim, index) that puts a fused projection's rows back in canonical order."""
     reorder: dict[int, tuple[int, torch.Tensor]] = {}
     for module in model.modules():
-        record = getattr(module, TP_RECORD, None)
-        if isinstance(record, LayerDims):
-            order = qkv_grouped_order(
-                record.num_k_heads, record.head_k_dim, record.num_v_heads, record.head_v_dim
-            )
+        shard = head_shard_of(module)
+        if shard is not None and shard.kind == "gdn":
+            order = qkv_grouped_order(*shard.sizes)
             for p in (module.in_proj_qkv.weight, module.conv1d.weight):
                 reorder[id(p)] = (0, torch.as_tensor(np.argsort(order)))
-        elif record is not None and is_moe_block(module):
-            order = gate_up_interleaved_order(record)
+        elif shard is not None and shard.kind == "moe":
+            order = gate_up_interleaved_order(*shard.sizes)
             reorder[id(module.experts.gate_up_proj)] = (1, torch.as_tensor(np.argsort(order)))
     return reorder

@@ -20,8 +20,8 @@ import numpy as np
 from mindspore import nn
 
 from hyperpar_gdn.distributed.decoder_layers import find_decoder, mixer_of
+from hyperpar_gdn.ops.head_shard import head_shard_of
 from hyperpar_gdn.tensor_parallel.mindspore_styles import (
-    TP_RECORD,
     AttentionTensorParallel,
     GatedDeltaNetTensorParallel,
     MLPTensorParallel,
@@ -68,9 +68,8 @@ def whole_parameters(cell: nn.Cell, values: dict[str, ms.Tensor], tp_mesh: Any) 
     its parameters, or their gradients) on this TP rank -> numpy arrays in the one-device layout:
     the split ones gathered over the TP group (collective: every TP rank calls it with the same
     names), the others as they are (whole on every rank; their gradients already summed over tp)."""
-    splits = {
-        prefix: getattr(sub, TP_RECORD) for prefix, sub in cell.cells_and_names() if hasattr(sub, TP_RECORD)
-    }
+    shards = {prefix: head_shard_of(sub) for prefix, sub in cell.cells_and_names()}
+    splits = {prefix: shard for prefix, shard in shards.items() if shard is not None}
     if not splits:
         raise ValueError(f"{type(cell).__name__} has no tensor parallelism applied")
     comm, group, platform = tp_mesh.platform.collectives, tp_mesh.get_group(), tp_mesh.platform
@@ -88,7 +87,7 @@ def whole_parameters(cell: nn.Cell, values: dict[str, ms.Tensor], tp_mesh: Any) 
         split, local = found[0]
         gathered = platform.to_numpy(comm.all_gather(values[name], group))  # [tp, *local shape]
         out = np.zeros(split.shapes[local], gathered.dtype)
-        for rank in range(split.tp):
+        for rank in range(split.size):
             dim, index = split.parts(rank)[local]
             np.moveaxis(out, dim, 0)[index] = np.moveaxis(gathered[rank], dim, 0)
         whole[name] = out

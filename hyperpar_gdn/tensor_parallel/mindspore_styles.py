@@ -42,6 +42,7 @@ from hyperpar_gdn.distributed.parallel_style import is_parallelized
 from hyperpar_gdn.models.mindspore.moe import expert_weights
 from hyperpar_gdn.ops.blocks import rms_norm, sparse_moe
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
+from hyperpar_gdn.ops.head_shard import HeadShard, head_shard_of, set_head_shard
 from hyperpar_gdn.ops.projections import WeightLinear
 from hyperpar_gdn.planning.tp_rules import (
     Parts,
@@ -61,11 +62,8 @@ __all__ = [
     "GatedDeltaNetTensorParallel",
     "MLPTensorParallel",
     "MoETensorParallel",
-    "Split",
     "TensorParallel",
 ]
-
-TP_RECORD = "_hyperpar_tp"  # on every split cell: its Split (global sizes and each rank's parts)
 
 
 class _SumGradOverTP(nn.Cell):
@@ -98,14 +96,6 @@ class _ReduceFromTP(nn.Cell):
         return (dout,)
 
 
-class Split:
-    """What a TP style did to one cell: ``parts(rank)`` gives, per split parameter, the dim and
-    the global indices TP rank ``rank`` holds; ``shapes`` the whole shapes; ``tp`` the TP size."""
-
-    def __init__(self, tp: int, shapes: dict[str, tuple[int, ...]], parts: Callable[[int], Parts]) -> None:
-        self.tp, self.shapes, self.parts = tp, shapes, parts
-
-
 def _owner(cell: nn.Cell, name: str) -> tuple[nn.Cell, str]:
     """(the cell holding parameter ``name`` of ``cell``, its attribute name there)."""
     *path, leaf = name.split(".")
@@ -131,7 +121,11 @@ class TensorParallel:
     """Base of the MindSpore TP styles: ``apply(cell, tp_mesh)`` checks, then splits ``cell`` in
     place over the 1-D TP mesh (e.g. ``init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp",
     "tp"))["tp"]``) and returns it. A wrong set-up raises one ``ValueError`` on every rank before
-    anything changes (the checks read only the cell and the mesh size: no communication)."""
+    anything changes (the checks read only the cell and the mesh size: no communication). The
+    split cell's :class:`~hyperpar_gdn.ops.head_shard.HeadShard` records its whole sizes, each
+    rank's parts and the whole shapes of the split parameters."""
+
+    kind = ""  # the HeadShard's kind
 
     def apply(self, cell: nn.Cell, tp_mesh: Any) -> nn.Cell:
         if tp_mesh.ndim != 1:
@@ -142,17 +136,20 @@ class TensorParallel:
         error = self.refusal(cell, tp)
         if error is not None:
             raise ValueError(error)
-        split = self.split(cell, tp)
-        _cut(cell, split.parts(rank))
-        setattr(cell, TP_RECORD, split)
+        sizes, parts = self.split(cell, tp)
+        shapes = {n: tuple(_param(cell, n).shape) for n in parts(0)}
+        _cut(cell, parts(rank))
         comm, group = tp_mesh.platform.collectives, tp_mesh.get_group()
-        self.localize(cell, tp, rank, _SumGradOverTP(comm, group))
-        _block_hooks(cell, _SumGradOverTP(comm, group), _ReduceFromTP(comm, group))
+        weights = self.localize(cell, tp, rank, _SumGradOverTP(comm, group))
+        reduce = _ReduceFromTP(comm, group)
+        shard = HeadShard(self.kind, tp, rank, group, sizes, reduce, weights, shapes, parts)
+        set_head_shard(cell, shard)
+        _block_hooks(cell, _SumGradOverTP(comm, group), reduce)
         return cell
 
     def refusal(self, cell: nn.Cell, tp: int) -> str | None:
         """Why ``cell`` cannot be split over tp ranks (naming the cell and tp), or None."""
-        if getattr(cell, TP_RECORD, None) is not None:
+        if head_shard_of(cell) is not None:
             error = "tensor parallelism is already applied"
         elif is_parallelized(cell):
             error = "context parallelism is applied: apply tensor parallelism first, then context parallelism"
@@ -164,13 +161,15 @@ class TensorParallel:
         """Why ``cell`` (not split yet) cannot be split over tp ranks, or None."""
         raise NotImplementedError
 
-    def split(self, cell: nn.Cell, tp: int) -> Split:
-        """The parts of every rank (global sizes read from ``cell`` before the cut)."""
+    def split(self, cell: nn.Cell, tp: int) -> tuple[tuple[int, ...], Callable[[int], Parts]]:
+        """(the whole sizes the rules read, the parts of every rank), read from ``cell`` before the cut."""
         raise NotImplementedError
 
-    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> None:
+    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> Callable[[], Any] | None:
         """After the cut: the cell's head counts become the local ones, and the weights it holds
-        whole go through ``sum_grad`` where the forward uses them."""
+        whole go through ``sum_grad`` where the forward uses them; returns the local weights as
+        the forward reads them (:attr:`HeadShard.weights`), or None."""
+        return None
 
 
 def _block_hooks(cell: nn.Cell, copy_in: nn.Cell, reduce_out: nn.Cell) -> None:
@@ -199,22 +198,24 @@ def _block_hooks(cell: nn.Cell, copy_in: nn.Cell, reduce_out: nn.Cell) -> None:
 class GatedDeltaNetTensorParallel(TensorParallel):
     """The MindSpore GDN layer split by q/k heads with their value heads (module docstring)."""
 
+    kind = "gdn"
+
     def error(self, cell: nn.Cell, tp: int) -> str | None:
         dims = LayerDims.of(cell)
         return tensor_parallel_head_error(dims, tp)
 
-    def split(self, cell: nn.Cell, tp: int) -> Split:
+    def split(self, cell: nn.Cell, tp: int) -> tuple[tuple[int, ...], Callable[[int], Parts]]:
         dims = LayerDims.of(cell)
 
         def parts(rank: int) -> Parts:
             return gdn_parts(dims, tp, rank)
 
-        return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
+        return (dims.num_k_heads, dims.head_k_dim, dims.num_v_heads, dims.head_v_dim), parts
 
-    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> None:
+    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> Callable[[], Any] | None:
         dims = LayerDims.of(cell)
         hk, hv = dims.num_k_heads // tp, dims.num_v_heads // tp
-        cell.num_k_heads, cell.num_v_heads, cell._hyperpar_tp_size = hk, hv, tp
+        cell.num_k_heads, cell.num_v_heads = hk, hv
         cell.key_dim, cell.value_dim = hk * dims.head_k_dim, hv * dims.head_v_dim
         cell.conv_dim = 2 * cell.key_dim + cell.value_dim
 
@@ -231,11 +232,13 @@ class GatedDeltaNetTensorParallel(TensorParallel):
                 out=WeightLinear(cell.out_proj.weight),
             )
 
-        cell._hyperpar_tp_weights = weights
+        return weights
 
 
 class AttentionTensorParallel(TensorParallel):
     """The MindSpore ``CausalSelfAttention`` split by query heads (module docstring)."""
+
+    kind = "attention"
 
     def error(self, cell: nn.Cell, tp: int) -> str | None:
         missing = [
@@ -245,19 +248,18 @@ class AttentionTensorParallel(TensorParallel):
             return f"not the MindSpore CausalSelfAttention the plan covers: it lacks {', '.join(missing)}"
         return attention_head_error(int(cell.num_heads), int(cell.num_kv_heads), tp)
 
-    def split(self, cell: nn.Cell, tp: int) -> Split:
+    def split(self, cell: nn.Cell, tp: int) -> tuple[tuple[int, ...], Callable[[int], Parts]]:
         heads, kv_heads, d = int(cell.num_heads), int(cell.num_kv_heads), int(cell.head_dim)
 
         def parts(rank: int) -> Parts:
             return attention_parts(heads, kv_heads, d, tp, rank)
 
-        return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
+        return (heads, kv_heads), parts
 
-    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> None:
+    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> Callable[[], Any] | None:
         heads, kv_heads, d = int(cell.num_heads), int(cell.num_kv_heads), int(cell.head_dim)
         head = kv_head_of(rank, kv_heads, tp)  # tp a multiple of the K/V heads: the one this rank uses
         rows = None if head is None else span(head, 1, d)
-        cell._hyperpar_tp_size = tp
         cell.num_heads, cell.num_kv_heads = heads // tp, kv_heads_per_rank(kv_heads, tp)
         for norm in (cell.q_norm, cell.k_norm):
             norm.construct = _norm_with_summed_grad(norm, sum_grad)
@@ -269,7 +271,7 @@ class AttentionTensorParallel(TensorParallel):
                 k, v = (ops.gather(sum_grad(w), index, 0) for w in (k, v))
             return cell.q_proj.weight, k, v, cell.o_proj.weight
 
-        cell._hyperpar_tp_weights = weights
+        return weights
 
 
 def _norm_with_summed_grad(norm: nn.Cell, sum_grad: nn.Cell) -> Callable[[ms.Tensor], ms.Tensor]:
@@ -285,23 +287,27 @@ class MLPTensorParallel(TensorParallel):
     """The MindSpore SwiGLU MLP split by columns: ``gate_proj``, ``up_proj`` rows, ``down_proj``
     input columns."""
 
+    kind = "mlp"
+
     def error(self, cell: nn.Cell, tp: int) -> str | None:
         size = int(cell.gate_proj.weight.shape[0])
         return None if size % tp == 0 else f"mlp: intermediate_size={size} is not divisible by tp={tp}"
 
-    def split(self, cell: nn.Cell, tp: int) -> Split:
+    def split(self, cell: nn.Cell, tp: int) -> tuple[tuple[int, ...], Callable[[int], Parts]]:
         intermediate = int(cell.gate_proj.weight.shape[0])
 
         def parts(rank: int) -> Parts:
             return mlp_parts(intermediate, tp, rank)
 
-        return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
+        return (intermediate,), parts
 
 
 class MoETensorParallel(TensorParallel):
     """The MindSpore ``SparseMoeBlock`` split by columns: every routed expert and the shared expert
     as :class:`MLPTensorParallel` splits an MLP; the router and the shared expert's gate whole on
     every rank (the same routing everywhere), their gradients summed over tp."""
+
+    kind = "moe"
 
     def error(self, cell: nn.Cell, tp: int) -> str | None:
         sizes = {
@@ -311,16 +317,16 @@ class MoETensorParallel(TensorParallel):
         bad = [f"{name}={size}" for name, size in sizes.items() if size % tp]
         return f"mlp: {', '.join(bad)} not divisible by tp={tp}" if bad else None
 
-    def split(self, cell: nn.Cell, tp: int) -> Split:
-        mlps = {f"experts.{e}": MLPTensorParallel().split(x, tp) for e, x in enumerate(cell.experts)}
-        mlps["shared_expert"] = MLPTensorParallel().split(cell.shared_expert, tp)
+    def split(self, cell: nn.Cell, tp: int) -> tuple[tuple[int, ...], Callable[[int], Parts]]:
+        mlps = {f"experts.{e}": MLPTensorParallel().split(x, tp)[1] for e, x in enumerate(cell.experts)}
+        mlps["shared_expert"] = MLPTensorParallel().split(cell.shared_expert, tp)[1]
 
         def parts(rank: int) -> Parts:
-            return {f"{prefix}.{n}": part for prefix, s in mlps.items() for n, part in s.parts(rank).items()}
+            return {f"{prefix}.{n}": part for prefix, of in mlps.items() for n, part in of(rank).items()}
 
-        return Split(tp, {n: tuple(_param(cell, n).shape) for n in parts(0)}, parts)
+        return (int(cell.experts[0].gate_proj.weight.shape[0]),), parts
 
-    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> None:
+    def localize(self, cell: nn.Cell, tp: int, rank: int, sum_grad: nn.Cell) -> Callable[[], Any] | None:
         def construct(x: ms.Tensor) -> ms.Tensor:
             return sparse_moe(
                 ops_for(x),
@@ -333,3 +339,4 @@ class MoETensorParallel(TensorParallel):
             )
 
         cell.construct = construct
+        return None

@@ -27,6 +27,7 @@ parameters in that order: :func:`~.apply.canonical_state_dict` gives transformer
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -36,9 +37,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyperpar_gdn.distributed.parallel_style import from_transformers, refuse_unhandled
+from hyperpar_gdn.distributed.decoder_layers import module_adapter_for
 from hyperpar_gdn.ops.blocks import swiglu
-from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, layer_forward
+from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
+from hyperpar_gdn.ops.head_shard import HeadShard, set_head_shard
 from hyperpar_gdn.ops.projections import WeightLinear
 from hyperpar_gdn.planning.tp_rules import (
     gate_up_interleaved_order,
@@ -57,8 +59,6 @@ __all__ = [
     "MoETensorParallel",
     "local",
 ]
-
-TP_RECORD = "_hyperpar_tp"  # on every parallelized block: its global sizes, for the plan's checks
 
 
 def local(p: Any) -> Any:
@@ -136,12 +136,27 @@ def _first_arg(names: Sequence[str]) -> Callable:
     return pre_hook
 
 
+def _record(
+    module: nn.Module, kind: str, mesh: Any, sizes: tuple[int, ...], weights: Callable | None = None
+) -> None:
+    """Record the block's :class:`HeadShard` (its whole ``sizes``, the TP group of ``mesh``)."""
+    group = mesh.get_group()
+    shard = HeadShard(
+        kind=kind,
+        size=mesh.size(),
+        rank=mesh.get_local_rank(),
+        group=group,
+        sizes=sizes,
+        reduce=partial(reduce_from_tp, group=group),
+        weights=weights,
+    )
+    set_head_shard(module, shard)
+
+
 def _block_hooks(module: nn.Module, group: Any, input_names: Sequence[str]) -> None:
     """Sum the block's output over the TP group (and its input's gradient). A prefill's record
-    passes to the block: a token mixer keeps the decoding state of its local heads. The group is
-    kept as ``_hyperpar_tp_group`` (decoding calls a mixer's parts and sums its output itself)."""
+    passes to the block: a token mixer keeps the decoding state of its local heads."""
     rewrite = _first_arg(input_names)
-    module._hyperpar_tp_group = group
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return rewrite(args, kwargs, lambda x: copy_to_tp(x, group))
@@ -161,7 +176,9 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
     ``dt_bias`` ``Shard(0)``; ``out_proj`` ``Shard(1)``; the gated norm's weight (shared by the
     heads) whole, its gradient summed. The layer's head counts become the local ones
     (``num_k_heads / tp``, ``num_v_heads / tp``) and its weights the local shards
-    (:meth:`LayerWeights.of`), so its forward (and a context-parallel style's) runs on them."""
+    (:meth:`LayerWeights.of`), so its forward (and a context-parallel style's) runs on them; a
+    model family whose layer's forward reads its whole weights gives the forward on the local
+    ones (:meth:`~hyperpar_gdn.distributed.adapters.ModelAdapter.head_sharded_gdn_forward`)."""
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         dims, tp = LayerDims.of(module), device_mesh.size()
@@ -193,52 +210,16 @@ class GatedDeltaNetTensorParallel(ParallelStyle):
                 out=WeightLinear(local(module.out_proj.weight)),
             )
 
-        setattr(module, TP_RECORD, dims)
-        module.num_k_heads, module.num_v_heads, module._hyperpar_tp_size = hk, hv, tp
+        sizes = (dims.num_k_heads, dims.head_k_dim, dims.num_v_heads, dims.head_v_dim)
+        _record(module, "gdn", device_mesh, sizes, weights)
+        module.num_k_heads, module.num_v_heads = hk, hv
         module.key_dim, module.value_dim = hk * dims.head_k_dim, hv * dims.head_v_dim
         module.conv_dim = 2 * module.key_dim + module.value_dim
-        module._hyperpar_tp_weights = weights
-        if from_transformers(module):  # its own forward reads the whole weights: ours reads the local ones
-            module.forward = _transformers_gdn_forward(module)
+        forward = module_adapter_for(module).head_sharded_gdn_forward(module)
+        if forward is not None:
+            module.forward = forward
         _block_hooks(module, group, ("hidden_states",))
         return module
-
-
-def _transformers_gdn_forward(module: nn.Module) -> Callable:
-    """transformers' GDN call signature over :func:`layer_forward` on the local heads; with a
-    ``DynamicCache`` (``generate``, a decoding step) the cache holds the local heads' states
-    (:func:`~hyperpar_gdn.integrations.transformers.cache.gdn_forward_with_cache`)."""
-
-    def forward(
-        hidden_states: torch.Tensor,
-        attention_mask: Any = None,
-        cache: Any = None,
-        cache_params: Any = None,
-        cu_seq_lens_q: Any = None,
-        prefill_states: Any = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        kwargs.pop("use_cache", None)  # generate's: the cache given is what counts
-        refuse_unhandled(type(module).__name__, kwargs)
-        cache = cache if cache is not None else cache_params
-        if cache is not None:
-            from hyperpar_gdn.integrations.transformers.cache import gdn_forward_with_cache
-
-            return gdn_forward_with_cache(
-                module, hidden_states, attention_mask, cache, cu_seqlens=cu_seq_lens_q
-            )
-        return layer_forward(
-            module, hidden_states, attention_mask, cu_seqlens=cu_seq_lens_q, prefill_states=prefill_states
-        )
-
-    return forward
-
-
-def attention_heads(module: nn.Module) -> tuple[int, int]:
-    """(query heads, K/V heads) of a softmax-attention layer, ours or transformers'."""
-    if from_transformers(module):
-        return int(module.config.num_attention_heads), int(module.config.num_key_value_heads)
-    return int(module.num_heads), int(module.num_kv_heads)
 
 
 class AttentionTensorParallel(ParallelStyle):
@@ -249,7 +230,8 @@ class AttentionTensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         tp, rank, group = device_mesh.size(), device_mesh.get_local_rank(), device_mesh.get_group()
-        heads, kv_heads = attention_heads(module)
+        adapter = module_adapter_for(module)
+        heads, kv_heads = adapter.attention_heads(module)
         _local_linear(module.q_proj, device_mesh, 0)
         if kv_heads % tp == 0:
             local_kv = kv_heads // tp
@@ -263,11 +245,8 @@ class AttentionTensorParallel(ParallelStyle):
         _local_linear(module.o_proj, device_mesh, 1)
         _whole_with_summed_grads(module.q_norm, group)
         _whole_with_summed_grads(module.k_norm, group)
-        setattr(module, TP_RECORD, (heads, kv_heads))
-        if from_transformers(module):
-            module.num_key_value_groups = (heads // tp) // local_kv
-        else:
-            module.num_heads, module.num_kv_heads = heads // tp, local_kv
+        _record(module, "attention", device_mesh, (heads, kv_heads))
+        adapter.set_local_attention_heads(module, heads // tp, local_kv)
         _block_hooks(module, group, ("hidden_states",))
         return module
 
@@ -294,7 +273,7 @@ class MLPTensorParallel(ParallelStyle):
     ``Shard(1)``; the output summed over the TP group."""
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        setattr(module, TP_RECORD, module.gate_proj.weight.shape[0])
+        _record(module, "mlp", device_mesh, (int(module.gate_proj.weight.shape[0]),))
         _local_swiglu(module, device_mesh)
         _block_hooks(module, device_mesh.get_group(), ("x", "hidden_states"))
         return module
@@ -316,7 +295,7 @@ class MoETensorParallel(ParallelStyle):
         _shard(experts, "down_proj", device_mesh, 2)
         canonical = torch.as_tensor(gate_up_local_order(intermediate, device_mesh.size()))
         experts.forward = _local_experts_forward(experts, canonical)
-        setattr(module, TP_RECORD, intermediate)
+        _record(module, "moe", device_mesh, (int(intermediate),))
         _block_hooks(module, group, ("hidden_states",))
         return module
 

@@ -9,7 +9,9 @@ innermost), asserted in tests/tensor_parallel/test_mindspore_styles.py. Run by
   input-gradient shard and every parameter gradient (summed over cp, the TP parts put back
   together); the TP parts of the weights put back together against the one-device weights; the
   local parameter shapes; the bytes this rank sent in the forward and backward; the ranks of this
-  rank's cp and tp groups.
+  rank's cp and tp groups; what the cell's ``HeadShard`` says (kind, size, rank, the whole sizes,
+  the largest difference between its weights and the whole layer's at the rank's heads) and
+  whether the one-device cell has none.
 - ``tp_model``: the whole MindSpore Qwen3.5 model (dense and MoE) under ``apply_tensor_parallel`` then
   ``apply_context_parallel`` (p2p, head_tail) against one device; a refused model.
 - ``tp_bad_input``: wrong set-ups, the same on every rank: (error type, message), whether the
@@ -94,6 +96,7 @@ def _case(
     whole_weights = {n: p.asnumpy() for n, p in single_cell.parameters_and_names()}
     single = {k: platform.to_numpy(v) for k, v in _run(platform, single_cell, x, cot, cu).items()}
     cell = tp_style.apply(make(), tp_mesh)
+    shard = _shard_record(cell, single_cell, whole_weights)
     local_shapes = {n: list(p.shape) for n, p in cell.parameters_and_names()}
     weights = whole_parameters(cell, dict(cell.parameters_and_names()), tp_mesh)
     index: Any = slice(None)
@@ -119,6 +122,33 @@ def _case(
         "weights": {k: float(np.abs(v - whole_weights[k]).max()) for k, v in weights.items()},
         "local_shapes": local_shapes,
         "whole_shapes": {k: list(v.shape) for k, v in whole_weights.items()},
+        "shard": shard,
+    }
+
+
+def _shard_record(cell: Any, single_cell: Any, whole_weights: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The split ``cell``'s HeadShard: its fields, and how far its weights are from the whole
+    layer's at this rank's heads (a GDN layer's A_log and dt_bias; an attention's o_proj columns)."""
+    from hyperpar_gdn.ops.head_shard import head_shard_of
+
+    shard = head_shard_of(cell)
+    weights = shard.weights()
+    if shard.kind == "gdn":
+        heads = list(shard.owned(shard.sizes[2]))
+        local = {"A_log": weights.a_log, "dt_bias": weights.dt_bias}
+        expected = {name: whole_weights[name][heads] for name in local}
+    else:
+        d = int(cell.head_dim)
+        columns = [h * d + j for h in shard.owned(shard.sizes[0]) for j in range(d)]
+        local = {"o_proj.weight": weights[3]}
+        expected = {"o_proj.weight": whole_weights["o_proj.weight"][:, columns]}
+    return {
+        "kind": shard.kind,
+        "size": shard.size,
+        "rank": shard.rank,
+        "sizes": list(shard.sizes),
+        "whole_has_none": head_shard_of(single_cell) is None,
+        "heads": max(float(np.abs(v.asnumpy() - expected[k]).max()) for k, v in local.items()),
     }
 
 

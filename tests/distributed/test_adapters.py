@@ -1,6 +1,7 @@
 """The model adapters' registry: each model family is served by the adapter that does not
 decline it (ours, transformers'), asked by the core instead of a type name; a model or layer that
-none serves is refused with every adapter's reason; a family registered from outside is found."""
+none serves is refused with every adapter's reason; a family registered from outside is found;
+a module's family (what tensor parallelism asks) is the adapter that owns it, else ours."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from hyperpar_gdn.distributed.decoder_layers import (
     DecoderAdapter,
     adapter_for,
     find_decoder,
+    is_silu,
     layer_adapter_for,
     mixers_of,
+    module_adapter_for,
 )
 from hyperpar_gdn.distributed.softmax_attention_style import SoftmaxAttentionContextParallel
 from hyperpar_gdn.integrations.transformers.adapter import TransformersAdapter
@@ -79,3 +82,19 @@ def test_a_family_registered_from_outside_is_found() -> None:
         ]
     finally:
         ADAPTERS.remove(StackAdapter)
+
+
+def test_a_modules_family_answers_for_its_layers() -> None:
+    ours, theirs = HybridLM(TINY_LM), tiny_model(moe=False)
+    for model, adapter, heads in ((ours, DecoderAdapter, (4, 2)), (theirs, TransformersAdapter, (4, 2))):
+        mixers = dict(mixers_of(find_decoder(model)[1]))
+        assert type(module_adapter_for(model)) is adapter
+        for mixer in mixers.values():
+            assert type(module_adapter_for(mixer)) is adapter, type(mixer)
+        assert module_adapter_for(mixers["self_attn"]).attention_heads(mixers["self_attn"]) == heads
+        forward = module_adapter_for(mixers["linear_attn"]).head_sharded_gdn_forward(mixers["linear_attn"])
+        assert (forward is None) == (adapter is DecoderAdapter)  # ours reads its weights through LayerWeights
+    assert type(module_adapter_for(torch.nn.Linear(2, 2))) is DecoderAdapter  # a module no family claims
+    assert module_adapter_for(torch.nn.Linear(2, 2)).attention_heads(torch.nn.Linear(2, 2)) is None
+    assert is_silu(theirs.model.layers[0].mlp.act_fn) and is_silu(torch.nn.SiLU())
+    assert not is_silu(torch.nn.GELU())

@@ -24,9 +24,9 @@ from hyperpar_gdn.distributed.decoder_layers import mixers_of, text_model_of
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.parallel_style import is_parallelized
 from hyperpar_gdn.models.lm import HybridLM, HybridLMConfig
+from hyperpar_gdn.ops.head_shard import head_shard_of
 from hyperpar_gdn.parallel.checkpointing import is_checkpointed
 from hyperpar_gdn.tensor_parallel import canonical_grads
-from hyperpar_gdn.tensor_parallel.styles import TP_RECORD
 
 T = 32
 
@@ -70,7 +70,7 @@ def _composed_worker(rank: int, world: int) -> dict[str, Any]:
         "fsdp": isinstance(model, FSDPModule),
         "ac": all(is_checkpointed(layer) for layer in layers),
         "cp": all(is_parallelized(mixer) for mixer in mixers),
-        "tp": all(getattr(mixer, TP_RECORD, None) is not None for mixer in mixers),
+        "tp": all(getattr(head_shard_of(mixer), "size", 1) == 2 for mixer in mixers),
     }
     cp = mesh["cp"]
     shard = shard_for_context_parallel(cp, ids, layout="head_tail")

@@ -325,6 +325,11 @@ def test_plan_refuses_what_it_does_not_cover() -> None:
     model.model.layers[0].mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(32, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"layer 0: mlp: down_proj has a bias"):
         tensor_parallel_plan(model.model, 2)
+    model = tiny_model(moe=False)
+    assert tensor_parallel_plan(model.model, 2)  # transformers' own SiLU passes
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match=r"layer 1: mlp: activation GELU is not the SiLU of the SwiGLU"):
+        tensor_parallel_plan(model.model, 2)
 
 
 def test_plan_refuses_lora() -> None:

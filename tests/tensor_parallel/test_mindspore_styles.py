@@ -58,6 +58,12 @@ def test_gdn_and_attention_at_tp2_cp2_equal_one_device() -> None:
             bad = {k: v for k, v in case["errors"].items() if not v <= TOL}
             assert not bad, f"rank {rank} {key}: {bad}"
             assert case["weights"] == dict.fromkeys(params, 0.0), f"rank {rank} {key}: {case['weights']}"
+            shard = case["shard"]  # the cell's HeadShard: the rank's heads of the whole layer
+            kv = 1 if key.startswith("attention/kv1/") else 2
+            kind, sizes = ("gdn", [2, 16, 4, 8]) if key.startswith("gdn/") else ("attention", [4, kv])
+            assert shard.pop("whole_has_none"), f"rank {rank} {key}: the one-device cell has a HeadShard"
+            expected = {"kind": kind, "size": 2, "rank": tp_rank, "sizes": sizes, "heads": 0.0}
+            assert shard == expected, f"rank {rank} {key}: {shard}"
             if "tp_only" in key:  # docs/tensor_parallel.md, bytes per rank: the block's output and
                 # its input's gradient (B T C each) and the gradients of the weights held whole (the
                 # gated norm's Dv = 8; q_norm and k_norm, D = 8 each), 4 bytes, to tp - 1 = 1 rank

@@ -5,7 +5,8 @@ imported (``import hyperpar_gdn`` imports it; transformers itself is imported on
 Their decoder layers are found by :mod:`.discovery`, each forward's inputs put right for a shard
 by :mod:`.hooks` (which passes the whole sequence's description to the mixers as ``cp_context=``:
 transformers' decoder layers pass their keywords on to both mixers) and their attention layers
-adapted by :mod:`.attention`.
+adapted by :mod:`.attention`. Under tensor parallelism their GDN layers take the forward of
+:mod:`.head_sharded`, and their hub kernels stay off (:mod:`.hub_kernels`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from hyperpar_gdn.distributed.adapters import ModelAdapter, register_adapter
-from hyperpar_gdn.integrations.transformers.discovery import ATTENTION_LAYERS, find_text_model, is_qwen35
+from hyperpar_gdn.integrations.transformers.discovery import (
+    ATTENTION_LAYERS,
+    find_text_model,
+    from_transformers,
+    is_qwen35,
+)
 
 __all__ = ["TransformersAdapter"]
 
@@ -25,6 +31,7 @@ class TransformersAdapter(ModelAdapter):
     language model of ``Qwen3_5(Moe)ForConditionalGeneration`` / ``Qwen3_5(Moe)Model``."""
 
     name = "transformers"
+    silu_activations = ("SiLU", "SiLUActivation")
 
     @classmethod
     def declines(cls, model: Any) -> str | None:
@@ -51,3 +58,23 @@ class TransformersAdapter(ModelAdapter):
         from hyperpar_gdn.integrations.transformers.attention import transformers_attention_forward
 
         return transformers_attention_forward(module, mesh, layout)
+
+    @classmethod
+    def owns(cls, obj: Any) -> bool:
+        return from_transformers(obj)
+
+    def attention_heads(self, module: Any) -> tuple[int, int] | None:
+        return int(module.config.num_attention_heads), int(module.config.num_key_value_heads)
+
+    def set_local_attention_heads(self, module: Any, heads: int, kv_heads: int) -> None:
+        module.num_key_value_groups = heads // kv_heads  # its forward reads the heads off the shapes
+
+    def head_sharded_gdn_forward(self, module: Any) -> Callable | None:
+        from hyperpar_gdn.integrations.transformers.head_sharded import head_sharded_gdn_forward
+
+        return head_sharded_gdn_forward(module)
+
+    def keep_installed_forwards(self, model: Any) -> None:
+        from hyperpar_gdn.integrations.transformers.hub_kernels import pause_hub_kernels
+
+        pause_hub_kernels(model)  # for good: a re-kernelization would drop the installed forwards

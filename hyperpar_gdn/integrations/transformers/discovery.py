@@ -10,6 +10,7 @@ __all__ = [
     "MULTIMODAL_MODELS",
     "TEXT_MODELS",
     "find_text_model",
+    "from_transformers",
     "is_qwen35",
 ]
 
@@ -17,6 +18,11 @@ TEXT_MODELS = ("Qwen3_5TextModel", "Qwen3_5MoeTextModel")
 MULTIMODAL_MODELS = ("Qwen3_5Model", "Qwen3_5MoeModel")
 CAUSAL_LMS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 ATTENTION_LAYERS = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
+
+
+def from_transformers(obj: Any) -> bool:
+    """Whether ``obj`` is an instance of a transformers class (a model or any of its modules)."""
+    return type(obj).__module__.split(".", 1)[0] == "transformers"
 
 
 def is_qwen35(model: Any) -> bool:

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
-from hyperpar_gdn.distributed.parallel_style import from_transformers
 from hyperpar_gdn.integrations.transformers.cache import store_gdn_states
+from hyperpar_gdn.integrations.transformers.discovery import from_transformers
 from hyperpar_gdn.platform import Tensor
 
 __all__ = ["cut_cache", "is_causal_lm", "step"]

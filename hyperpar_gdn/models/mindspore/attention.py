@@ -22,6 +22,7 @@ from hyperpar_gdn.ops.attention.softmax import (
     rope_cos_sin,
     self_attention,
 )
+from hyperpar_gdn.ops.head_shard import head_shard_of
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.platform import ops_for
 
@@ -78,10 +79,10 @@ class CausalSelfAttention(AttentionShell, nn.Cell):
 
     def projection_weights(self) -> tuple[ms.Tensor, ms.Tensor, ms.Tensor, ms.Tensor]:
         """The weights of ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` as the forward uses them;
-        under tensor parallelism this rank's (:mod:`hyperpar_gdn.tensor_parallel.mindspore`)."""
-        tensor_parallel = getattr(self, "_hyperpar_tp_weights", None)
-        if tensor_parallel is not None:
-            return tensor_parallel()
+        under tensor parallelism this rank's (:attr:`~hyperpar_gdn.ops.head_shard.HeadShard.weights`)."""
+        shard = head_shard_of(self)
+        if shard is not None and shard.weights is not None:
+            return shard.weights()
         return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight
 
     def construct(

@@ -25,6 +25,7 @@ import numpy as np
 
 from hyperpar_gdn.ops.gdn.kernels import gdn_rule
 from hyperpar_gdn.ops.gdn.varlen import check_doc_starts, conv_tap_masks, forward_constant, packed_doc_starts
+from hyperpar_gdn.ops.head_shard import head_shard_of
 from hyperpar_gdn.ops.prefill_states import PrefillStates, conv_state_of
 from hyperpar_gdn.ops.projections import Projection, projection, wrapper_of
 from hyperpar_gdn.ops.rms_norm_vjp import written_gated_rms_norm
@@ -80,7 +81,7 @@ class LayerDims:
             raise ValueError(
                 f"{type(module).__name__} is not a Qwen3.5 GDN layer: it lacks {', '.join(missing)}"
             )
-        norm = module.norm
+        norm, shard = module.norm, head_shard_of(module)
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         if eps is None:
             raise ValueError(f"{type(module).__name__}.norm has neither variance_epsilon nor eps")
@@ -92,7 +93,7 @@ class LayerDims:
             head_v_dim=int(module.head_v_dim),
             conv_kernel_size=int(module.conv_kernel_size),
             norm_eps=float(eps),
-            tp=int(getattr(module, "_hyperpar_tp_size", 1)),
+            tp=1 if shard is None else shard.size,
         )
 
     def tp_rank(self, tp: int) -> LayerDims:
@@ -123,11 +124,11 @@ class LayerWeights:
     @classmethod
     def of(cls, module: object) -> LayerWeights:
         """The layer's parts; under tensor parallelism this rank's local shards
-        (:class:`~hyperpar_gdn.tensor_parallel.styles.GatedDeltaNetTensorParallel`). Raises
+        (:attr:`~hyperpar_gdn.ops.head_shard.HeadShard.weights`). Raises
         ``NotImplementedError`` when its conv or gated norm is wrapped (:func:`wrapped_weights_error`)."""
-        tensor_parallel = getattr(module, "_hyperpar_tp_weights", None)
-        if tensor_parallel is not None:
-            return tensor_parallel()
+        shard = head_shard_of(module)
+        if shard is not None and shard.weights is not None:
+            return shard.weights()
         error = wrapped_weights_error(module, type(module).__name__)
         if error is not None:
             raise NotImplementedError(error)

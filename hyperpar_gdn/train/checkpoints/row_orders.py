@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hyperpar_gdn.ops.head_shard import head_shard_of
 from hyperpar_gdn.planning.tp_rules import gate_up_interleaved_order, qkv_grouped_order
 
 __all__ = [
@@ -42,20 +43,16 @@ def model_row_orders(model: torch.nn.Module) -> dict[str, Spec]:
     as the state dict leaves them)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
-    from hyperpar_gdn.ops.gdn.layer import LayerDims
-    from hyperpar_gdn.tensor_parallel.styles import TP_RECORD
-
     specs: dict[str, Spec] = {}
     for name, module in model.named_modules():
-        record = getattr(module, TP_RECORD, None)
+        shard = head_shard_of(module)
         name = name.replace(_CHECKPOINT_PREFIX, "")
         prefix = f"{name}." if name else ""
-        if isinstance(record, LayerDims):
-            sizes = [record.num_k_heads, record.head_k_dim, record.num_v_heads, record.head_v_dim]
+        if shard is not None and shard.kind == "gdn":
             for tensor in ("in_proj_qkv.weight", "conv1d.weight"):
-                specs[prefix + tensor] = {"kind": "qkv", "dim": 0, "sizes": sizes}
-        elif isinstance(record, int) and hasattr(module, "experts"):
-            specs[prefix + "experts.gate_up_proj"] = {"kind": "gate_up", "dim": 1, "sizes": [record]}
+                specs[prefix + tensor] = {"kind": "qkv", "dim": 0, "sizes": list(shard.sizes)}
+        elif shard is not None and shard.kind == "moe":
+            specs[prefix + "experts.gate_up_proj"] = {"kind": "gate_up", "dim": 1, "sizes": list(shard.sizes)}
     return specs
 
 

@@ -23,19 +23,33 @@ from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh, init_device_mesh
 from hyperpar_gdn.expert_parallel.style import EP_RECORD
 
-__all__ = ["expert_mesh", "expert_parameters", "sync_expert_parallel_grads"]
+__all__ = [
+    "EXPERT_MESH_AXES",
+    "expert_mesh",
+    "expert_mesh_shape",
+    "expert_parameters",
+    "sync_expert_parallel_grads",
+]
+
+EXPERT_MESH_AXES = ("ep_replica", "ep", "tp")
 
 
 def expert_mesh(shape: tuple[int, int, int], ep: int, *, device_type: str) -> DeviceMesh:
     """Collective: the mesh ``(dp cp / ep, ep, tp)`` (axes ``ep_replica``, ``ep``, ``tp``) over the
     ranks of the ``(dp, cp, tp)`` mesh ``shape``; ``ep`` must divide dp x cp."""
+    return init_device_mesh(device_type, expert_mesh_shape(shape, ep), mesh_dim_names=EXPERT_MESH_AXES)
+
+
+def expert_mesh_shape(shape: tuple[int, int, int], ep: int) -> tuple[int, int, int]:
+    """``(dp cp / ep, ep, tp)`` of the ``(dp, cp, tp)`` mesh ``shape`` (``ValueError`` unless ``ep``
+    divides dp x cp)."""
     dp, cp, tp = shape
     if ep < 1 or (dp * cp) % ep:
         raise ValueError(
             f"ep={ep} must divide the data-parallel x CP ranks dp x cp = {dp} x {cp} (expert parallelism "
             "spans ranks that hold different tokens)"
         )
-    return init_device_mesh(device_type, (dp * cp // ep, ep, tp), mesh_dim_names=("ep_replica", "ep", "tp"))
+    return dp * cp // ep, ep, tp
 
 
 def expert_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

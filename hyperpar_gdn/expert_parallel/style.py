@@ -32,6 +32,7 @@ from hyperpar_gdn.expert_parallel.grouped import grouped_swiglu
 
 __all__ = [
     "EP_RECORD",
+    "EXPERT_PARAMS",
     "ExpertParallel",
     "apply_expert_parallel",
     "expert_parallel_error",
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 EP_RECORD = "_hyperpar_ep"  # on every expert-parallel MoE block: (num_experts, ep)
-_EXPERT_PARAMS = {"gate_up_proj", "down_proj"}
+EXPERT_PARAMS = ("down_proj", "gate_up_proj")  # the routed experts' parameters
 
 
 def is_moe_block(mlp: Any) -> bool:
@@ -56,7 +57,7 @@ def expert_parallel_error(block: nn.Module, ep: int) -> str | None:
         return f"{type(block).__name__} is not a Qwen3.5 sparse MoE block (gate, experts, shared_expert)"
     experts = block.experts
     names = {n for n, _ in experts.named_parameters()}
-    if names != _EXPERT_PARAMS or hasattr(experts, "parametrizations"):
+    if names != set(EXPERT_PARAMS) or hasattr(experts, "parametrizations"):
         return (
             f"experts ({type(experts).__name__}, parameters {sorted(names)}) is not transformers' fused "
             "experts: expert parallelism splits gate_up_proj and down_proj themselves and would bypass "
@@ -123,7 +124,7 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f"expert parallelism at ep={ours.size()}: {error}")
         experts = module.experts
         num_experts = experts.gate_up_proj.shape[0]
-        for name in sorted(_EXPERT_PARAMS):
+        for name in sorted(EXPERT_PARAMS):
             _shard_experts(experts, name, torch_mesh)
         group, collectives, experts_fn = ours.get_group(), ours.platform.collectives, self.experts_fn
 

@@ -27,7 +27,8 @@ class ParallelConfig:
         gdn_kernel: the GDN layers' local kernel, ``"auto"``, ``"fla"`` or ``"native"``.
         seq_len: tokens per sequence, for ``cp_mode="auto"`` and only then.
         activation_checkpointing: recompute every decoder layer in the backward.
-        fsdp: shard parameters, gradients and optimizer state over the ``dp x cp`` ranks (FSDP2).
+        fsdp: shard parameters, gradients and optimizer state over the ``dp x cp`` ranks (FSDP2;
+            under expert parallelism the routed experts over the ranks that hold the same ones).
         bf16: compute in bf16: FSDP's gathered parameters (its shards and reductions stay fp32), and
             the dtype ``"auto"`` prices.
     """
@@ -74,13 +75,6 @@ class ParallelConfig:
                 )
         else:
             found += self._cp_errors()
-        if self.ep > 1 and self.fsdp:
-            found.append(
-                NotImplementedError(
-                    f"ep={self.ep} with fsdp=True: expert parallelism composes with context, tensor and data "
-                    "parallelism, each rank holding its experts and the rest whole; set fsdp=False"
-                )
-            )
         return found
 
     def check(self) -> None:

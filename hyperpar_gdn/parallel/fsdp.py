@@ -15,32 +15,40 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
+from hyperpar_gdn.expert_parallel.fsdp import fully_shard_experts
 
 __all__ = ["apply_fsdp", "fsdp_mesh_of"]
 
 
 def apply_fsdp(
-    model: torch.nn.Module, *, device_type: str, dp: int, bf16: bool = False, mesh: Any = None
+    model: torch.nn.Module,
+    *,
+    device_type: str,
+    dp: int,
+    bf16: bool = False,
+    mesh: Any = None,
+    expert_replicas: Any = None,
 ) -> None:
     """Shard parameters, gradients and optimizer state over every rank (FSDP2). ``bf16``: the
     gathered parameters are bf16 for compute, the sharded ones (what AdamW updates and
     checkpoints hold) stay fp32 and gradients are reduced in fp32. ``mesh``: the 1-D torch mesh to
     shard over (under tensor parallelism the flattened ``(dp, cp)`` axes of the ``(dp, cp, tp)``
-    mesh whose ``tp`` axis holds the TP shards); default: every rank."""
+    mesh whose ``tp`` axis holds the TP shards); default: every rank. ``expert_replicas``: under
+    expert parallelism, the ``ep_replica`` axis the routed experts are sharded over instead
+    (:func:`~hyperpar_gdn.expert_parallel.fsdp.fully_shard_experts`)."""
     if mesh is None:
         mesh = fsdp_mesh_of(device_type)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     options = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
-    for layer in text_model_of(model).layers:
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(float(dp))
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    if expert_replicas is not None:
+        fully_shard_experts(model, expert_replicas, dp=dp, mp_policy=policy)
+    for module in (*text_model_of(model).layers, model):
+        fully_shard(module, **options)
+        module.set_gradient_divide_factor(float(dp))
+        module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
 
 def fsdp_mesh_of(device_type: str, tp_mesh: Any = None) -> Any:

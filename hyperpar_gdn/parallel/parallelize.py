@@ -51,14 +51,14 @@ class Parallelized:
         cp_plan: the context-parallel plan (``"auto"``'s choice, its ``reason`` saying why), or None.
         tp_mesh: torch's ``(dp, cp, tp)`` mesh under tensor parallelism, else None.
         ep_mesh: the ``(ep_replica, ep, tp)`` mesh under expert parallelism
-            (:func:`~hyperpar_gdn.expert_parallel.grads.expert_mesh`), else None.
+            (:func:`~hyperpar_gdn.expert_parallel.grads.expert_mesh`; torch's under FSDP), else None.
         fsdp_mesh: the 1-D torch mesh FSDP shards over, else None.
     """
 
     model: Any
     cp_plan: CPPlan | None
     tp_mesh: Any
-    ep_mesh: DeviceMesh | None
+    ep_mesh: Any
     fsdp_mesh: Any
 
 
@@ -258,9 +258,11 @@ def _apply(model: Any, mesh: DeviceMesh, config: ParallelConfig, plan: CPPlan | 
     try:
         if config.ep > 1:
             from hyperpar_gdn.expert_parallel import apply_expert_parallel
+            from hyperpar_gdn.expert_parallel.fsdp import expert_torch_mesh
             from hyperpar_gdn.expert_parallel.grads import expert_mesh
 
-            ep_mesh = expert_mesh((sizes["dp"], sizes["cp"], config.tp), config.ep, device_type=device_type)
+            build = expert_torch_mesh if config.fsdp else expert_mesh  # FSDP shards over torch's axes
+            ep_mesh = build((sizes["dp"], sizes["cp"], config.tp), config.ep, device_type=device_type)
             apply_expert_parallel(model, ep_mesh["ep"])
         if config.tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
@@ -287,7 +289,15 @@ def _apply(model: Any, mesh: DeviceMesh, config: ParallelConfig, plan: CPPlan | 
             from hyperpar_gdn.parallel.fsdp import apply_fsdp, fsdp_mesh_of
 
             fsdp_mesh = fsdp_mesh_of(device_type, tp_mesh)
-            apply_fsdp(model, device_type=device_type, dp=sizes["dp"], bf16=config.bf16, mesh=fsdp_mesh)
+            replicas = None if ep_mesh is None else ep_mesh["ep_replica"]  # the experts' own axis
+            apply_fsdp(
+                model,
+                device_type=device_type,
+                dp=sizes["dp"],
+                bf16=config.bf16,
+                mesh=fsdp_mesh,
+                expert_replicas=replicas,
+            )
     except BaseException:
         for step in reversed(undo):
             step()

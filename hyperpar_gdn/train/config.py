@@ -223,11 +223,6 @@ class TrainConfig:
                     f"{flag} {value} acts on a MoE model's experts and router; the built-in model has none: "
                     "pass --model DIR of a Qwen3.5 MoE model"
                 )
-        if self.ep > 1 and self.fsdp:
-            raise NotImplementedError(
-                f"--ep {self.ep} with --fsdp: expert parallelism composes with CP, TP and data parallelism "
-                "here, each rank holding its experts and the rest whole; drop --fsdp"
-            )
         if self.on_save_error not in SAVE_ERROR_POLICIES:
             raise ValueError(f"--on-save-error {self.on_save_error!r} is not one of stop, continue")
         if self.max_memory_gb is not None and not self.max_memory_gb > 0:

@@ -39,7 +39,6 @@ def test_good_options_have_no_errors_and_name_their_plan() -> None:
         ({"cp_mode": "p2p", "cp_inner_size": 2}, "inner_size is given with the two-level modes"),
         ({"cp_mode": "p2p", "cp_layout": "zigzag"}, "zigzag"),
         ({"cp_mode": "auto", "seq_len": 64, "cp_chunk_size": 0}, "chunk_size must be a positive int; got 0"),
-        ({"ep": 2, "fsdp": True}, "ep=2 with fsdp=True"),
     ],
 )
 def test_each_broken_rule_is_one_line_naming_the_value(options: dict, message: str) -> None:

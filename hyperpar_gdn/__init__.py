@@ -60,7 +60,7 @@ _EXPORTS = {
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "apply_tensor_parallel": "hyperpar_gdn.tensor_parallel.apply",
     "ParallelConfig": "hyperpar_gdn.parallel.config",
-    "parallelize": "hyperpar_gdn.parallel.parallelize",
+    "parallelize": "hyperpar_gdn.parallel.compose",
     "plan_context_parallel": "hyperpar_gdn.planning.ranking",
     "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "prefill_context_parallel": "hyperpar_gdn.inference.prefill",

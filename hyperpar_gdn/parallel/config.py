@@ -1,4 +1,4 @@
-"""What :func:`~hyperpar_gdn.parallel.parallelize.parallelize` applies: one frozen record of every
+"""What :func:`~hyperpar_gdn.parallel.compose.parallelize` applies: one frozen record of every
 parallelism's options, checked on its own (no model, no mesh, no framework)."""
 
 from __future__ import annotations

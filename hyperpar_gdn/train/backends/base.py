@@ -34,7 +34,7 @@ __all__ = ["TrainBackend", "parallelize_run"]
 
 def parallelize_run(backend: Any, config: TrainConfig, model: Any, mesh: DeviceMesh, *, cp: bool) -> Any:
     """Apply the run's parallelisms to ``model`` over the run's ``mesh`` through
-    :func:`~hyperpar_gdn.parallel.parallelize.parallelize` (the options' one translation into a
+    :func:`~hyperpar_gdn.parallel.compose.parallelize` (the options' one translation into a
     :class:`~hyperpar_gdn.parallel.config.ParallelConfig`) and return what it made; ``cp``: whether
     the mixers become context-parallel layers (a transformers model gets ours even at cp 1). Sets
     ``backend.cp_mode`` (the mode run) and ``backend.cp_plan`` (for --cp-mode auto the cost

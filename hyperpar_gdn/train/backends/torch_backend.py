@@ -1,7 +1,7 @@
 """The torch half of a training run (CPU/gloo, CUDA/NCCL, Ascend/HCCL through torch-npu).
 
 The model is the built-in :class:`~hyperpar_gdn.models.lm.HybridLM` (seeded by the trainer) or a
-transformers Qwen3.5 model read from ``--model DIR``; :func:`~hyperpar_gdn.parallel.parallelize`
+transformers Qwen3.5 model read from ``--model DIR``; :func:`~hyperpar_gdn.parallel.compose.parallelize`
 applies ``--ep``, ``--tp`` (over the TP axis of a torch ``(dp, cp, tp)`` mesh), context
 parallelism (a transformers model gets our layers even without CP: its own would drop the packed
 documents on a CPU), ``--ac`` and ``--fsdp``, in that order.

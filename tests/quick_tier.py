@@ -221,6 +221,10 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_summary_with_doc_starts",
         "test_layer_with_packed_documents",
     ),
+    "tests/ops/test_head_shard.py": (
+        "test_a_record_names_its_rank_heads_and_is_set_once",
+        "test_a_tp_split_layer_records_its_ranks_heads",
+    ),
     "tests/ops/test_lm_loss.py": (
         "test_equals_cross_entropy_over_logits",
         "test_bf16_hidden_states",

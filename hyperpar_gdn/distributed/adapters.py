@@ -35,6 +35,8 @@ class ModelAdapter:
     serve (:meth:`declines`, :meth:`declines_layer`: None, or why not) and implement the rest."""
 
     name: ClassVar[str] = ""
+    models: ClassVar[str] = ""  # the whole models it serves, in words (errors list them)
+    attention_layers: ClassVar[str] = ""  # the attention layers it serves, in words
     silu_activations: ClassVar[tuple[str, ...]] = ("SiLU",)  # this family's SiLU module classes
 
     @classmethod

@@ -59,9 +59,8 @@ def adapter_for(model: Any) -> ModelAdapter:
     if adapter is not None:
         return adapter
     raise ValueError(
-        f"{type(model).__name__} has no decoder layers to parallelize: expected HybridLM or transformers' "
-        "Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, their text models, or "
-        f"Qwen3_5(Moe)ForConditionalGeneration ({'; '.join(reasons) or 'no adapter registered'})"
+        f"{type(model).__name__} has no decoder layers to parallelize: expected "
+        f"{' or '.join(cls.models for cls in _ours_first())} ({'; '.join(reasons) or 'no adapter registered'})"
     )
 
 
@@ -72,9 +71,14 @@ def layer_adapter_for(module: Any) -> ModelAdapter:
         return adapter
     raise TypeError(
         f"{type(module).__name__}: SoftmaxAttentionContextParallel supports "
-        "hyperpar_gdn.models.attention.CausalSelfAttention and transformers' Qwen3.5 attention "
+        f"{' and '.join(cls.attention_layers for cls in _ours_first())} "
         f"({'; '.join(reasons) or 'no adapter registered'})"
     )
+
+
+def _ours_first() -> list[type[ModelAdapter]]:
+    """The registered adapters, this library's own first (the order errors list them in)."""
+    return sorted(ADAPTERS, key=lambda cls: cls is not DecoderAdapter)
 
 
 def module_adapter_for(obj: Any) -> ModelAdapter:
@@ -136,6 +140,8 @@ class DecoderAdapter(ModelAdapter):
     (:class:`~hyperpar_gdn.models.attention.CausalSelfAttention`)."""
 
     name = "decoder"
+    models = "HybridLM"
+    attention_layers = "hyperpar_gdn.models.attention.CausalSelfAttention"
 
     @classmethod
     def declines(cls, model: Any) -> str | None:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from hyperpar_gdn.distributed.decoder_layers import find_decoder
+from hyperpar_gdn.distributed.decoder_layers import find_decoder, is_silu
 from hyperpar_gdn.distributed.mesh import DeviceMesh, as_cp_mesh
 from hyperpar_gdn.expert_parallel.dispatch import expert_parallel_experts
 from hyperpar_gdn.expert_parallel.grouped import grouped_swiglu
@@ -68,7 +68,7 @@ def expert_parallel_error(block: nn.Module, ep: int) -> str | None:
             "the experts are already split (tensor parallelism?): apply expert parallelism to whole experts"
         )
     act = getattr(experts, "act_fn", None)
-    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+    if not is_silu(act):
         return f"experts: activation {type(act).__name__} is not the SiLU of the SwiGLU experts"
     num_experts = experts.gate_up_proj.shape[0]
     if num_experts % ep:

@@ -44,6 +44,7 @@ def test_what_no_adapter_serves_is_refused_with_every_reason() -> None:
     for cls in ADAPTERS:
         assert f"{cls.name}: {cls.declines(torch.nn.Linear(2, 2))}" in str(model_error.value)
     assert "decoder: its forward takes no cp_context=" in str(model_error.value)
+    assert "expected HybridLM or transformers' Qwen3_5ForCausalLM" in str(model_error.value)
     assert "transformers: not one of transformers' Qwen3.5 models" in str(model_error.value)
     error = SoftmaxAttentionContextParallel.error(torch.nn.Linear(2, 2))
     assert error is not None and "decoder: Linear has no project()" in error, error

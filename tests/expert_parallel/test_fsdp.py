@@ -4,7 +4,7 @@ data x CP ranks. After one backward every gradient, gathered whole, and the grad
 the same model's without FSDP synced by ``sync_expert_parallel_grads`` (summed over cp, averaged
 over dp; the experts' summed over their replicas and divided by dp): on one replica (where FSDP
 reduces nothing but still divides), on two cut by expert, and on two cut along dim 1 (one expert
-per rank)."""
+per rank). Each rank holds the parameters the memory plan counts for it."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from hyperpar_gdn.expert_parallel import apply_expert_parallel
 from hyperpar_gdn.expert_parallel.fsdp import expert_torch_mesh
 from hyperpar_gdn.expert_parallel.grads import expert_mesh, expert_parameters, sync_expert_parallel_grads
 from hyperpar_gdn.parallel.fsdp import apply_fsdp
+from hyperpar_gdn.planning.memory import StepOptions, estimate
+from hyperpar_gdn.planning.model_shape import ModelShape
 from hyperpar_gdn.train.backends.optim import clip_gradients
 
 B, T = 2, 32
@@ -53,6 +55,9 @@ def _worker(rank: int, world: int, dp: int, ep: int, num_experts: int) -> dict:
             for p in expert_parameters(model):  # a piece of this rank's experts: 1 / replicas of them
                 assert p.to_local().numel() * ep_mesh["ep_replica"].size() * ep == p.numel()
                 cuts.add(p.placements[0].dim)
+            held = sum(p.to_local().numel() for p in model.parameters())
+            opts = StepOptions(seq_len=T, rows=B, cp=cp, tp=1, ep=ep, world_size=world, fsdp=True)
+            planned = estimate(ModelShape.of(base.config), opts).terms["optimizer"] // 8  # 2 fp32 moments
         shard = shard_for_context_parallel(mesh["cp"], ids[rows])
         logits = model(**shard.model_inputs(), use_cache=False).logits
         context_parallel_loss(logits, shard.labels, mesh["cp"]).backward()
@@ -65,7 +70,7 @@ def _worker(rank: int, world: int, dp: int, ep: int, num_experts: int) -> dict:
         for name, want in grads[False].items()
     }
     errors["gradient norm"] = abs(norms[True] - norms[False]) / norms[False]
-    return {"errors": errors, "cuts": sorted(cuts)}
+    return {"errors": errors, "cuts": sorted(cuts), "held": held, "planned": planned}
 
 
 @pytest.mark.parametrize(
@@ -76,7 +81,12 @@ def _worker(rank: int, world: int, dp: int, ep: int, num_experts: int) -> dict:
 def test_fsdp_over_expert_replicas_gives_the_synced_gradients(
     world: int, dp: int, ep: int, num_experts: int, cut: int
 ) -> None:
-    for rank, result in enumerate(run_ranks(_worker, world, dp, ep, num_experts, timeout_s=400)):
+    results = run_ranks(_worker, world, dp, ep, num_experts, timeout_s=400)
+    # every parameter held once over the ranks: the memory plan's share per rank (E / (dp cp)
+    # experts' worth) on average, some ranks a row more of an uneven cut
+    held = [result["held"] for result in results]
+    assert abs(sum(held) - world * results[0]["planned"]) < world, (held, results[0]["planned"])
+    for rank, result in enumerate(results):
         assert result["cuts"] == [cut]
         assert len(result["errors"]) > 30
         for name, err in result["errors"].items():

@@ -31,6 +31,11 @@ class TransformersAdapter(ModelAdapter):
     language model of ``Qwen3_5(Moe)ForConditionalGeneration`` / ``Qwen3_5(Moe)Model``."""
 
     name = "transformers"
+    models = (
+        "transformers' Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, their text models, or "
+        "Qwen3_5(Moe)ForConditionalGeneration"
+    )
+    attention_layers = "transformers' Qwen3.5 attention"
     silu_activations = ("SiLU", "SiLUActivation")
 
     @classmethod

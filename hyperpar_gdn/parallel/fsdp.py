@@ -6,7 +6,8 @@ one axis (under tensor parallelism, over the flattened ``(dp, cp)`` axes of each
 the ``(dp, cp, tp)`` mesh): each CP rank holds whole-model gradient shares, just as a DP replica
 does. Its reduce-scatter sums the gradients over those ranks and divides by ``dp``: summed over
 each CP group, averaged over the DP replicas, exactly what the trainer's all-reduces do without
-FSDP.
+FSDP. Under expert parallelism the routed experts go first, over the ranks holding the same
+experts (:mod:`hyperpar_gdn.expert_parallel.fsdp`).
 """
 
 from __future__ import annotations

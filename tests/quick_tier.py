@@ -294,6 +294,11 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_load_torch_state_dict_names_what_is_wrong",
         "test_context_parallel_on_a_one_rank_mesh_and_undo",
     ),
+    "tests/parallel/test_parallel_config.py": (
+        "test_good_options_have_no_errors_and_name_their_plan",
+        "test_each_broken_rule_is_one_line_naming_the_value",
+    ),
+    "tests/parallel/test_compose.py": ("test_tp_cp_ac_fsdp_in_one_call_equal_one_process",),
     "tests/platform/test_torch_ops_take.py": ("test_take_equals_index_select_with_its_gradient",),
     "tests/platform/test_torch_platform.py": (
         "test_unknown_hp_platform_lists_valid_values",

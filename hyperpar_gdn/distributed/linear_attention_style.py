@@ -146,8 +146,9 @@ class LinearAttentionContextParallel(ParallelStyle):
         self.make_groups(cp_mesh)
         return self.install(module, cp_mesh)
 
-    def errors(self, layers: list[tuple[int, Any]], cp_mesh: DeviceMesh) -> list[Exception]:
-        """Why this style cannot be applied to the GDN layers ``(index, module)`` over ``cp_mesh``."""
+    def errors(self, layers: list[tuple[int, Any]], cp_mesh: DeviceMesh, *, tp: int = 1) -> list[Exception]:
+        """Why this style cannot be applied to the GDN layers ``(index, module)`` over ``cp_mesh``
+        (``tp``: once tensor parallelism has split them over ``tp`` ranks)."""
         already = [i for i, module in layers if is_parallelized(module)]
         found: list[Exception] = [
             ValueError(f"layer {i} already has context parallelism applied; undo() it first")
@@ -157,7 +158,7 @@ class LinearAttentionContextParallel(ParallelStyle):
             self.kernel_choice = resolve_kernel(self.plan.kernel, platform=cp_mesh.platform.name)
         except ValueError as error:
             found.append(error)
-        dims = [(i, LayerDims.of(module)) for i, module in layers]
+        dims = [(i, LayerDims.of(module).tp_rank(tp)) for i, module in layers]
         world = cp_mesh.platform.world_size()
         found += [NotImplementedError(e) for e in self._wrapper_errors(layers)][:1]
         return found + plan_errors(self.plan, dims, cp=cp_mesh.size(), ranks=cp_mesh.rank_list, world=world)

@@ -2,17 +2,17 @@
 
 Each EP rank holds its own ``E / ep`` experts; the ``ep_replica`` ranks of :func:`expert_torch_mesh`
 (the dp x cp / ep ranks at one EP and TP index) hold the same ones. :func:`fully_shard_experts`
-shards every expert-parallel block's experts over those replicas: the parameters become DTensors
-on the 2-D mesh ``(ep_replica, ep)``, placements ``(Shard(1), Shard(0))`` (FSDP cuts each rank's
-``[E / ep, 2I, C]`` and ``[E / ep, C, I]`` along their second dim, so no expert needs padding
-however few a rank holds). FSDP gathers them over ``ep_replica`` for the forward (EP's dispatch
-runs on the gathered ``E / ep`` experts) and its reduce-scatter sums their gradients over
-``ep_replica`` and divides by dp: what :func:`~.grads.sync_expert_parallel_grads` does without
-FSDP. torch composes the two only on axes of one torch mesh: the experts' EP axis must be
-``expert_torch_mesh(...)["ep"]``.
+shards every expert-parallel block's experts over those replicas: ``[E / ep, 2I, C]`` and
+``[E / ep, C, I]`` become DTensors on the 2-D mesh ``(ep_replica, ep)``, cut over the replicas by
+expert where they divide ``E / ep``, else along dim 1 (FSDP cuts another dim only evenly). FSDP
+gathers them over ``ep_replica`` for the forward (EP's dispatch runs on the gathered ``E / ep``
+experts) and its reduce-scatter sums their gradients over ``ep_replica``, then they are divided
+by dp: what :func:`~.grads.sync_expert_parallel_grads` does without FSDP. torch composes the two
+only on axes of one torch mesh: the experts' EP axis must be ``expert_torch_mesh(...)["ep"]``.
 
 Call it before ``fully_shard`` goes on the decoder layers and the model, which then leave the
-experts to their own group and shard every other parameter over the data x CP ranks.
+experts to their own group and shard every other parameter over the data x CP ranks
+(``apply_fsdp(..., expert_replicas=...)`` of :mod:`hyperpar_gdn.parallel.fsdp` does both).
 """
 
 from __future__ import annotations

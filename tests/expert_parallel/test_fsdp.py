@@ -14,6 +14,7 @@ import pytest
 import torch
 from distributed_harness import run_ranks
 from tiny_models import tiny_model
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hyperpar_gdn import (
@@ -91,3 +92,25 @@ def test_fsdp_over_expert_replicas_gives_the_synced_gradients(
         assert len(result["errors"]) > 30
         for name, err in result["errors"].items():
             assert err <= 1e-12, f"rank {rank} {name}: relative error {err:.2e}"
+
+
+def _refused(rank: int, world: int) -> str:
+    model = tiny_model(moe=True, num_experts=4)  # 2 experts per rank at ep 2; 2I = 48, C = 32
+    ep_mesh = expert_torch_mesh((1, world, 1), 2, device_type="cpu")
+    apply_expert_parallel(model, ep_mesh["ep"])
+    before = [(p.device_mesh, p.placements) for p in expert_parameters(model)]
+    with pytest.raises(ValueError) as refused:
+        apply_fsdp(model, device_type="cpu", dp=1, expert_replicas=ep_mesh["ep_replica"])
+    assert [(p.device_mesh, p.placements) for p in expert_parameters(model)] == before
+    assert not any(isinstance(m, FSDPModule) for m in model.modules())
+    return str(refused.value)
+
+
+def test_replicas_that_cut_no_dim_evenly_are_refused_before_any_change() -> None:
+    """3 replicas of 2 experts [2, 48, 32] and [2, 32, 24] (3 divides 2I but not C): one
+    ``ValueError`` on every rank, naming the sizes, the model as it was."""
+    for message in run_ranks(_refused, 6, timeout_s=400):
+        assert message == (
+            "FSDP over 3 expert replicas: this rank's experts (down_proj [2, 32, 24], gate_up_proj "
+            "[2, 48, 32]) divide by 3 neither by expert (dim 0) nor along dim 1"
+        )

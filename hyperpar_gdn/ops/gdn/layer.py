@@ -18,7 +18,7 @@ continues a document from the previous rank. Two stages use it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hyperpar_gdn.ops.gdn.kernels import gdn_rule
@@ -93,6 +93,13 @@ class LayerDims:
             norm_eps=float(eps),
             tp=1 if shard is None else shard.size,
         )
+
+    def tp_rank(self, tp: int) -> LayerDims:
+        """These sizes as one of ``tp`` ranks will hold them once tensor parallelism splits the
+        layer by heads (itself when it is split already, or ``tp`` is 1)."""
+        if tp == 1 or self.tp > 1:
+            return self
+        return replace(self, num_k_heads=self.num_k_heads // tp, num_v_heads=self.num_v_heads // tp, tp=tp)
 
 
 @dataclass(frozen=True)

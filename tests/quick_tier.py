@@ -27,7 +27,10 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_a_tp_rank_is_priced_on_its_heads",
         "test_the_split_ranking_follows_its_terms",
     ),
-    "tests/distributed/test_context.py": ("test_a_context_rebuilt_to_cast_its_tensors_shares_its_memo",),
+    "tests/distributed/test_context.py": (
+        "test_a_context_rebuilt_to_cast_its_tensors_shares_its_memo",
+        "test_packed_documents_are_checked_and_masked_once_per_forward[p2p]",
+    ),
     "tests/distributed/test_dtensor.py": ("test_placement_checks",),
     "tests/distributed/test_layout.py": (
         "test_head_tail_gives_rank_r_pieces_r_and_2cp_minus_1_minus_r",

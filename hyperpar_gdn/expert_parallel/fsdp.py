@@ -17,6 +17,7 @@ experts to their own group and shard every other parameter over the data x CP ra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch.distributed.tensor import Shard
 from hyperpar_gdn.expert_parallel.grads import EXPERT_MESH_AXES, expert_mesh_shape
 from hyperpar_gdn.expert_parallel.style import EP_RECORD, EXPERT_PARAMS
 
-__all__ = ["expert_torch_mesh", "fully_shard_experts"]
+__all__ = ["expert_torch_mesh", "fully_shard_experts", "replica_cut", "replica_cut_error"]
 
 
 def expert_torch_mesh(shape: tuple[int, int, int], ep: int, *, device_type: str) -> Any:
@@ -53,17 +54,11 @@ def fully_shard_experts(
     n = replicas.size()
     placements = {}
     for block in blocks:  # every block checked before any changes
-        local = {name: getattr(block.experts, name).to_local().shape for name in EXPERT_PARAMS}
-        if all(shape[0] % n == 0 for shape in local.values()):
-            placements[block] = Shard(0)
-        elif all(shape[1] % n == 0 for shape in local.values()):
-            placements[block] = Shard(1)
-        else:
-            sizes = ", ".join(f"{name} {list(shape)}" for name, shape in sorted(local.items()))
-            raise ValueError(
-                f"FSDP over {n} expert replicas: this rank's experts ({sizes}) divide by {n} neither by "
-                "expert (dim 0) nor along dim 1"
-            )
+        local = {name: tuple(getattr(block.experts, name).to_local().shape) for name in EXPERT_PARAMS}
+        dim = replica_cut(local, n)
+        if dim is None:
+            raise ValueError(replica_cut_error(local, n))
+        placements[block] = Shard(dim)
     options = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in blocks:
         cut = placements[block]
@@ -75,3 +70,21 @@ def fully_shard_experts(
         experts.set_force_sum_reduction_for_comms(True)
         experts.set_all_reduce_hook(lambda summed: summed.div_(dp))
     return len(blocks)
+
+
+def replica_cut(local: Mapping[str, tuple[int, ...]], replicas: int) -> int | None:
+    """The dim a rank's experts (``local``: their shapes by parameter name) are cut along over
+    ``replicas`` ranks: 0 (by expert) where the replicas divide them, else 1, else None."""
+    for dim in (0, 1):
+        if all(shape[dim] % replicas == 0 for shape in local.values()):
+            return dim
+    return None
+
+
+def replica_cut_error(local: Mapping[str, tuple[int, ...]], replicas: int) -> str:
+    """The line that refuses experts of shapes ``local`` which no dim of cuts over ``replicas``."""
+    sizes = ", ".join(f"{name} {list(shape)}" for name, shape in sorted(local.items()))
+    return (
+        f"FSDP over {replicas} expert replicas: this rank's experts ({sizes}) divide by {replicas} neither "
+        "by expert (dim 0) nor along dim 1"
+    )

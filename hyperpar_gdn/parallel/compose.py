@@ -156,7 +156,7 @@ def _check(model: Any, mesh: DeviceMesh, config: ParallelConfig) -> tuple[CPPlan
     errors = config.errors() + _mesh_errors(mesh, config)
     if errors:  # the model's checks read sizes these make sure of
         return None, errors
-    plan = None
+    plan, sizes = None, _sizes(mesh)
     try:
         if config.ep > 1:
             from hyperpar_gdn.expert_parallel.style import expert_parallel_errors
@@ -164,6 +164,10 @@ def _check(model: Any, mesh: DeviceMesh, config: ParallelConfig) -> tuple[CPPlan
             found = expert_parallel_errors(model, config.ep)
             if found:
                 errors.append(ValueError(f"expert parallelism at ep={config.ep}: " + "; ".join(found)))
+            elif config.fsdp:
+                errors += _expert_fsdp_errors(
+                    model, config.ep, replicas=sizes["dp"] * sizes["cp"] // config.ep
+                )
         if config.tp > 1:
             from hyperpar_gdn.tensor_parallel.apply import tensor_parallel_plan
 
@@ -178,6 +182,25 @@ def _check(model: Any, mesh: DeviceMesh, config: ParallelConfig) -> tuple[CPPlan
     except (ValueError, TypeError, NotImplementedError) as error:
         errors.append(error)
     return plan, errors
+
+
+def _expert_fsdp_errors(model: Any, ep: int, *, replicas: int) -> list[Exception]:
+    """FSDP over the experts' ``replicas``: each MoE block's experts, as one of ``ep`` ranks will
+    hold them, must cut over the replicas along some dim."""
+    from hyperpar_gdn.expert_parallel.fsdp import replica_cut, replica_cut_error
+    from hyperpar_gdn.expert_parallel.style import EXPERT_PARAMS, is_moe_block
+
+    for block in text_model_of(model).layers:
+        mlp = getattr(block, "mlp", None)
+        if is_moe_block(mlp):
+            local = {
+                n: (p.shape[0] // ep, *p.shape[1:])
+                for n, p in mlp.experts.named_parameters()
+                if n in EXPERT_PARAMS
+            }
+            if replica_cut(local, replicas) is None:
+                return [ValueError(replica_cut_error(local, replicas))]
+    return []
 
 
 def _resolve(model: Any, mesh: DeviceMesh, config: ParallelConfig) -> CPPlan:

@@ -193,3 +193,33 @@ def test_ranks_given_different_setups_all_stop(refusals: list) -> None:
 def test_a_failure_while_applying_undoes_cp_and_checkpointing(refusals: list) -> None:
     for rank, found in enumerate(refusals):
         assert found["undone"] == {"error": "RuntimeError: fully_shard failed", "unchanged": True}, rank
+
+
+def _experts_fsdp_worker(rank: int, world: int) -> dict[str, Any]:
+    from tiny_models import tiny_model
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model = tiny_model(moe=True, num_experts=4)  # 2 experts per rank at ep 2; 2I = 48, C = 32
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        parallelize(model, mesh, ParallelConfig(ep=2, fsdp=True, cp_mode="p2p"))
+    except ValueError as error:
+        message = str(error)
+    else:
+        message = ""
+    after = dict(model.named_parameters())
+    unchanged = all(
+        type(after[n]) is torch.nn.Parameter and torch.equal(after[n], t) for n, t in before.items()
+    )
+    return {"message": message, "unchanged": unchanged}
+
+
+def test_experts_fsdp_cannot_cut_is_refused_before_expert_parallelism() -> None:
+    """6 ranks, ep 2: 3 replicas of 2 experts [2, 48, 32] and [2, 32, 24]: refused by the checks,
+    before the experts are split (expert parallelism has no undo)."""
+    for result in run_ranks(_experts_fsdp_worker, 6, timeout_s=400):
+        assert result == {
+            "message": "FSDP over 3 expert replicas: this rank's experts (down_proj [2, 32, 24], gate_up_proj "
+            "[2, 48, 32]) divide by 3 neither by expert (dim 0) nor along dim 1",
+            "unchanged": True,
+        }

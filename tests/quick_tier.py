@@ -173,6 +173,7 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_conv_halo_is_masked_by_document",
         "test_conv_gradients_match_documents_alone",
         "test_conv_stage_checks",
+        "test_documents_build_their_masks_once_for_every_layer",
     ),
     "tests/ops/gdn/test_naive.py": (
         "test_matches_definition_fp64",

@@ -40,12 +40,11 @@ from hyperpar_gdn.platform import Tensor, ops_for
 
 class ForwardMemo:
     """What the layers of one forward compute once and share: ``documents``, the packed documents
-        of the token spans the GDN layers run on (:class:`~hyperpar_gdn.ops.gdn.varlen.Documents`,
-        which keep the masks built from them, on the device too) and, in a prefill of packed prompts,
-    ``shard_pieces``. A plain object, neither a dataclass
-        nor a container: a wrapper that rebuilds the context per module to cast its tensors (FSDP2's
-        mixed precision does, with ``dataclasses.replace``) copies the reference, so the layers still
-        share one memo."""
+    of the token spans the GDN layers run on (:class:`~hyperpar_gdn.ops.gdn.varlen.Documents`,
+    which keep the masks built from them, on the device too), and ``shard_pieces`` (a prefill of
+    packed prompts). A plain object, neither a dataclass nor a container: a wrapper that rebuilds
+    the context per module to cast its tensors (FSDP2's mixed precision does, with
+    ``dataclasses.replace``) copies the reference, so the layers still share one memo."""
 
     def __init__(self) -> None:
         self.documents: dict[tuple[tuple[tuple[int, int], ...], int], Documents] = {}

@@ -97,9 +97,9 @@ def _documents(seq_len: int, batch_size: int, cu_seqlens: Any, doc_starts: Any) 
         return Documents(starts)
     if doc_starts is None:
         return None
-    docs = isinstance(doc_starts, Documents)
-    shape = tuple(doc_starts.starts.shape) if docs else tuple(np.shape(doc_starts))
-    if batch_size != (doc_starts.rows if docs else 1) and shape != (batch_size, seq_len):
+    checked = isinstance(doc_starts, Documents)  # [R, T]
+    shape = tuple(doc_starts.starts.shape) if checked else tuple(np.shape(doc_starts))
+    if batch_size != (doc_starts.rows if checked else 1) and shape != (batch_size, seq_len):
         raise ValueError(
             f"packed documents (doc_starts) need batch size B=1 or one row per batch row [B, T] = "
             f"{(batch_size, seq_len)}; got B={batch_size}, doc_starts of shape {shape}"
@@ -129,7 +129,8 @@ def prepare_chunks(
         cu_seqlens: int ``[N+1]`` (fla's). The state entering the segment (``outputs_from``'s
             ``initial_state``, a summary's S_in) is document 0's initial state; documents 1..N-1
             start from zero; the final state is document N-1's.
-        doc_starts: bool ``[T]`` or ``[1, T]``, True at a document's first token (a context
+        doc_starts: bool ``[T]`` or ``[1, T]`` (or its :class:`~.varlen.Documents`, which keep
+            the masks for later calls), True at a document's first token (a context
             parallel shard's view). The entering state reaches the tokens before the first True
             (none when doc_starts[0] is True: it is then dropped, and a summary has M = 0).
             ``[B, T]`` with B > 1: each batch row its own segment with its own starts (the

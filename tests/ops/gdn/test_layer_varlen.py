@@ -1,6 +1,6 @@
 """The layer stages with packed documents: the causal conv restarts at each document (against a
 token-by-token reference and against each document alone), also across a halo as a context-parallel
-shard sees it, and the stage checks."""
+shard sees it, the stage checks, and the documents a forward's context hands to every layer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 from oracles import assert_close
 
+from hyperpar_gdn.ops.gdn import varlen
+from hyperpar_gdn.ops.gdn.kernels import gdn_rule
 from hyperpar_gdn.ops.gdn.layer import conv_silu, conv_silu_reference
+from hyperpar_gdn.ops.gdn.varlen import Documents
 from hyperpar_gdn.platform.torch_ops import TorchOps
 
 XP = TorchOps()
@@ -108,3 +111,46 @@ def test_conv_stage_checks() -> None:
         conv_silu(XP, mixed, weight, halo=halo, doc_starts=starts, halo_doc_starts=np.zeros(4, dtype=bool))
     with pytest.raises(ValueError, match=r"batch size B=1; got B=2"):
         conv_silu(XP, torch.cat([mixed, mixed]), weight, doc_starts=starts)
+
+
+def test_documents_build_their_masks_once_for_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same :class:`Documents` handed to two GDN layers' stages (as a forward's context hands
+    them): the results equal those of the raw arrays, the documents are checked once (when made) and
+    their conv and chunk masks built once, by the first layer; a refused combination names it."""
+    cu = (0, 3, 11, 20, 23)
+    starts = _starts(cu)
+    split = 6  # a shard from token 6 on, with a halo holding a document start
+    halo_starts = starts[split - (WIDTH - 1) : split]
+    docs = Documents.of(starts[split:], seq_len=cu[-1] - split, halo=halo_starts, width=WIDTH)
+    built: list[str] = []
+    for name in ("check_doc_starts", "conv_tap_masks", "chunk_mask_arrays"):
+        original = getattr(varlen, name)
+        monkeypatch.setattr(
+            varlen, name, lambda *a, _f=original, _n=name, **k: built.append(_n) or _f(*a, **k)
+        )
+    gen = torch.Generator().manual_seed(3)
+    t, h, d = cu[-1] - split, 2, 8
+    q, k, v = (torch.randn(1, t, h, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    g = -torch.rand(1, t, h, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, t, h, generator=gen, dtype=torch.float64)
+    layers = [(*_inputs(cu[-1], seed), seed) for seed in (1, 2)]  # their own weights and inputs
+    got = []
+    for mixed, weight, scale in layers:  # as two GDN layers of one forward: the same documents
+        halo = mixed[:, split - (WIDTH - 1) : split]
+        conv = conv_silu(XP, mixed[:, split:], weight, halo=halo, doc_starts=docs)
+        got.append((conv, gdn_rule(q * scale, k, v, g, beta, chunk_size=4, doc_starts=docs)[0]))
+    assert built == ["conv_tap_masks", "chunk_mask_arrays"], built  # by the first layer, checking nothing
+    for (mixed, weight, scale), (conv, rule) in zip(layers, got, strict=True):  # as the raw arrays give
+        halo = mixed[:, split - (WIDTH - 1) : split]
+        raw = conv_silu(
+            XP, mixed[:, split:], weight, halo=halo, doc_starts=starts[split:], halo_doc_starts=halo_starts
+        )
+        assert torch.equal(conv, raw)
+        assert torch.equal(
+            rule, gdn_rule(q * scale, k, v, g, beta, chunk_size=4, doc_starts=starts[split:])[0]
+        )
+    assert built.count("conv_tap_masks") == 3, built  # the raw arrays are masked on every call
+    with pytest.raises(ValueError, match="give no halo_doc_starts"):
+        conv_silu(XP, mixed[:, split:], weight, halo=halo, doc_starts=docs, halo_doc_starts=halo_starts)
+    with pytest.raises(ValueError, match="doc_starts must cover T=5 tokens; got documents of 17"):
+        conv_silu(XP, mixed[:, :5], weight, doc_starts=docs)

@@ -24,6 +24,8 @@ Public API (loaded on first use, so ``import hyperpar_gdn.ops`` stays light):
 - ``apply_context_parallel``, ``undo_context_parallel``: every layer of ``HybridLM`` or of
   transformers' Qwen3.5 models. ``apply_tensor_parallel``: their blocks split by heads and
   columns over a TP axis (torch DTensor), before context parallelism (docs/tensor_parallel.md).
+  ``parallelize``: expert, tensor and context parallelism, activation checkpointing and FSDP2 in
+  one call, in that order, every part checked first; ``ParallelConfig``: what it applies.
 - ``shard_for_context_parallel``, ``ContextParallelBatch``: a whole batch cut into this rank's
   shard with labels shifted on the whole sequence; ``context_parallel_loss``: this rank's term of
   the global mean loss; ``sync_context_parallel_grads``: the gradient shares summed over the CP
@@ -57,6 +59,8 @@ _EXPORTS = {
     "SoftmaxAttentionContextParallel": "hyperpar_gdn.distributed.softmax_attention_style",
     "apply_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "apply_tensor_parallel": "hyperpar_gdn.tensor_parallel.apply",
+    "ParallelConfig": "hyperpar_gdn.parallel.config",
+    "parallelize": "hyperpar_gdn.parallel.compose",
     "plan_context_parallel": "hyperpar_gdn.planning.ranking",
     "undo_context_parallel": "hyperpar_gdn.distributed.parallelize",
     "prefill_context_parallel": "hyperpar_gdn.inference.prefill",

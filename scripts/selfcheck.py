@@ -24,6 +24,10 @@ the TP ranks (:mod:`hyperpar_gdn.tensor_parallel`) before each mode runs over th
 on its TP rank's heads, and its gradients are made whole over tp before the comparison. The
 head-parallel modes then need the value heads divisible by tp x cp; the two-level ones cp >= 4.
 
+On torch one more row: a whole fp64 model (three GDN blocks of that layer's sizes and a
+softmax-attention block) made parallel by ``parallelize`` (split over the TP ranks, then p2p over
+the CP ranks), its logits and every parameter gradient against the same model on one device.
+
 ``--ep N`` (torch, with transformers): one more row, a Qwen3.5 sparse MoE block (8 experts or
 ``N``, top-2, hidden ``--hidden``) with its routed experts split over N consecutive ranks
 (:mod:`hyperpar_gdn.expert_parallel`), each rank bringing its own tokens of the batch: its output
@@ -198,7 +202,7 @@ def _main() -> int:
         raise ValueError(error)
     cp = world // tp
     if tp == 1:
-        mesh = init_device_mesh(platform.name, (world,), mesh_dim_names=("cp",))
+        mesh = full = init_device_mesh(platform.name, (world,), mesh_dim_names=("cp",))
     else:
         full = init_device_mesh(platform.name, (cp, tp), mesh_dim_names=("cp", "tp"))
         mesh, tp_mesh = full["cp"], full["tp"]
@@ -239,6 +243,16 @@ def _main() -> int:
             name = mode if plan.inner_size is None else f"{mode} (inner {plan.inner_size})"
             result = "ok" if passed[mode] else "FAIL"
             rows.append((name, f"{worst:.2e} ({worst_name})", f"{elapsed:.2f}s", result))
+        if platform.name == "npu":  # float64 is slow or missing on Ascend's vector units
+            rows.append(("model: parallelize", "skipped: an fp64 model on the CPU and CUDA only", "", ""))
+        elif platform.name != "mindspore":
+            start = time.perf_counter()
+            worst_name, worst = check_model(args, platform, full, tp)
+            passed["model"] = worst <= args.tolerance
+            elapsed = f"{time.perf_counter() - start:.2f}s"
+            result = "ok" if passed["model"] else "FAIL"
+            name = "model: parallelize" + (f" (tp {tp})" if tp > 1 else "")
+            rows.append((name, f"{worst:.2e} ({worst_name})", elapsed, result))
         if args.ep > 1:
             start = time.perf_counter()
             worst_name, worst = check_moe_block(args, platform)
@@ -252,6 +266,54 @@ def _main() -> int:
         platform.destroy()
     ok, total = sum(passed.values()), len(passed)
     return 0 if ok == total else 1
+
+
+def check_model(args: argparse.Namespace, platform: Platform, mesh: Any, tp: int) -> tuple[str, float]:
+    """(worst tensor, its error relative to its scale) of a whole fp64 model (``HybridLM``: three GDN
+    blocks of the checked layer's sizes and a softmax-attention block) made parallel by
+    ``parallelize`` (tensor parallelism over ``tp``, then p2p over the CP ranks) against the same model on one device: this rank's logits and every parameter gradient
+    (made whole over tp, summed over the CP ranks)."""
+    import copy
+
+    import torch
+
+    from hyperpar_gdn import ParallelConfig, parallelize, shard_for_context_parallel
+    from hyperpar_gdn.models.lm import HybridLM, HybridLMConfig
+    from hyperpar_gdn.tensor_parallel import canonical_grads
+
+    sizes = {"linear_key_head_dim": args.head_dim, "linear_value_head_dim": args.head_dim}
+    config = HybridLMConfig(
+        vocab_size=64, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_attention_heads=2 * tp,
+        num_key_value_heads=tp, head_dim=args.head_dim, linear_num_key_heads=args.k_heads,
+        linear_num_value_heads=args.v_heads, **sizes,
+    )  # fmt: skip
+    platform.manual_seed(args.seed)
+    model = HybridLM(config).to(platform.device, torch.float64)  # fp64: the gates' sums are exact
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), generator=gen)
+    weight = torch.randn(args.batch_size, args.seq_len, config.vocab_size, generator=gen, dtype=torch.float64)
+    ids, weight = ids.to(platform.device), weight.to(platform.device)
+    logits_ref = reference(ids)
+    (logits_ref * weight).sum().backward()
+
+    parallelize(model, mesh, ParallelConfig(tp=tp, cp_mode="p2p"))
+    cp = mesh["cp"]
+    shard = shard_for_context_parallel(cp, ids)
+    t = args.seq_len // cp.size()
+    mine = slice(cp.get_local_rank() * t, (cp.get_local_rank() + 1) * t)
+    logits = model(shard.input_ids)
+    (logits * weight[:, mine]).sum().backward()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+    errors = {"logits": rel(logits.detach(), logits_ref.detach()[:, mine])}
+    grads = canonical_grads(model)  # whole over tp, in the one-device layout
+    for name, p in reference.named_parameters():
+        grad = platform.collectives.all_reduce_sum(grads[name].contiguous(), cp.get_group())
+        errors[name] = rel(grad, p.grad)
+    return max(errors.items(), key=lambda item: item[1])
 
 
 def check_ep(args: argparse.Namespace, platform: str) -> None:

@@ -27,7 +27,10 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_a_tp_rank_is_priced_on_its_heads",
         "test_the_split_ranking_follows_its_terms",
     ),
-    "tests/distributed/test_context.py": ("test_a_context_rebuilt_to_cast_its_tensors_shares_its_memo",),
+    "tests/distributed/test_context.py": (
+        "test_a_context_rebuilt_to_cast_its_tensors_shares_its_memo",
+        "test_packed_documents_are_checked_and_masked_once_per_forward[p2p]",
+    ),
     "tests/distributed/test_dtensor.py": ("test_placement_checks",),
     "tests/distributed/test_layout.py": (
         "test_head_tail_gives_rank_r_pieces_r_and_2cp_minus_1_minus_r",
@@ -291,6 +294,11 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_load_torch_state_dict_names_what_is_wrong",
         "test_context_parallel_on_a_one_rank_mesh_and_undo",
     ),
+    "tests/parallel/test_parallel_config.py": (
+        "test_good_options_have_no_errors_and_name_their_plan",
+        "test_each_broken_rule_is_one_line_naming_the_value",
+    ),
+    "tests/parallel/test_compose.py": ("test_tp_cp_ac_fsdp_in_one_call_equal_one_process",),
     "tests/platform/test_torch_ops_take.py": ("test_take_equals_index_select_with_its_gradient",),
     "tests/platform/test_torch_platform.py": (
         "test_unknown_hp_platform_lists_valid_values",

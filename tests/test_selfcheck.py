@@ -2,8 +2,8 @@
 every one-level and two-level mode passes and auto names its pick; where the world or the heads
 do not allow a mode, its row says why it was skipped. With ``--tp 2`` (cp 2 x tp 2, the layer
 split by heads; torch under torchrun, MindSpore under msrun) every one-level mode passes and the
-two-level ones say why they are skipped; a ``--tp`` that does not fit the heads or the world is
-one error."""
+two-level ones say why they are skipped; on torch a whole model made parallel by ``parallelize``
+passes too; a ``--tp`` that does not fit the heads or the world is one error."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_four_ranks_check_every_mode_two_level_included(tmp_path: Path) -> None:
         assert re.search(rf"^{re.escape(mode)} \(inner 2\)\s+\S+ \([\w.]+\)\s+[\d.]+s\s+ok$", out, re.M), out
     picked = re.search(r"^auto\s+picks (\S+) \(its row above\)\s+ok$", out, re.M)
     assert picked and picked[1] in MODES, out
-    total = len(MODES) + len(TWO_LEVEL_MODES)
+    assert re.search(r"^model: parallelize\s+\S+ \([\w.]+\)\s+[\d.]+s\s+ok$", out, re.M), out
+    total = len(MODES) + len(TWO_LEVEL_MODES) + 1  # and the whole model
     assert out.rstrip().endswith(f"selfcheck: {total}/{total} ok, 0 skipped"), out
 
 
@@ -69,7 +70,8 @@ def test_four_ranks_at_tp2_check_every_mode_on_split_heads(tmp_path: Path) -> No
             rf"^{re.escape(mode)}\s+skipped: two levels need 4 or more ranks.*cp=2 \(tp=2\)", out, re.M
         )
     assert re.search(r"^auto\s+picks (\S+) \(its row above\)\s+ok$", out, re.M), out
-    n = len(MODES)
+    assert re.search(r"^model: parallelize \(tp 2\)\s+\S+ \([\w.]+\)\s+[\d.]+s\s+ok$", out, re.M), out
+    n = len(MODES) + 1  # and the whole model
     assert out.rstrip().endswith(f"selfcheck: {n}/{n} ok, {len(TWO_LEVEL_MODES)} skipped"), out
 
 

@@ -13,6 +13,7 @@ from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
 from hyperpar_gdn.distributed.cp.two_level import (
     Levels,
     make_levels,
+    node_spans,
     two_level_forward,
     two_level_length_error,
 )
@@ -32,7 +33,7 @@ from hyperpar_gdn.distributed.parallel_style import ParallelStyle, is_paralleliz
 from hyperpar_gdn.distributed.sequence import GlobalSequence, check_context
 from hyperpar_gdn.ops.gdn.kernels import GDNKernel, kernel_for_inputs, platform_of, resolve_kernel
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, gdn_layer_forward, wrapped_weights_error
-from hyperpar_gdn.ops.gdn.varlen import forward_constants, packed_doc_starts
+from hyperpar_gdn.ops.gdn.varlen import packed_doc_starts
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.planning.plan import (
     HEAD_MODES,
@@ -145,8 +146,9 @@ class LinearAttentionContextParallel(ParallelStyle):
         self.make_groups(cp_mesh)
         return self.install(module, cp_mesh)
 
-    def errors(self, layers: list[tuple[int, Any]], cp_mesh: DeviceMesh) -> list[Exception]:
-        """Why this style cannot be applied to the GDN layers ``(index, module)`` over ``cp_mesh``."""
+    def errors(self, layers: list[tuple[int, Any]], cp_mesh: DeviceMesh, *, tp: int = 1) -> list[Exception]:
+        """Why this style cannot be applied to the GDN layers ``(index, module)`` over ``cp_mesh``
+        (``tp``: once tensor parallelism has split them over ``tp`` ranks)."""
         already = [i for i, module in layers if is_parallelized(module)]
         found: list[Exception] = [
             ValueError(f"layer {i} already has context parallelism applied; undo() it first")
@@ -156,7 +158,7 @@ class LinearAttentionContextParallel(ParallelStyle):
             self.kernel_choice = resolve_kernel(self.plan.kernel, platform=cp_mesh.platform.name)
         except ValueError as error:
             found.append(error)
-        dims = [(i, LayerDims.of(module)) for i, module in layers]
+        dims = [(i, LayerDims.of(module).tp_rank(tp)) for i, module in layers]
         world = cp_mesh.platform.world_size()
         found += [NotImplementedError(e) for e in self._wrapper_errors(layers)][:1]
         return found + plan_errors(self.plan, dims, cp=cp_mesh.size(), ranks=cp_mesh.rank_list, world=world)
@@ -251,7 +253,7 @@ class LinearAttentionContextParallel(ParallelStyle):
             if error is not None:
                 raise ValueError(error)
             doc_starts = (
-                seq.doc_starts
+                seq.whole_docs()
                 if seq is not None
                 else packed_doc_starts(
                     batch_size=x.shape[0],
@@ -281,32 +283,30 @@ class LinearAttentionContextParallel(ParallelStyle):
             seq = GlobalSequence.build(lengths, rank=cp.rank, layout=self.layout, cu_seqlens=cu_seqlens)
         elif error is not None:  # the model checked its input on every rank: this rank's own error
             raise ValueError(error)
-        with forward_constants(seq.memo.device_constants):  # the packed documents' masks: once per forward
-            lengths, tokens = list(seq.lengths), seq.token_layout()
-            if self._levels_by_ranks:
-                return wrap(self._two_level(cp, call, x, attention_mask, lengths, seq.doc_starts, states))
-            check_lengths(self.mode, dims, tokens)
-            layout = None if tokens.is_contiguous else tokens
-            heads = self.mode in HEAD_MODES
-            docs = seq.shard_docs(dims.conv_kernel_size, by_fragment=layout is not None and not heads)
-            if docs is not None and (layout is None or heads):
-                docs = docs[0]
-            final = {"final_state": True} if states is not None else {}
-            pieces = None
-            if states is not None and docs is not None:  # packed prompts: a state per prompt
-                pieces = ShardPieces(seq.doc_starts, lengths, cp.rank)
-            if heads:
-                forward = ulysses_forward if self.mode == "ulysses" else ulysses_hidden_forward
-                y = forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
-            else:
-                packed = {} if pieces is None else {"pieces": pieces}
-                y = state_passing_forward(
-                    self.mode, cp, call, x, attention_mask, docs, layout, **final, **packed
-                )
-            if states is not None:
-                y, s = y
-                states.keep_gdn(module, self._conv_state(cp, call, x, attention_mask, tokens, pieces), s)
-            return wrap(y)
+        lengths, tokens = list(seq.lengths), seq.token_layout()
+        if self._levels_by_ranks:
+            return wrap(self._two_level(cp, call, x, attention_mask, lengths, seq, states))
+        check_lengths(self.mode, dims, tokens)
+        layout = None if tokens.is_contiguous else tokens
+        heads = self.mode in HEAD_MODES
+        if heads:  # the documents of the whole sequence, or those of this rank's shard: once per forward
+            docs = seq.whole_docs()
+        else:
+            docs = seq.shard_docs(dims.conv_kernel_size, by_fragment=layout is not None)
+        final = {"final_state": True} if states is not None else {}
+        pieces = None
+        if states is not None and docs is not None:  # packed prompts: a state per prompt
+            pieces = ShardPieces(seq.doc_starts, lengths, cp.rank)
+        if heads:
+            forward = ulysses_forward if self.mode == "ulysses" else ulysses_hidden_forward
+            y = forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
+        else:
+            packed = {} if pieces is None else {"pieces": pieces}
+            y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout, **final, **packed)
+        if states is not None:
+            y, s = y
+            states.keep_gdn(module, self._conv_state(cp, call, x, attention_mask, tokens, pieces), s)
+        return wrap(y)
 
     def _packed_prefill_error(
         self, cp: CPGroup, cu_seqlens: Any, position_ids: Any, states: PrefillStates | None
@@ -344,11 +344,11 @@ class LinearAttentionContextParallel(ParallelStyle):
         x: Any,
         attention_mask: Any,
         lengths: list[int],
-        doc_starts: Any,
+        seq: GlobalSequence,
         states: PrefillStates | None,
     ) -> Any:
-        """A two-level mode on this rank's shard, once the lengths are known on every rank;
-        ``doc_starts``: the whole sequence's (bool ``[T]``), or None."""
+        """A two-level mode on this rank's shard, once the lengths are known on every rank
+        (``seq``: the forward's context, which keeps the documents of the node's spans)."""
         if states is not None:
             raise NotImplementedError(
                 f"mode={self.mode!r} does not record prefill states; use a one-level mode"
@@ -360,8 +360,10 @@ class LinearAttentionContextParallel(ParallelStyle):
             raise ValueError(error)
         state_mode = self.mode.split("+")[1]
         levels = next(v for v in self._levels_by_ranks.values() if v.flat_group is cp.group)
+        spans = node_spans(lengths, self.inner_size, cp.rank, layout=self.layout)
+        docs = seq.documents(spans, call.dims.conv_kernel_size)
         return two_level_forward(
-            state_mode, levels, call, x, attention_mask, lengths, doc_starts, layout=self.layout
+            state_mode, levels, call, x, attention_mask, lengths, docs, layout=self.layout
         )
 
 

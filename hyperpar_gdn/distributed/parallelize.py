@@ -39,7 +39,13 @@ from hyperpar_gdn.planning.choice import choose_plan
 from hyperpar_gdn.planning.plan import CPPlan, check_mode
 from hyperpar_gdn.planning.ranking import machine_kind
 
-__all__ = ["apply_context_parallel", "resolve_plan", "text_model_of", "undo_context_parallel"]
+__all__ = [
+    "apply_context_parallel",
+    "context_parallel_errors",
+    "resolve_plan",
+    "text_model_of",
+    "undo_context_parallel",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -113,19 +119,7 @@ def apply_context_parallel(
     outer, text_model = adapter.decoder(model)
     mixers = mixers_of(text_model)
     linear_style = LinearAttentionContextParallel(plan=plan)
-    gdn = [(i, module) for i, (kind, module) in enumerate(mixers) if kind == "linear_attn"]
-    errors = linear_style.errors(gdn, cp_mesh)
-    attention = [
-        i for i, (kind, module) in enumerate(mixers) if kind != "linear_attn" and is_parallelized(module)
-    ]
-    errors += [
-        ValueError(f"layer {i} already has context parallelism applied; undo it first") for i in attention[:1]
-    ]
-    errors += [
-        TypeError(f"layer {i}: {e}")
-        for i, (kind, module) in enumerate(mixers)
-        if kind != "linear_attn" and (e := SoftmaxAttentionContextParallel.error(module)) is not None
-    ][:1]
+    errors = _errors(mixers, cp_mesh, linear_style)
     shapes = [(kind, layer_shape(m) if kind == "linear_attn" else ()) for kind, m in mixers]
     agree_on_plan(cp_mesh, plan, shapes, first(errors))
     linear_style.make_groups(cp_mesh)  # two levels: collective, before anything changes
@@ -145,6 +139,35 @@ def apply_context_parallel(
     return given
 
 
+def context_parallel_errors(model: Any, mesh: Any, plan: CPPlan, *, tp: int = 1) -> list[Exception]:
+    """Every reason :func:`apply_context_parallel` would refuse ``plan`` on ``model`` over the 1-D
+    ``mesh``, found on this rank alone: no communication, no change. ``tp``: the model's layers
+    are to be split over ``tp`` ranks by tensor parallelism first (the checks see a TP rank's
+    heads)."""
+    model = base_model_of(model)
+    _, text_model = adapter_for(model).decoder(model)
+    return _errors(mixers_of(text_model), as_cp_mesh(mesh), LinearAttentionContextParallel(plan=plan), tp=tp)
+
+
+def _errors(
+    mixers: list[tuple[str, Any]], cp_mesh: Any, linear_style: LinearAttentionContextParallel, *, tp: int = 1
+) -> list[Exception]:
+    gdn = [(i, module) for i, (kind, module) in enumerate(mixers) if kind == "linear_attn"]
+    errors = linear_style.errors(gdn, cp_mesh, tp=tp)
+    attention = [
+        i for i, (kind, module) in enumerate(mixers) if kind != "linear_attn" and is_parallelized(module)
+    ]
+    errors += [
+        ValueError(f"layer {i} already has context parallelism applied; undo it first") for i in attention[:1]
+    ]
+    errors += [
+        TypeError(f"layer {i}: {e}")
+        for i, (kind, module) in enumerate(mixers)
+        if kind != "linear_attn" and (e := SoftmaxAttentionContextParallel.error(module)) is not None
+    ][:1]
+    return errors
+
+
 def resolve_plan(
     model: Any,
     mesh: Any,
@@ -158,12 +181,13 @@ def resolve_plan(
     dtype: str = "bfloat16",
     kernel: str = "auto",
     devices_per_node: int | None = None,
+    tp: int = 1,
 ) -> CPPlan:
     """The plan that :func:`apply_context_parallel`'s arguments ask for (the same checks on every
     rank): ``plan`` itself, or one built from the keywords; for ``mode="auto"`` the one place that
-    turns auto into a plan: the model's GDN layer, the CP mesh's ranks and device kind and
-    ``devices_per_node`` handed to :func:`~hyperpar_gdn.planning.choice.choose_plan` (logged,
-    with why)."""
+    turns auto into a plan: the model's GDN layer (as one of ``tp`` ranks holds it once tensor
+    parallelism splits it), the CP mesh's ranks and device kind and ``devices_per_node`` handed to
+    :func:`~hyperpar_gdn.planning.choice.choose_plan` (logged, with why)."""
     if plan is not None:
         if not isinstance(plan, CPPlan):
             raise TypeError(f"plan must be a CPPlan; got {type(plan).__name__}")
@@ -206,7 +230,7 @@ def resolve_plan(
     # a mode the layers would refuse (ulysses_hidden over a wrapped projection) is not a choice
     refused = any(ulysses_hidden_error(m, "linear_attn") is not None for m in gdn)
     plan = choose_plan(
-        LayerDims.of(gdn[0]),  # every GDN layer of a model has the same shape
+        LayerDims.of(gdn[0]).tp_rank(tp),  # every GDN layer of a model has the same shape
         ranks=list(cp_mesh.rank_list),
         device=machine_kind(cp_mesh.device_type),
         seq_len=seq_len,

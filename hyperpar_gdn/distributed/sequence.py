@@ -15,7 +15,9 @@ packed documents' boundaries and starts as numpy arrays), checked once when it i
 no layer copies a device tensor to the host or checks the documents again: on a GPU or NPU each
 host copy is a synchronisation that stalls the launch queue, and it would be paid once per layer.
 It is one rank's view: its piece of the padding mask is cut once, when it is built, and the
-documents as its GDN layers' convs see them once, by the first layer that asks.
+documents of the spans its GDN layers run on once, by the first layer that asks, with the masks
+the layers build from them (:class:`~hyperpar_gdn.ops.gdn.varlen.Documents`): the later GDN
+layers of the forward check nothing, build nothing on the host and copy nothing to the device.
 
 Legend: B batch, T whole sequence, T_r rank r's piece.
 """
@@ -28,24 +30,23 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.distributed.cp.common import CPGroup, ShardDocs, shard_lengths
+from hyperpar_gdn.distributed.cp.common import CPGroup, shard_lengths
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
-from hyperpar_gdn.ops.gdn.varlen import check_cu_seqlens
+from hyperpar_gdn.ops.gdn.varlen import Documents, check_cu_seqlens
 from hyperpar_gdn.platform import Tensor, ops_for
 
 
 class ForwardMemo:
-    """What the layers of one forward compute once and share: ``shard_docs`` (the documents as the
-    GDN layers' convs see them) and ``device_constants`` (the device tensors built from them: masks,
-    fla's bounds; :func:`~hyperpar_gdn.ops.gdn.varlen.forward_constants`). A plain object, neither
-    a dataclass nor a container: a wrapper that rebuilds the context per module to cast its
-    tensors (FSDP2's mixed precision does, with ``dataclasses.replace``) copies the reference, so
-    the layers still share one memo."""
+    """What the layers of one forward compute once and share: ``documents``, the packed documents
+    of the token spans the GDN layers run on (:class:`~hyperpar_gdn.ops.gdn.varlen.Documents`,
+    which keep the masks built from them, on the device too). A plain object, neither a dataclass
+    nor a container: a wrapper that rebuilds the context per module to cast its tensors (FSDP2's
+    mixed precision does, with ``dataclasses.replace``) copies the reference, so the layers still
+    share one memo."""
 
     def __init__(self) -> None:
-        self.shard_docs: dict[tuple[int, bool], tuple[ShardDocs, ...]] = {}
-        self.device_constants: dict = {}
+        self.documents: dict[tuple[tuple[tuple[int, int], ...], int], Documents] = {}
 
 
 @dataclass(frozen=True)
@@ -129,23 +130,33 @@ class GlobalSequence:
         """int64 ``[T]``: the document of every token (packed documents), or None."""
         return None if self.doc_starts is None else np.cumsum(self.doc_starts) - 1
 
-    def shard_docs(self, width: int, *, by_fragment: bool) -> tuple[ShardDocs, ...] | None:
-        """The packed documents seen from this rank by a conv of ``width`` taps, or None: one
-        :class:`~.cp.common.ShardDocs` per fragment of the rank's shard (``by_fragment``), or one
-        for the contiguous piece ``[offset(rank), offset(rank) + T_r)``. Computed once per forward
-        (the first layer that asks keeps them here for the others)."""
+    def documents(self, spans: Sequence[tuple[int, int]], width: int) -> Documents | None:
+        """The packed documents of the token spans ``(start, length)`` (global order, all of one
+        length; one row each), each with the ``width - 1`` tokens before it as its conv halo, or
+        None without packed documents. Made once per forward, by the first GDN layer that asks,
+        and kept here with the masks the layers build from them."""
         if self.doc_starts is None:
             return None
-        key = (width, by_fragment)
-        if key not in self.memo.shard_docs:
-            starts, r = self.doc_starts, self.rank
-            spans = (
-                [(f.start, f.length) for f in self.token_layout().mine(r)]
-                if by_fragment
-                else [(self.offset(r), self.lengths[r])]
-            )
-            self.memo.shard_docs[key] = tuple(ShardDocs.of_segment(starts, a, t, width) for a, t in spans)
-        return self.memo.shard_docs[key]
+        key = (tuple((int(a), int(t)) for a, t in spans), width)
+        if key not in self.memo.documents:
+            before = np.concatenate([np.zeros(width - 1, dtype=bool), self.doc_starts])
+            starts = np.stack([self.doc_starts[a : a + t] for a, t in key[0]])
+            halo = np.stack([before[a : a + width - 1] for a, _ in key[0]])
+            self.memo.documents[key] = Documents(starts, halo)
+        return self.memo.documents[key]
+
+    def shard_docs(self, width: int, *, by_fragment: bool) -> Documents | None:
+        """The packed documents of this rank's shard as a conv of ``width`` taps sees them: one
+        row per fragment of the shard (``by_fragment``), or one for the contiguous piece
+        ``[offset(rank), offset(rank) + T_r)``; None without packed documents."""
+        r = self.rank
+        if by_fragment:
+            return self.documents([(f.start, f.length) for f in self.token_layout().mine(r)], width)
+        return self.documents([(self.offset(r), self.lengths[r])], width)
+
+    def whole_docs(self) -> Documents | None:
+        """The packed documents of the whole sequence (one row, no halo), or None."""
+        return self.documents([(0, sum(self.lengths))], 1)
 
 
 def check_context(

@@ -36,6 +36,7 @@ __all__ = [
     "ExpertParallel",
     "apply_expert_parallel",
     "expert_parallel_error",
+    "expert_parallel_errors",
     "is_moe_block",
 ]
 
@@ -155,20 +156,23 @@ def apply_expert_parallel(model: Any, mesh: Any, *, experts_fn: Any = grouped_sw
     before any communication, naming each layer, the value and the rule. Returns ``model``,
     changed in place."""
     ours, _ = _meshes(mesh)
-    _, text_model = find_decoder(model)
-    blocks = [
-        (i, block.mlp)
-        for i, block in enumerate(text_model.layers)
-        if is_moe_block(getattr(block, "mlp", None))
-    ]
-    errors = [
-        f"layer {i}: {e}" for i, mlp in blocks if (e := expert_parallel_error(mlp, ours.size())) is not None
-    ]
-    if not blocks:
-        errors.append("the model has no MoE block")
+    errors = expert_parallel_errors(model, ours.size())
     if errors:
         raise ValueError(f"expert parallelism at ep={ours.size()}: " + "; ".join(errors))
     style = ExpertParallel(experts_fn=experts_fn)
-    for _, mlp in blocks:
+    for _, mlp in _moe_blocks(model):
         style.apply(mlp, mesh)
     return model
+
+
+def expert_parallel_errors(model: Any, ep: int) -> list[str]:
+    """Why :func:`apply_expert_parallel` cannot split ``model``'s MoE blocks over ``ep`` ranks,
+    one line per layer (empty: it can); no communication, no change."""
+    blocks = _moe_blocks(model)
+    errors = [f"layer {i}: {e}" for i, mlp in blocks if (e := expert_parallel_error(mlp, ep)) is not None]
+    return errors if blocks else [*errors, "the model has no MoE block"]
+
+
+def _moe_blocks(model: Any) -> list[tuple[int, nn.Module]]:
+    _, text_model = find_decoder(model)
+    return [(i, b.mlp) for i, b in enumerate(text_model.layers) if is_moe_block(getattr(b, "mlp", None))]

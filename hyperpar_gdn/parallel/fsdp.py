@@ -6,7 +6,8 @@ one axis (under tensor parallelism, over the flattened ``(dp, cp)`` axes of each
 the ``(dp, cp, tp)`` mesh): each CP rank holds whole-model gradient shares, just as a DP replica
 does. Its reduce-scatter sums the gradients over those ranks and divides by ``dp``: summed over
 each CP group, averaged over the DP replicas, exactly what the trainer's all-reduces do without
-FSDP.
+FSDP. Under expert parallelism the routed experts go first, over the ranks holding the same
+experts (:mod:`hyperpar_gdn.expert_parallel.fsdp`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
 from hyperpar_gdn.expert_parallel.fsdp import fully_shard_experts
 
-__all__ = ["apply_fsdp"]
+__all__ = ["apply_fsdp", "fsdp_mesh_of"]
 
 
 def apply_fsdp(
@@ -40,7 +41,7 @@ def apply_fsdp(
     expert parallelism, the ``ep_replica`` axis the routed experts are sharded over instead
     (:func:`~hyperpar_gdn.expert_parallel.fsdp.fully_shard_experts`)."""
     if mesh is None:
-        mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+        mesh = fsdp_mesh_of(device_type)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     options = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     if expert_replicas is not None:
@@ -49,3 +50,11 @@ def apply_fsdp(
         fully_shard(module, **options)
         module.set_gradient_divide_factor(float(dp))
         module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+
+
+def fsdp_mesh_of(device_type: str, tp_mesh: Any = None) -> Any:
+    """The 1-D torch mesh FSDP shards over (collective): every rank, or under tensor parallelism
+    the flattened ``(dp, cp)`` axes of torch's ``(dp, cp, tp)`` mesh ``tp_mesh``."""
+    if tp_mesh is None:
+        return init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    return tp_mesh["dp", "cp"]._flatten("dp_cp")

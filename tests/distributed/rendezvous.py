@@ -36,12 +36,11 @@ import torch.distributed as dist
 
 from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall
 from hyperpar_gdn.distributed.cp.state_passing import state_passing_forward
-from hyperpar_gdn.distributed.cp.two_level import make_levels, two_level_forward
+from hyperpar_gdn.distributed.cp.two_level import make_levels, node_spans, two_level_forward
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.sequence import GlobalSequence
 from hyperpar_gdn.models.gated_deltanet import GatedDeltaNet
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights
-from hyperpar_gdn.ops.gdn.varlen import doc_starts_from_cu_seqlens
 from hyperpar_gdn.platform import torch_collectives
 from hyperpar_gdn.platform.torch_collectives import TorchCollectives
 from hyperpar_gdn.platform.torch_ops import TorchOps
@@ -185,19 +184,25 @@ def record_layer(case: Case) -> tuple[dict[int, list[Step]], dict[int, list[Step
                 state_mode, inner = case.mode.split("/")
                 platform = SimpleNamespace(new_group=lambda ranks: dist.new_group(ranks))
                 levels = make_levels(platform, group, list(range(cp)), int(inner))
-                whole = None if cu is None else doc_starts_from_cu_seqlens(cu, seq_len=t)
+                docs = None
+                if cu is not None:  # as the GDN style takes them from the forward's context
+                    seq = GlobalSequence.build(lengths, rank=rank, layout=case.layout, cu_seqlens=cu)
+                    spans = node_spans(lengths, int(inner), rank, layout=case.layout)
+                    docs = seq.documents(spans, dims.conv_kernel_size)
                 with recording(forward[rank]):
                     y = two_level_forward(
-                        state_mode, levels, call, x, None, lengths, whole, layout=case.layout
+                        state_mode, levels, call, x, None, lengths, docs, layout=case.layout
                     )
             else:
                 layout = None if tokens.is_contiguous else tokens
                 docs = None
                 if cu is not None:  # as the GDN style takes them from the forward's context
-                    by_fragment = layout is not None and case.mode != "ulysses"
                     seq = GlobalSequence.build(lengths, rank=rank, layout=case.layout, cu_seqlens=cu)
-                    docs = seq.shard_docs(dims.conv_kernel_size, by_fragment=by_fragment)
-                    docs = docs if by_fragment else docs[0]
+                    docs = (
+                        seq.whole_docs()
+                        if case.mode == "ulysses"
+                        else seq.shard_docs(dims.conv_kernel_size, by_fragment=layout is not None)
+                    )
                 with recording(forward[rank]):
                     if case.mode == "ulysses":
                         from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward

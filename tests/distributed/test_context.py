@@ -5,7 +5,10 @@ before (real gloo ranks, cp=2)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,10 +17,11 @@ from distributed_harness import run_ranks
 from tiny_models import tiny_model
 
 from hyperpar_gdn import apply_context_parallel, init_device_mesh, shard_for_context_parallel
-from hyperpar_gdn.distributed.cp.common import ShardDocs
+from hyperpar_gdn.distributed import sequence
 from hyperpar_gdn.distributed.decoder_layers import mixers_of, text_model_of
 from hyperpar_gdn.distributed.sequence import GlobalSequence
 from hyperpar_gdn.models import HybridLM, HybridLMConfig
+from hyperpar_gdn.ops.gdn import varlen
 
 T = 16
 CU = torch.tensor([0, 5, 12, 16])  # a document across the shard boundary at 8
@@ -33,6 +37,37 @@ def _record(module: Any, seen: list[dict[str, Any]]) -> None:
     module.forward = forward
 
 
+@contextlib.contextmanager
+def _counting() -> Iterator[Counter[str]]:
+    """Count, while it is open, the packed documents' host work: the Documents made (a view of the
+    documents for the spans the GDN layers run on), their checks (of cu_seqlens or doc_starts) and
+    the host builds of the conv's and the chunked rule's masks."""
+    counts: Counter[str] = Counter()
+    watched = {
+        "documents": (varlen.Documents, "__init__"),
+        "checks": (varlen, "check_doc_starts"),
+        "cu checks": (sequence, "check_cu_seqlens"),  # GlobalSequence.build's
+        "conv masks": (varlen, "conv_tap_masks"),
+        "chunk masks": (varlen, "chunk_mask_arrays"),
+    }
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in watched.items()}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name, (owner, attr) in watched.items():
+        setattr(owner, attr, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, (owner, attr) in watched.items():
+            setattr(owner, attr, originals[name])
+
+
 def _worker(rank: int, world: int) -> dict[str, object]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     ids = torch.randint(0, 61, (1, T), generator=torch.Generator().manual_seed(0))
@@ -45,16 +80,9 @@ def _worker(rank: int, world: int) -> dict[str, object]:
     for _, module in mixers_of(hybrid):
         _record(module, seen)
     window = slice(rank * T // world, (rank + 1) * T // world)
-    views: list[tuple[int, int]] = []  # every shard view of the documents made during the forward
-    of_segment = ShardDocs.of_segment.__func__
-    ShardDocs.of_segment = classmethod(
-        lambda cls, whole, start, *rest: views.append(start) or of_segment(cls, whole, start, *rest)
-    )
-    try:
+    with _counting() as counts:
         hybrid(ids[:, window], cu_seqlens=CU)
-    finally:
-        ShardDocs.of_segment = classmethod(of_segment)
-    out["hybrid document views"] = len(views)
+    out["hybrid document views"] = counts["documents"]
     out["hybrid gdn layers"] = sum(kind == "linear_attn" for kind, _ in mixers_of(hybrid))
     contexts = [s.get("cp_context") for s in seen]
     out["hybrid keywords"] = sorted({k for s in seen for k in s})
@@ -127,3 +155,44 @@ def test_a_context_rebuilt_to_cast_its_tensors_shares_its_memo() -> None:
     docs = cast.shard_docs(4, by_fragment=False)
     assert cast.key_mask.dtype == torch.bfloat16 and seq.memo is cast.memo
     assert seq.shard_docs(4, by_fragment=False) is docs
+
+
+def _work_per_forward(rank: int, world: int, plan: dict[str, Any], gdn_layers: int) -> dict[str, int]:
+    """The packed documents' host work in the second forward of a HybridLM of ``gdn_layers`` GDN
+    layers and one attention layer (the first forward is left out: it compiles nothing here, but
+    makes its own context like any other)."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    n = gdn_layers + 1
+    hybrid = HybridLM(HybridLMConfig(vocab_size=61, hidden_size=32, num_layers=n, full_attention_interval=n))
+    hybrid = hybrid.double()
+    apply_context_parallel(hybrid, mesh, **plan)
+    ids = torch.randint(0, 61, (1, T), generator=torch.Generator().manual_seed(0))
+    batch = shard_for_context_parallel(mesh, ids, cu_seqlens=CU, layout=plan.get("layout", "contiguous"))
+    x = batch.model_inputs()["input_ids"]
+    hybrid(x, cu_seqlens=CU)
+    with _counting() as counts:
+        hybrid(x, cu_seqlens=CU).sum().backward()
+    return dict(counts)
+
+
+PLANS = {
+    "p2p": {"mode": "p2p"},
+    "ulysses": {"mode": "ulysses"},
+    "scan head_tail": {"mode": "scan", "layout": "head_tail"},
+    "ulysses+all_gather head_tail": {"mode": "ulysses+all_gather", "layout": "head_tail", "inner_size": 2},
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("plan", PLANS, ids=list(PLANS))
+def test_packed_documents_are_checked_and_masked_once_per_forward(plan: str) -> None:
+    """One GDN layer or three: the same host work per training step. The model checks cu_seqlens
+    once (building its context); the first GDN layer makes the documents of its spans and builds
+    their masks, and the later layers and the backward reuse them (checking and building nothing)."""
+    one, three = (run_ranks(_work_per_forward, 2, PLANS[plan], n, timeout_s=240) for n in (1, 3))
+    for rank in range(2):
+        assert one[rank] == three[rank], (rank, one[rank], three[rank])
+        work = three[rank]
+        assert work["cu checks"] == 1 and work.get("checks", 0) == 0, work
+        assert work["documents"] >= 1 and work["conv masks"] >= 1 and work["chunk masks"] >= 1, work

@@ -7,10 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops.gdn.layer import LayerDims, LayerWeights, conv_silu
+from hyperpar_gdn.ops.gdn.varlen import Documents
 from hyperpar_gdn.platform import Collectives, Group, Tensor, TensorOps
 
 
@@ -51,41 +50,19 @@ class LayerCall:
     kernel: str = "native"
 
 
-@dataclass(frozen=True)
-class ShardDocs:
-    """Packed documents (B = 1) seen from one rank: bool masks, True where a document starts
-    (:meth:`~hyperpar_gdn.distributed.sequence.GlobalSequence.shard_docs` makes them once per forward).
-
-    Attributes:
-        whole: ``[T]`` of the whole sequence (ulysses runs the rule on all of it).
-        local: ``[T_r]`` of this rank's shard (p2p, all_gather).
-        halo: ``[W-1]`` of the W-1 tokens before the shard (False before token 0).
-    """
-
-    whole: np.ndarray
-    local: np.ndarray
-    halo: np.ndarray
-
-    @classmethod
-    def of_segment(cls, whole: np.ndarray, start: int, length: int, width: int) -> ShardDocs:
-        """The view of the tokens ``[start, start + length)`` from the whole sequence's starts."""
-        before = np.concatenate([np.zeros(width - 1, dtype=bool), whole[:start]])
-        return cls(whole=whole, local=whole[start : start + length], halo=before[len(before) - (width - 1) :])
-
-
-def conv_with_halo(cp: CPGroup, mixed: Tensor, conv_weight: Tensor, docs: ShardDocs | None = None) -> Tensor:
+def conv_with_halo(cp: CPGroup, mixed: Tensor, conv_weight: Tensor, docs: Documents | None = None) -> Tensor:
     """Causal conv + SiLU on the local shard mixed ``[B, T/cp, C]``.
 
     The first W-1 outputs need the last W-1 pre-conv tokens of the previous rank: they come
     through a differentiable shift (rank 0 gets zeros, which is the sequence's own padding).
-    With packed documents the conv reads no token of another document, the halo's included."""
+    With packed documents (``docs``: the shard's, one row with its halo) the conv reads no token
+    of another document, the halo's included."""
     width = conv_weight.shape[-1]
-    local, halo_starts = (None, None) if docs is None else (docs.local, docs.halo)
     if cp.size == 1 or width == 1:
-        return conv_silu(cp.xp, mixed, conv_weight, doc_starts=local)
+        return conv_silu(cp.xp, mixed, conv_weight, doc_starts=docs)
     t = mixed.shape[1]
     halo = cp.comm.shift_right(mixed[:, t - (width - 1) :], cp.group)
-    return conv_silu(cp.xp, mixed, conv_weight, halo=halo, doc_starts=local, halo_doc_starts=halo_starts)
+    return conv_silu(cp.xp, mixed, conv_weight, halo=halo, doc_starts=docs)
 
 
 def conv_fragments(
@@ -93,14 +70,14 @@ def conv_fragments(
     layout: TokenLayout,
     pieces: Sequence[Tensor],
     conv_weight: Tensor,
-    docs: Sequence[ShardDocs] | None = None,
+    docs: Documents | None = None,
 ) -> list[Tensor]:
     """Causal conv + SiLU on each of this rank's fragments ``pieces[slot]`` ``[B, P, C]``.
 
     A fragment's halo is the last W-1 pre-conv tokens of the fragment before it in global order,
     wherever that one lives: every rank all-gathers the halos of its fragments ``[n, B, W-1, C]``
     (one small differentiable collective) and takes those of its predecessors. The sequence's
-    first fragment gets zeros. ``docs``: one :class:`ShardDocs` per fragment."""
+    first fragment gets zeros. ``docs``: packed documents, one row (and halo) per fragment."""
     width = conv_weight.shape[-1]
     xp = cp.xp
     mine = layout.mine(cp.rank)
@@ -112,20 +89,10 @@ def conv_fragments(
             prev = layout.previous(fragment)
             if prev is not None:
                 halos[fragment.slot] = gathered[prev.rank][prev.slot]
-    out = []
-    for slot, (piece, halo) in enumerate(zip(pieces, halos, strict=True)):
-        starts = None if docs is None else docs[slot]
-        out.append(
-            conv_silu(
-                xp,
-                piece,
-                conv_weight,
-                halo=halo,
-                doc_starts=None if starts is None else starts.local,
-                halo_doc_starts=None if starts is None or halo is None else starts.halo,
-            )
-        )
-    return out
+    return [
+        conv_silu(xp, piece, conv_weight, halo=halo, doc_starts=None if docs is None else docs.row(slot))
+        for slot, (piece, halo) in enumerate(zip(pieces, halos, strict=True))
+    ]
 
 
 def shard_lengths(cp: CPGroup, t_local: int, error: str | None) -> list[int]:

@@ -25,18 +25,16 @@ Shapes: S ``[B, H, K, V]``, M ``[B, H, K, K]``, packed ``[B, H, K, V+K]``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from hyperpar_gdn.distributed.cp.chain import Chain, split_fragments
-from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, conv_fragments, conv_with_halo
 from hyperpar_gdn.distributed.cp.packed_states import ShardPieces, doc_final_states
 from hyperpar_gdn.distributed.cp.scan import ScanExchange
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops.gdn.kernels import shard_rule
 from hyperpar_gdn.ops.gdn.layer import finish, gates, head_dims, mask_padding, project, split_heads
+from hyperpar_gdn.ops.gdn.varlen import Documents
 from hyperpar_gdn.platform import Tensor
 
 
@@ -215,7 +213,7 @@ def state_passing_forward(
     call: LayerCall,
     x: Tensor,
     attention_mask: Tensor | None,
-    docs: ShardDocs | Sequence[ShardDocs] | None = None,
+    docs: Documents | None = None,
     layout: TokenLayout | None = None,
     *,
     final_state: bool = False,
@@ -226,8 +224,9 @@ def state_passing_forward(
     ``layout`` None or contiguous: the shard is one piece of the sequence. Otherwise the shard is
     several fragments (:mod:`hyperpar_gdn.distributed.layout`, all of one length), which run as
     rows of one batch ``[n*B, P, ...]``: one widened pass, one exchange along the chain of
-    fragments in global order. ``docs``: packed documents, one :class:`ShardDocs` per fragment
-    (or one for a contiguous shard).
+    fragments in global order. ``docs``: packed documents, one row (with its conv halo) per
+    fragment, or one for a contiguous shard
+    (:meth:`~hyperpar_gdn.distributed.sequence.GlobalSequence.shard_docs`).
 
     Packed documents: the shard's summary is exact across them (M = 0 once a document starts in
     the shard), so the exchange is unchanged; the conv and the local chunks restart at every
@@ -238,10 +237,8 @@ def state_passing_forward(
     prefill; no gradient). With ``pieces`` (packed prompts, contiguous shards): the state after
     every prompt's last token ``[N, H, K, V]`` instead
     (:func:`~hyperpar_gdn.distributed.cp.packed_states.doc_final_states`)."""
-    per_fragment = None if docs is None else ((docs,) if isinstance(docs, ShardDocs) else tuple(docs))
     if layout is not None and not layout.is_contiguous:
-        return _fragments_forward(mode, cp, call, x, attention_mask, per_fragment, layout, final_state)
-    docs = None if per_fragment is None else per_fragment[0]
+        return _fragments_forward(mode, cp, call, x, attention_mask, docs, layout, final_state)
     xp, w, dims = cp.xp, call.weights, call.dims
     x = mask_padding(xp, x, attention_mask)
     mixed, z, b, a = project(xp, w, x)
@@ -258,7 +255,7 @@ def state_passing_forward(
         kernel=call.kernel,
         chunk_size=call.chunk_size,
         widened=cp.rank > 0,
-        doc_starts=None if docs is None else docs.local,
+        doc_starts=docs,
     )
     y = finish(xp, w, dims, o, z)
     if not final_state:
@@ -277,7 +274,7 @@ def _fragments_forward(
     call: LayerCall,
     x: Tensor,
     attention_mask: Tensor | None,
-    docs: tuple[ShardDocs, ...] | None,
+    docs: Documents | None,
     layout: TokenLayout,
     final_state: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -308,7 +305,7 @@ def _fragments_forward(
         kernel=call.kernel,
         chunk_size=call.chunk_size,
         widened=True,
-        doc_starts=None if docs is None else np.stack([d.local for d in docs]),  # [n, P] (B = 1)
+        doc_starts=docs,  # a row per fragment (B = 1)
     )
     y = finish(xp, w, dims, xp.cat(xp.split(o, [o.shape[0] // n] * n, 0), 1), z)
     return (y, exchange.final_state()) if final_state else y

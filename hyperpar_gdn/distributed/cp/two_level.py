@@ -30,13 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs, conv_fragments, conv_with_halo
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, conv_fragments, conv_with_halo
 from hyperpar_gdn.distributed.cp.state_passing import EXCHANGES
 from hyperpar_gdn.distributed.cp.ulysses import HeadsIn, heads_in, heads_out, local_heads
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops.gdn.kernels import shard_rule
+from hyperpar_gdn.ops.gdn.varlen import Documents
 from hyperpar_gdn.platform import Tensor
 
 
@@ -86,27 +85,21 @@ def two_level_forward(
     x: Tensor,
     attention_mask: Tensor | None,
     lengths: Sequence[int],
-    doc_starts: np.ndarray | None = None,
+    docs: Documents | None = None,
     *,
     layout: str = "contiguous",
 ) -> Tensor:
     """x ``[B, T_r, hidden]`` (this rank's shard; ``lengths``: every rank's, CP rank order) ->
-    ``[B, T_r, hidden]``. ``doc_starts``: ``[T]`` bool, True where a packed document starts in
-    the whole sequence (B = 1). ``layout``: ``"contiguous"`` or ``"head_tail"`` (the shard is
-    the rank's two pieces, concatenated)."""
+    ``[B, T_r, hidden]``. ``docs``: packed documents (B = 1) of the spans of :func:`node_spans`,
+    one row each with its conv halo. ``layout``: ``"contiguous"`` or ``"head_tail"`` (the shard
+    is the rank's two pieces, concatenated)."""
     inner, outer = levels.inner, levels.outer
     xp = inner.xp
     node = list(lengths[outer.rank * inner.size : (outer.rank + 1) * inner.size])
-    start = sum(lengths[: outer.rank * inner.size])
     hin = heads_in(inner, call, x, attention_mask, node)
     if layout == "head_tail":
-        return _head_tail(state_mode, levels, call, hin, node, doc_starts)
+        return _head_tail(state_mode, levels, call, hin, node, docs)
     mine = hin.shares[inner.rank]
-    docs = (
-        None
-        if doc_starts is None
-        else ShardDocs.of_segment(doc_starts, start, sum(node), call.dims.conv_kernel_size)
-    )
     q, k, v, g, beta = local_heads(
         xp, call, mine, hin.full, lambda conv_in, weight: conv_with_halo(outer, conv_in, weight, docs)
     )
@@ -121,7 +114,7 @@ def two_level_forward(
         kernel=call.kernel,
         chunk_size=call.chunk_size,
         widened=outer.rank > 0,
-        doc_starts=None if docs is None else docs.local,
+        doc_starts=docs,
     )
     bsz = o.shape[0]
     return heads_out(inner, call, hin, o.reshape(bsz, sum(node), mine.v_count * call.dims.head_v_dim), node)
@@ -133,7 +126,7 @@ def _head_tail(
     call: LayerCall,
     hin: HeadsIn,
     node: list[int],
-    doc_starts: np.ndarray | None,
+    docs: Documents | None,
 ) -> Tensor:
     """The head_tail case of :func:`two_level_forward` after the first all-to-all: ``hin.full``
     ``[B, sum(node), width]`` holds the node's ranks' shards (head piece, tail piece each) in rank
@@ -145,13 +138,6 @@ def _head_tail(
     across = TokenLayout.of("head_tail", [sum(node)] * outer.size)  # the segments across nodes
     segments = across.mine(outer.rank)  # [head, tail]; one piece when there is one node
     sizes = [f.length for f in segments]
-    docs = (
-        None
-        if doc_starts is None
-        else [
-            ShardDocs.of_segment(doc_starts, f.start, f.length, call.dims.conv_kernel_size) for f in segments
-        ]
-    )
 
     def conv(conv_in: Tensor, weight: Tensor) -> Tensor:
         return xp.cat(conv_fragments(outer, across, xp.split(conv_in, sizes, 1), weight, docs), 1)
@@ -161,20 +147,39 @@ def _head_tail(
     def rows(y: Tensor) -> Tensor:  # [B, 2S, ...] -> [2B, S, ...], segment-major
         return xp.cat(xp.split(y, sizes, 1), 0)
 
+    q, k, v, g, beta = (rows(y) for y in (q, k, v, g, beta))
     exchange = EXCHANGES[state_mode](outer, across)
     o = shard_rule(  # [2B, S, hv, Dv]
-        *(rows(y) for y in (q, k, v, g, beta)),
+        q,
+        k,
+        v,
+        g,
+        beta,
         exchange,
         kernel=call.kernel,
         chunk_size=call.chunk_size,
         widened=True,
-        doc_starts=None if docs is None else np.stack([d.local for d in docs]),
+        doc_starts=docs,  # a row per segment
     )
     bsz = o.shape[0] // len(segments)
     o = xp.cat(xp.split(o, [bsz] * len(segments), 0), 1).reshape(
         bsz, sum(node), mine.v_count * call.dims.head_v_dim
     )
     return heads_out(inner, call, hin, in_node.to_rank_order(xp, o, 1), node)
+
+
+def node_spans(
+    lengths: Sequence[int], inner_size: int, rank: int, *, layout: str = "contiguous"
+) -> list[tuple[int, int]]:
+    """The tokens ``(start, length)`` (global order) on which the node of CP rank ``rank`` runs the
+    state mode: its ranks' shards together (contiguous), or its head and tail segments
+    (head_tail; one segment when there is one node)."""
+    o = rank // inner_size
+    node = sum(lengths[o * inner_size : (o + 1) * inner_size])
+    if layout == "head_tail":
+        across = TokenLayout.of("head_tail", [node] * (len(lengths) // inner_size))
+        return [(f.start, f.length) for f in across.mine(o)]
+    return [(sum(lengths[: o * inner_size]), node)]
 
 
 def two_level_length_error(

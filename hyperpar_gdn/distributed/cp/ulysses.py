@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops.gdn.kernels import gdn_rule
 from hyperpar_gdn.ops.gdn.layer import (
@@ -43,6 +43,7 @@ from hyperpar_gdn.ops.gdn.layer import (
     project,
     split_heads,
 )
+from hyperpar_gdn.ops.gdn.varlen import Documents
 from hyperpar_gdn.planning.plan import head_split_error
 from hyperpar_gdn.platform import Tensor, TensorOps
 
@@ -274,17 +275,16 @@ def heads_whole_sequence(
     call: LayerCall,
     mine: HeadShare,
     full: Tensor,
-    docs: ShardDocs | None,
+    docs: Documents | None,
     *,
     final_state: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """The conv and the rule of this rank's heads over the whole sequence: ``full`` ``[B, T,
     width]`` (global order; its conv channels, beta and decay logits) -> (o ``[B, T, hv, Dv]``,
     the final state ``[B or N, hv, Dk, Dv]`` when ``final_state``, else None). Packed documents
-    (``docs``) restart the conv and the state at the global document starts."""
-    whole = None if docs is None else docs.whole
+    (``docs``: the whole sequence's) restart the conv and the state at the global document starts."""
     q, k, v, g, beta = local_heads(
-        xp, call, mine, full, lambda conv_in, weight: conv_silu(xp, conv_in, weight, doc_starts=whole)
+        xp, call, mine, full, lambda conv_in, weight: conv_silu(xp, conv_in, weight, doc_starts=docs)
     )
     # one call of the local kernel; a packed prefill gives every document's last state
     return gdn_rule(
@@ -295,7 +295,7 @@ def heads_whole_sequence(
         beta,
         kernel=call.kernel,
         chunk_size=call.chunk_size,
-        doc_starts=whole,
+        doc_starts=docs,
         output_final_state=final_state,
     )
 
@@ -315,7 +315,7 @@ def ulysses_forward(
     x: Tensor,
     attention_mask: Tensor | None,
     lengths: Sequence[int],
-    docs: ShardDocs | None = None,
+    docs: Documents | None = None,
     layout: TokenLayout | None = None,
     *,
     final_state: bool = False,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall, ShardDocs
+from hyperpar_gdn.distributed.cp.common import CPGroup, LayerCall
 from hyperpar_gdn.distributed.cp.ulysses import (
     HeadShare,
     from_token_blocks,
@@ -40,6 +40,7 @@ from hyperpar_gdn.distributed.cp.ulysses import (
 )
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.ops.gdn.layer import PROJECTIONS, LayerDims, LayerWeights, gated_rms_norm, mask_padding
+from hyperpar_gdn.ops.gdn.varlen import Documents
 from hyperpar_gdn.ops.projections import Projection, linear_weight, wrapper_of
 from hyperpar_gdn.platform import Tensor, TensorOps
 
@@ -87,7 +88,7 @@ def ulysses_hidden_forward(
     x: Tensor,
     attention_mask: Tensor | None,
     lengths: Sequence[int],
-    docs: ShardDocs | None = None,
+    docs: Documents | None = None,
     layout: TokenLayout | None = None,
     *,
     final_state: bool = False,

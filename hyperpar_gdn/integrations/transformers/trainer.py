@@ -38,17 +38,15 @@ from hyperpar_gdn.cli import print_line
 from hyperpar_gdn.distributed.batch import IGNORE_INDEX, context_parallel_lm_loss, shard_for_context_parallel
 from hyperpar_gdn.distributed.layout import layout_error
 from hyperpar_gdn.distributed.mesh import init_device_mesh
-from hyperpar_gdn.distributed.parallelize import apply_context_parallel, resolve_plan
-from hyperpar_gdn.expert_parallel import apply_expert_parallel, load_balancing_loss, record_router_logits
-from hyperpar_gdn.expert_parallel.grads import expert_mesh
+from hyperpar_gdn.expert_parallel import load_balancing_loss, record_router_logits
 from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
 from hyperpar_gdn.integrations.transformers.notices import hide_expected_notices, one_line_if_uncaught
 from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_head, check_trainer_setup
 from hyperpar_gdn.integrations.transformers.trainer_tp import prepare_without_ddp, sync_grads
 from hyperpar_gdn.ops.gdn.kernels import check_kernel, platform_of, resolve_kernel
 from hyperpar_gdn.ops.lm_loss import lm_loss_sum
+from hyperpar_gdn.parallel import ParallelConfig, parallelize
 from hyperpar_gdn.planning.plan import CPPlan
-from hyperpar_gdn.platform.memory_budget import local_ranks
 
 __all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
 
@@ -145,27 +143,22 @@ class ContextParallelMixin:
             self.cp_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp", "tp"))
         try:
             check_head(self.model)  # a PeftModel too (TRL wraps the model given with peft_config=)
-            self.ep_mesh = None
-            if setup.ep > 1:  # the experts over ep of the (dp, cp) ranks of each TP index
-                shape = (setup.dp, setup.cp, setup.tp)
-                self.ep_mesh = expert_mesh(shape, setup.ep, device_type=device_type)
-                apply_expert_parallel(self.model, self.ep_mesh["ep"])
-            if setup.tp > 1:  # heads (an expert-parallel MoE block stays whole), then the sequence
-                from hyperpar_gdn.tensor_parallel import apply_tensor_parallel
-
-                apply_tensor_parallel(self.model, self.cp_mesh["tp"])
-            self.cp_plan: CPPlan = setup.plan or resolve_plan(  # auto: the cost model's plan
-                self.model,
-                self.cp_mesh["cp"],
-                mode="auto",
+            # the experts over ep of the (dp, cp) ranks of each TP index, the heads over tp (an
+            # expert-parallel MoE block stays whole), then the sequence; auto: the cost model's plan
+            parallel = ParallelConfig(
+                tp=setup.tp,
+                ep=setup.ep,
+                cp_mode=setup.mode,
+                cp_layout=setup.layout,
+                cp_inner_size=None if setup.plan is None else setup.plan.inner_size,
+                cp_chunk_size=setup.chunk_size,
+                gdn_kernel=gdn_kernel,
                 seq_len=setup.seq_len,
-                layout=setup.layout,
-                dtype="bfloat16" if self.args.bf16 else "float32",
-                chunk_size=setup.chunk_size,
-                kernel=gdn_kernel,
-                devices_per_node=local_ranks(0) or None,
+                bf16=bool(self.args.bf16),
             )
-            apply_context_parallel(self.model, self.cp_mesh["cp"], plan=self.cp_plan)
+            done = parallelize(self.model, self.cp_mesh, parallel)
+            self.ep_mesh = done.ep_mesh
+            self.cp_plan: CPPlan = done.cp_plan
         except _REFUSALS as error:
             one_line_if_uncaught(error, name=type(self).__name__)
             raise

@@ -48,13 +48,7 @@ from hyperpar_gdn.ops.gdn.common import (
 )
 from hyperpar_gdn.ops.gdn.prep import PrepSaved, prep_backward, prep_forward
 from hyperpar_gdn.ops.gdn.recurrence import chunk_outputs
-from hyperpar_gdn.ops.gdn.varlen import (
-    aligned_layout,
-    check_cu_seqlens,
-    check_doc_starts,
-    chunk_masks,
-    row_chunk_masks,
-)
+from hyperpar_gdn.ops.gdn.varlen import Documents, aligned_layout, check_cu_seqlens
 from hyperpar_gdn.platform import Tensor, TensorOps, ops_for
 
 
@@ -91,24 +85,26 @@ class ChunkPrep:
 # --- public functions -----------------------------------------------------------------------------
 
 
-def _cuts(seq_len: int, batch_size: int, cu_seqlens: Any, doc_starts: Any) -> Any:
-    """Where the state restarts, from one of the two packed descriptions (None for neither; a
-    list of arrays, one per batch row, for per-row ``doc_starts``)."""
+def _documents(seq_len: int, batch_size: int, cu_seqlens: Any, doc_starts: Any) -> Documents | None:
+    """The packed documents of either description (None for neither): one row for B = 1, or one
+    row per batch row for ``doc_starts`` ``[B, T]``."""
     if cu_seqlens is not None and doc_starts is not None:
         raise ValueError("give cu_seqlens or doc_starts, not both")
     if cu_seqlens is not None:
-        return check_cu_seqlens(cu_seqlens, seq_len=seq_len, batch_size=batch_size)[1:-1]
-    if doc_starts is not None:
-        shape = tuple(np.shape(doc_starts))
-        if batch_size > 1 and shape == (batch_size, seq_len):  # one row of starts per batch row
-            return [np.flatnonzero(check_doc_starts(row, seq_len=seq_len)) for row in doc_starts]
-        if batch_size != 1:
-            raise ValueError(
-                f"packed documents (doc_starts) need batch size B=1 or one row per batch row [B, T] = "
-                f"{(batch_size, seq_len)}; got B={batch_size}, doc_starts of shape {shape}"
-            )
-        return np.flatnonzero(check_doc_starts(doc_starts, seq_len=seq_len))
-    return None
+        cu = check_cu_seqlens(cu_seqlens, seq_len=seq_len, batch_size=batch_size)
+        starts = np.zeros(seq_len, dtype=bool)
+        starts[cu[1:-1]] = True  # not token 0: the entering state is document 0's
+        return Documents(starts)
+    if doc_starts is None:
+        return None
+    docs = isinstance(doc_starts, Documents)
+    shape = tuple(doc_starts.starts.shape) if docs else tuple(np.shape(doc_starts))
+    if batch_size != (doc_starts.rows if docs else 1) and shape != (batch_size, seq_len):
+        raise ValueError(
+            f"packed documents (doc_starts) need batch size B=1 or one row per batch row [B, T] = "
+            f"{(batch_size, seq_len)}; got B={batch_size}, doc_starts of shape {shape}"
+        )
+    return Documents.of(doc_starts, seq_len=seq_len, rows=batch_size)
 
 
 def prepare_chunks(
@@ -142,18 +138,13 @@ def prepare_chunks(
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     check_inputs(q, k, v, g, beta, initial_state)
-    cuts = _cuts(q.shape[1], q.shape[0], cu_seqlens, doc_starts)
+    docs = _documents(q.shape[1], q.shape[0], cu_seqlens, doc_starts)
     xp = ops_for(q)
     out_dtype = xp.dtype(q)
     dtype = xp.compute_dtype(q)
     q, k, v, g, beta = (xp.cast(x, dtype) for x in (q, k, v, g, beta))
     seq_len, num_k_heads = q.shape[1], q.shape[2]
-    masks = None
-    num_chunks = -(-seq_len // chunk_size)
-    if isinstance(cuts, list) and any(len(row) for row in cuts):
-        masks = row_chunk_masks(xp, cuts, num_chunks=num_chunks, chunk_size=chunk_size, like=q)
-    elif cuts is not None and not isinstance(cuts, list) and len(cuts):
-        masks = chunk_masks(xp, cuts, num_chunks=num_chunks, chunk_size=chunk_size, like=q)
+    masks = None if docs is None else docs.chunk_masks(xp, chunk_size=chunk_size, like=q)
     use_l2 = bool(use_qk_l2norm_in_kernel)
     qg, p, u, w, kd, gl = xp.custom_vjp(
         lambda *a: prep_forward(xp, *a, chunk_size=chunk_size, use_qk_l2norm=use_l2, masks=masks),

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn.ops.gdn.onepass import StateExchange
-from hyperpar_gdn.ops.gdn.varlen import forward_constant
+from hyperpar_gdn.ops.gdn.varlen import Documents
 from hyperpar_gdn.platform import Tensor, ops_for
 
 # fla kernel calls of this process by kind ("chunk": a plain call, "widened": a state mode's one
@@ -56,20 +56,21 @@ def _fla(*, dispatched: bool = True):
     return chunk, fused_recurrent_gated_delta_rule
 
 
-def _bounds(cu_seqlens: Any, like: Tensor) -> dict[str, Any]:
-    """fla's ``cu_seqlens`` (on the inputs' device, once per forward: :func:`.varlen.forward_constant`)
-    and ``cu_seqlens_cpu`` from host ints."""
+def _bounds(cu_seqlens: Any, like: Tensor, docs: Documents | None, tag: Any) -> dict[str, Any]:
+    """fla's ``cu_seqlens`` on the inputs' device and ``cu_seqlens_cpu``, from host ints; made once
+    and kept in ``docs`` (under ``tag``), the documents they come from, where given: the later
+    layers of a forward copy nothing."""
     if cu_seqlens is None:
         return {}
     import torch
 
-    xp = ops_for(like)
-    host = np.asarray(xp.to_numpy(cu_seqlens) if xp.is_tensor(cu_seqlens) else cu_seqlens, dtype=np.int64)
-    cpu = torch.from_numpy(host.copy())
-    return {
-        "cu_seqlens": forward_constant(xp, host, like=like, make=lambda: cpu.to(like.device)),
-        "cu_seqlens_cpu": cpu,
-    }
+    def make() -> dict[str, Any]:
+        xp = ops_for(like)
+        host = xp.to_numpy(cu_seqlens) if xp.is_tensor(cu_seqlens) else cu_seqlens
+        cpu = torch.from_numpy(np.array(host, dtype=np.int64))
+        return {"cu_seqlens": cpu.to(like.device), "cu_seqlens_cpu": cpu}
+
+    return make() if docs is None else docs.kept(("fla bounds", tag, str(like.device)), make)
 
 
 def _call(
@@ -82,6 +83,7 @@ def _call(
     *,
     dispatched: bool,
     cu_seqlens: Any = None,
+    docs: Documents | None = None,
     initial_state=None,
     final_state=False,
 ):
@@ -99,7 +101,7 @@ def _call(
         initial_state=initial_state,
         output_final_state=final_state,
         use_qk_l2norm_in_kernel=True,
-        **_bounds(cu_seqlens, q),
+        **_bounds(cu_seqlens, q, docs, (kind, dispatched)),
     )
 
 
@@ -111,11 +113,13 @@ def plain_call(
     beta: Tensor,
     *,
     cu_seqlens: Any = None,
+    docs: Documents | None = None,
     initial_state: Tensor | None = None,
     final_state: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """fla's chunk kernel: q, k ``[B, T, Hk, K]``, v ``[B, T, H, V]``, g, beta ``[B, T, H]`` ->
-    (o ``[B, T, H, V]``, the final state(s) ``[B or N, H, K, V]`` fp32 or None)."""
+    (o ``[B, T, H, V]``, the final state(s) ``[B or N, H, K, V]`` fp32 or None). ``docs``: the
+    documents ``cu_seqlens`` bounds, which keep its device copy for the forward's later calls."""
     o, s = _call(
         "chunk",
         q,
@@ -125,6 +129,7 @@ def plain_call(
         beta,
         dispatched=True,
         cu_seqlens=cu_seqlens,
+        docs=docs,
         initial_state=initial_state,
         final_state=final_state,
     )
@@ -150,13 +155,11 @@ def recurrent_call(
     )
 
 
-def _pieces(
-    doc_starts: Any, rows: int, seq_len: int, widened: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The packed row of ``rows`` rows of ``seq_len`` tokens cut at row ends and document starts:
-    (cu ``[P+1]``, entered ``[P]`` bool: the piece is entered by the row's S_in, last ``[rows]``:
-    each row's last piece)."""
-    starts = np.asarray(doc_starts, dtype=bool).reshape(rows, seq_len)
+def _pieces(starts: np.ndarray, widened: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packed row of the rows of ``starts`` (bool ``[rows, T]``) cut at row ends and document
+    starts: (cu ``[P+1]``, entered ``[P]`` bool: the piece is entered by the row's S_in, last
+    ``[rows]``: each row's last piece)."""
+    rows, seq_len = starts.shape
     cuts = set(range(0, rows * seq_len, seq_len)) | {int(i) for i in np.flatnonzero(starts.reshape(-1))}
     cu = np.array(sorted(cuts | {rows * seq_len}), dtype=np.int64)
     begins = cu[:-1]
@@ -221,8 +224,9 @@ def shard_call(
     doc_starts: Any = None,
 ) -> Tensor:
     """A state mode's shard in one fla call (module docstring): rows q, k ``[R, T, Hk, K]``, v ``[R,
-    T, H, V]``, g, beta ``[R, T, H]``; ``doc_starts`` None or bool ``[R, T]`` / ``[T]`` (rows of
-    B = 1) -> o ``[R, T, H, V]`` in q's dtype."""
+    T, H, V]``, g, beta ``[R, T, H]``; ``doc_starts`` None, bool ``[R, T]`` / ``[T]`` (rows of
+    B = 1) or their :class:`~.varlen.Documents` (which keep the packed row's bounds for the
+    forward's later layers) -> o ``[R, T, H, V]`` in q's dtype."""
     xp = ops_for(q)
     rows, seq_len, h, dv = v.shape
     dk = q.shape[-1]
@@ -248,7 +252,8 @@ def shard_call(
             final_state=True,
         )
     else:
-        cu, entered, last = _pieces(doc_starts, rows, seq_len, widened)
+        docs = Documents.of(doc_starts, seq_len=seq_len, rows=rows)
+        cu, entered, last = docs.kept(("fla pieces", widened), lambda: _pieces(docs.starts, widened))
         zero = xp.zeros((1, h, dk, width), like=xp.cast(g, ct))
         initial = xp.cat([entry if e else zero for e in entered], 0) if widened else None
 
@@ -260,6 +265,7 @@ def shard_call(
             *(packed(x) for x in (q, k, values, g, beta)),
             dispatched=False,
             cu_seqlens=cu,
+            docs=docs,
             initial_state=initial,
             final_state=True,
         )

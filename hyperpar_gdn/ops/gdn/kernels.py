@@ -26,13 +26,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from hyperpar_gdn.ops.gdn import fla_kernel
 from hyperpar_gdn.ops.gdn.chunk import chunk_gated_delta_rule, outputs_from, prepare_chunks
 from hyperpar_gdn.ops.gdn.fla_kernel import FLA_CALLS
 from hyperpar_gdn.ops.gdn.naive import recurrent_gated_delta_rule
 from hyperpar_gdn.ops.gdn.onepass import StateExchange, shard_outputs
+from hyperpar_gdn.ops.gdn.varlen import Documents
 from hyperpar_gdn.platform import Tensor, ops_for
 
 KERNELS = ("auto", "fla", "native")
@@ -145,12 +144,6 @@ def kernel_for_inputs(kernel: str, requested: str, x: Tensor) -> str:
     return "native"
 
 
-def cu_seqlens_of(doc_starts: Any, seq_len: int) -> np.ndarray:
-    """Host int64 ``[N+1]`` bounds of the documents of a bool ``[T]`` (token 0 always starts one)."""
-    starts = np.flatnonzero(np.asarray(doc_starts).reshape(-1))
-    return np.unique(np.concatenate([[0], starts, [seq_len]])).astype(np.int64)
-
-
 def gdn_rule(
     q: Tensor,
     k: Tensor,
@@ -169,24 +162,26 @@ def gdn_rule(
     H, V]``, g (log decay, fp32) and beta ``[B, T, H]`` -> (o ``[B, T, H, V]`` in q's dtype, the final
     state(s) fp32 or None).
 
-    Packed documents (B = 1): ``doc_starts`` bool ``[T]`` or ``cu_seqlens`` int ``[N+1]``; then
-    ``initial_state`` is ``[N, H, K, V]`` (or None) and the final states are one per document.
-    ``kernel``: ``"native"`` or ``"fla"`` (resolved); ``chunk_size`` is the native kernel's."""
+    Packed documents (B = 1): ``doc_starts`` bool ``[T]`` (or its :class:`~.varlen.Documents`,
+    which keep what is built from them for the forward's later layers) or ``cu_seqlens`` int
+    ``[N+1]``; then ``initial_state`` is ``[N, H, K, V]`` (or None) and the final states are one
+    per document. ``kernel``: ``"native"`` or ``"fla"`` (resolved); ``chunk_size`` is the native
+    kernel's."""
+    docs = None if doc_starts is None else Documents.of(doc_starts, seq_len=q.shape[1])
     if kernel == "fla":
-        if doc_starts is not None:
-            cu_seqlens = cu_seqlens_of(doc_starts, q.shape[1])
         return fla_kernel.plain_call(
             q,
             k,
             v,
             g,
             beta,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=cu_seqlens if docs is None else docs.cu_seqlens(),
+            docs=docs,
             initial_state=initial_state,
             final_state=output_final_state,
         )
     rule = {"chunk_size": chunk_size, "use_qk_l2norm_in_kernel": True}
-    if doc_starts is None:
+    if docs is None:
         return chunk_gated_delta_rule(
             q,
             k,
@@ -208,9 +203,9 @@ def gdn_rule(
             **rule,
             initial_state=initial_state,
             output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens_of(doc_starts, q.shape[1]),
+            cu_seqlens=docs.cu_seqlens(),
         )
-    o, _ = outputs_from(prepare_chunks(q, k, v, g, beta, **rule, doc_starts=doc_starts), None)
+    o, _ = outputs_from(prepare_chunks(q, k, v, g, beta, **rule, doc_starts=docs), None)
     return o, None
 
 
@@ -232,8 +227,8 @@ def shard_rule(
     the gradient of the state leaving it (backward); inputs as in :func:`gdn_rule`.
 
     ``widened=False``: a shard that no state enters (its exchange gets M = None). ``doc_starts``:
-    bool ``[B, T]`` (rows: fragments of B = 1) or ``[T]``, True where a packed document starts;
-    False at token 0 means the shard continues a document."""
+    bool ``[B, T]`` (rows: fragments of B = 1) or ``[T]``, True where a packed document starts
+    (or their :class:`~.varlen.Documents`); False at token 0 means the shard continues a document."""
     if kernel == "fla":
         return fla_kernel.shard_call(q, k, v, g, beta, exchange, widened=widened, doc_starts=doc_starts)
     prep = prepare_chunks(

@@ -18,13 +18,11 @@ continues a document from the previous rank. Two stages use it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
-
 from hyperpar_gdn.ops.gdn.kernels import gdn_rule
-from hyperpar_gdn.ops.gdn.varlen import check_doc_starts, conv_tap_masks, forward_constant, packed_doc_starts
+from hyperpar_gdn.ops.gdn.varlen import Documents, check_doc_starts, packed_doc_starts
 from hyperpar_gdn.ops.head_shard import head_shard_of
 from hyperpar_gdn.ops.prefill_states import PrefillStates, conv_state_of
 from hyperpar_gdn.ops.projections import Projection, projection, wrapper_of
@@ -95,6 +93,13 @@ class LayerDims:
             norm_eps=float(eps),
             tp=1 if shard is None else shard.size,
         )
+
+    def tp_rank(self, tp: int) -> LayerDims:
+        """These sizes as one of ``tp`` ranks will hold them once tensor parallelism splits the
+        layer by heads (itself when it is split already, or ``tp`` is 1)."""
+        if tp == 1 or self.tp > 1:
+            return self
+        return replace(self, num_k_heads=self.num_k_heads // tp, num_v_heads=self.num_v_heads // tp, tp=tp)
 
 
 @dataclass(frozen=True)
@@ -254,9 +259,10 @@ def conv_silu(
     ``halo`` ``[B, W-1, C]`` holds the pre-conv tokens just before this segment (another rank's);
     None means the segment starts the sequence (zeros).
 
-    ``doc_starts`` (bool ``[T]``, B = 1): the conv restarts at every True, reading no token before
-    it. With a halo, ``halo_doc_starts`` (bool ``[W-1]``) says the same of the halo tokens, and the
-    halo is read only as far back as the document of the segment's first token goes. A
+    ``doc_starts`` (bool ``[T]``, B = 1, or a :class:`~.varlen.Documents` that carries the halo's
+    too): the conv restarts at every True, reading no token before it. With a halo,
+    ``halo_doc_starts`` (bool ``[W-1]``) says the same of the halo tokens, and the halo is read
+    only as far back as the document of the segment's first token goes. A
     :func:`conv_silu_reference` beside this one loops over tokens."""
     c, _, width = conv_weight.shape
     weight = conv_weight.reshape(c, width)
@@ -276,26 +282,17 @@ def _conv_silu_packed(
     xp: TensorOps, x: Tensor, weight: Tensor, halo: Tensor | None, doc_starts: Any, halo_doc_starts: Any
 ) -> Tensor:
     """The conv of :func:`conv_silu` over x ``[B=1, C, T]`` as W shifted products, each tap s
-    masked where a document starts in (t - s, t]."""
+    masked where a document starts in (t - s, t] (the masks of ``doc_starts``, a
+    :class:`~.varlen.Documents` that keeps them for the forward's later layers, or an array)."""
     b, _, t = x.shape
     width = weight.shape[1]
     if b != 1:
         raise ValueError(f"packed documents (doc_starts) need batch size B=1; got B={b}")
-    starts = check_doc_starts(doc_starts, seq_len=t)
-    if halo is None:
-        if halo_doc_starts is not None:
-            raise ValueError("halo_doc_starts was given without a halo")
-        x_full = xp.pad_dim(x, 2, width - 1, 0)
-        halo_starts = np.zeros(width - 1, dtype=bool)  # zeros: nothing to mask
-    else:
-        if halo_doc_starts is None:
-            raise ValueError(
-                "a halo with doc_starts needs halo_doc_starts (bool [W-1]) to know where the halo's documents start"
-            )
-        halo_starts = check_doc_starts(halo_doc_starts, seq_len=width - 1, name="halo_doc_starts")
-        x_full = xp.cat([xp.swapaxes(halo, 1, 2), x], 2)
-    keep = conv_tap_masks(np.concatenate([halo_starts, starts]), width=width)  # [W-1, T]
-    keep = forward_constant(xp, keep.reshape(width - 1, 1, 1, t), like=x)
+    if halo is None and halo_doc_starts is not None:
+        raise ValueError("halo_doc_starts was given without a halo")
+    docs = Documents.of(doc_starts, seq_len=t, halo=halo_doc_starts, width=width)
+    keep = docs.conv_keep(xp, width=width, with_halo=halo is not None, like=x)  # [W-1, 1, 1, T]
+    x_full = xp.pad_dim(x, 2, width - 1, 0) if halo is None else xp.cat([xp.swapaxes(halo, 1, 2), x], 2)
     y = x * weight[:, width - 1 :]
     for s in range(1, width):
         y = (
@@ -394,14 +391,17 @@ def gdn_layer_forward(
     """The whole layer on one device: x ``[B, T, hidden]`` -> ``[B, T, hidden]``; ``kernel``: the
     local kernel of the rule, ``"native"`` or ``"fla"`` (:mod:`hyperpar_gdn.ops.gdn.kernels`).
 
-    ``doc_starts`` (bool ``[T]``, B = 1): packed documents; the conv and the state restart at
-    every True (token 0 starts the first document whatever it says).
+    ``doc_starts`` (bool ``[T]``, B = 1, or a :class:`~.varlen.Documents`): packed documents;
+    the conv and the state restart at every True (token 0 starts the first document whatever it
+    says).
 
     ``output_final_state``: return ``(y, (conv_state [B, C, W], S [B, H, K, V]))``, the decoding
     state after the last token (see :mod:`hyperpar_gdn.ops.prefill_states`); not with packed
     documents."""
     if output_final_state and doc_starts is not None:
         raise NotImplementedError("output_final_state with packed documents (doc_starts) is not supported")
+    if doc_starts is not None:  # checked once, for the conv and the rule
+        doc_starts = Documents.of(doc_starts, seq_len=x.shape[1])
     x = mask_padding(xp, x, attention_mask)
     mixed, z, b, a = project(xp, w, x)
     q, k, v = split_heads(xp, conv_silu(xp, mixed, w.conv, doc_starts=doc_starts), **head_dims(dims))

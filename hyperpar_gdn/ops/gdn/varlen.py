@@ -21,9 +21,7 @@ Legend: T tokens, N chunks (or documents where said), C chunk size, W conv width
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,13 +168,13 @@ def packed_doc_starts(
 @dataclass(frozen=True)
 class ChunkMasks:
     """Which token pairs of a chunk see each other when cuts fall inside chunks (fp 0/1 tensors
-    in the compute dtype, broadcast over batch and heads).
+    in the compute dtype, broadcast over heads; R = 1 for one segment, else one row per batch row).
 
-    ``seg_tril`` ``[N, 1, 1, C, C]``: j <= i and no cut in (j, i] (same document). The restarted
+    ``seg_tril`` ``[N, R, 1, C, C]``: j <= i and no cut in (j, i] (same document). The restarted
     cumulative gates are ``G = seg_tril @ g``; the decay matrix, the triangular system and
     q k^T keep only these pairs.
-    ``first`` ``[N, 1, 1, C, 1]``: no cut in [0, i], i.e. the state entering the chunk reaches i.
-    ``last`` ``[N, 1, 1, C, 1]``: no cut in (i, C-1], i.e. token i reaches the state leaving it.
+    ``first`` ``[N, R, 1, C, 1]``: no cut in [0, i], i.e. the state entering the chunk reaches i.
+    ``last`` ``[N, R, 1, C, 1]``: no cut in (i, C-1], i.e. token i reaches the state leaving it.
     """
 
     seg_tril: Tensor
@@ -184,39 +182,30 @@ class ChunkMasks:
     last: Tensor
 
 
-def chunk_masks(
-    xp: TensorOps, cuts: np.ndarray, *, num_chunks: int, chunk_size: int, like: Tensor
-) -> ChunkMasks:
-    """Masks for ``num_chunks`` chunks of ``chunk_size`` tokens with the state cut at ``cuts``."""
+def chunk_mask_arrays(cuts: np.ndarray, *, num_chunks: int, chunk_size: int) -> tuple[np.ndarray, ...]:
+    """The host arrays of :class:`ChunkMasks` (bool ``[N, C, C]``, ``[N, C]``, ``[N, C]``) for
+    ``num_chunks`` chunks of ``chunk_size`` tokens with the state cut at ``cuts``."""
     c = chunk_size
     flags = np.zeros(num_chunks * c, dtype=np.int64)
     flags[cuts] = 1
     count = np.cumsum(flags.reshape(num_chunks, c), axis=1)  # cuts in [0, i] of each chunk
     same = count[:, :, None] == count[:, None, :]
-    seg_tril = same & np.tril(np.ones((c, c), dtype=bool))
-    first = count == 0
-    last = count == count[:, -1:]
-
-    def const(a: np.ndarray, shape: tuple[int, ...]) -> Tensor:  # bool to the device, cast there
-        return forward_constant(xp, a.reshape(shape), like=like)
-
-    return ChunkMasks(
-        seg_tril=const(seg_tril, (num_chunks, 1, 1, c, c)),
-        first=const(first, (num_chunks, 1, 1, c, 1)),
-        last=const(last, (num_chunks, 1, 1, c, 1)),
-    )
+    return same & np.tril(np.ones((c, c), dtype=bool)), count == 0, count == count[:, -1:]
 
 
-def row_chunk_masks(
+def chunk_masks(
     xp: TensorOps, cuts_per_row: list[np.ndarray], *, num_chunks: int, chunk_size: int, like: Tensor
 ) -> ChunkMasks:
-    """:func:`chunk_masks` with cuts of their own for each batch row: masks ``[N, B, 1, C, *]``."""
-    rows = [
-        chunk_masks(xp, cuts, num_chunks=num_chunks, chunk_size=chunk_size, like=like)
-        for cuts in cuts_per_row
-    ]
+    """The masks of R rows, each with its own ``cuts``, on ``like``'s device and in its dtype:
+    ``[N, R, 1, C, *]`` (built on the host as bool, one copy each, cast there)."""
+    rows = [chunk_mask_arrays(cuts, num_chunks=num_chunks, chunk_size=chunk_size) for cuts in cuts_per_row]
+    n, r, c = num_chunks, len(rows), chunk_size
+
+    def const(i: int, shape: tuple[int, ...]) -> Tensor:
+        return xp.constant(np.stack([row[i] for row in rows], 1).reshape(shape), like=like)
+
     return ChunkMasks(
-        *(xp.cat([getattr(m, name) for m in rows], 1) for name in ("seg_tril", "first", "last"))
+        seg_tril=const(0, (n, r, 1, c, c)), first=const(1, (n, r, 1, c, 1)), last=const(2, (n, r, 1, c, 1))
     )
 
 
@@ -267,34 +256,122 @@ def conv_tap_masks(doc_starts: np.ndarray, *, width: int) -> np.ndarray:
     return np.stack([count[t + 1] - count[t + 1 - s] == 0 for s in range(1, width)])
 
 
-# --- host-built constants, copied to the device once per forward ------------------------------
-
-_FORWARD_CONSTANTS: ContextVar[dict | None] = ContextVar("forward_constants", default=None)
+# --- the documents of one forward, checked once, their masks built once ------------------------
 
 
-@contextmanager
-def forward_constants(memo: dict) -> Iterator[None]:
-    """Within it, :func:`forward_constant` keeps the device tensors it makes in ``memo`` (one
-    forward's, kept by that forward's context) and gives the same tensor to every later call with
-    the same host values, dtype and device: a mask is copied to the device once per forward, by the
-    first layer that needs it, not once per layer."""
-    token = _FORWARD_CONSTANTS.set(memo)
-    try:
-        yield
-    finally:
-        _FORWARD_CONSTANTS.reset(token)
+class Documents:
+    """Packed documents (B = 1) of one segment, or of R segments of one length run as the rows of
+    one batch (a context-parallel shard's fragments), as the stages read them: checked once, when
+    made (:meth:`of`), and what the stages build from them (the conv's tap masks, the chunked
+    rule's masks, fla's bounds) built on the first call and kept, the device tensors included.
+    So one object serves every GDN layer of a forward: a model's per-forward context makes it
+    once (:class:`~hyperpar_gdn.distributed.sequence.GlobalSequence`), and the second and later
+    layers do no host work and copy nothing to the device. A stage given a raw ``doc_starts``
+    makes its own.
+
+    Attributes:
+        starts: bool ``[R, T]``, True where a document starts (False at a row's token 0: the row
+            continues a document that began before it).
+        halo: bool ``[R, W-1]``, the same for the W-1 tokens before each row (its conv halo), or
+            None (nothing before the rows: no halo is read).
+    """
+
+    def __init__(self, starts: np.ndarray, halo: np.ndarray | None = None) -> None:
+        """From checked host arrays (:meth:`of` checks them): ``starts`` bool ``[T]`` or ``[R, T]``,
+        ``halo`` bool ``[W-1]`` or ``[R, W-1]``."""
+        self.starts = starts.reshape(1, -1) if starts.ndim == 1 else starts
+        self.halo = None if halo is None else halo.reshape(self.starts.shape[0], -1)
+        self._kept: dict[Any, Any] = {}
+
+    @classmethod
+    def of(
+        cls, doc_starts: Any, *, seq_len: int, rows: int = 1, halo: Any = None, width: int | None = None
+    ) -> Documents:
+        """Check ``doc_starts`` (bool ``[T]`` or ``[1, T]``, or ``[R, T]`` for ``rows`` R > 1; a
+        tensor or numpy array) and, with ``width``, ``halo`` (bool ``[W-1]``); a Documents of
+        ``seq_len`` tokens is returned as it is (it carries its halo's starts)."""
+        if isinstance(doc_starts, Documents):
+            if halo is not None:
+                raise ValueError(
+                    "documents already checked carry their halo's starts; give no halo_doc_starts"
+                )
+            if doc_starts.seq_len != seq_len:
+                raise ValueError(
+                    f"doc_starts must cover T={seq_len} tokens; got documents of {doc_starts.seq_len}"
+                )
+            return doc_starts
+        if rows > 1 and tuple(np.shape(doc_starts)) == (rows, seq_len):
+            starts = np.stack([check_doc_starts(row, seq_len=seq_len) for row in doc_starts])
+        else:
+            starts = check_doc_starts(doc_starts, seq_len=seq_len)
+        if halo is not None:
+            halo = check_doc_starts(halo, seq_len=(width or 1) - 1, name="halo_doc_starts")
+        return cls(starts, halo)
+
+    @property
+    def rows(self) -> int:
+        return self.starts.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.starts.shape[1]
+
+    def kept(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` the first time ``key`` is asked for, the same value after that."""
+        if key not in self._kept:
+            self._kept[key] = make()
+        return self._kept[key]
+
+    def row(self, i: int) -> Documents:
+        """Row ``i`` as a Documents of its own (kept: its masks too are built once)."""
+        halo = None if self.halo is None else self.halo[i]
+        return self.kept(("row", i), lambda: Documents(self.starts[i], halo))
+
+    def cu_seqlens(self) -> np.ndarray:
+        """Host int64 ``[N+1]`` bounds of the documents of a single row (token 0 always starts one)."""
+        if self.rows != 1:
+            raise ValueError(f"cu_seqlens describes one row; these documents have {self.rows}")
+
+        def make() -> np.ndarray:
+            starts = np.flatnonzero(self.starts[0])
+            return np.unique(np.concatenate([[0], starts, [self.seq_len]])).astype(np.int64)
+
+        return self.kept("cu_seqlens", make)
+
+    def conv_keep(self, xp: TensorOps, *, width: int, with_halo: bool, like: Tensor) -> Tensor:
+        """The conv's tap masks of a single row on ``like``'s device, in its dtype: ``[W-1, 1, 1,
+        T]``, tap s kept where no document starts in (t - s, t] (:func:`conv_tap_masks`);
+        ``with_halo``: the row's halo is read (else zeros stand before the row)."""
+        if self.rows != 1:
+            raise ValueError(f"the conv's masks are one row's; these documents have {self.rows}")
+        if with_halo and (self.halo is None or self.halo.shape[1] != width - 1):
+            got = None if self.halo is None else f"{self.halo.shape[1]} of them"
+            raise ValueError(
+                f"a halo with doc_starts needs halo_doc_starts (bool [W-1], W-1={width - 1}) to know where "
+                f"the halo's documents start; got {got}"
+            )
+
+        def make() -> Tensor:
+            before = self.halo[0] if with_halo else np.zeros(width - 1, dtype=bool)
+            keep = conv_tap_masks(np.concatenate([before, self.starts[0]]), width=width)
+            return xp.constant(keep.reshape(width - 1, 1, 1, self.seq_len), like=like)
+
+        return self.kept(("conv", width, with_halo, _where(like)), make)
+
+    def chunk_masks(self, xp: TensorOps, *, chunk_size: int, like: Tensor) -> ChunkMasks | None:
+        """The chunked rule's masks of every row (``[N, R, 1, C, *]``, :func:`chunk_masks`) on
+        ``like``'s device, in its dtype, or None when no row holds a document start."""
+
+        def make() -> ChunkMasks | None:
+            cuts = [np.flatnonzero(row) for row in self.starts]
+            if not any(len(c) for c in cuts):
+                return None
+            num_chunks = -(-self.seq_len // chunk_size)
+            return chunk_masks(xp, cuts, num_chunks=num_chunks, chunk_size=chunk_size, like=like)
+
+        return self.kept(("chunks", chunk_size, _where(like)), make)
 
 
-def forward_constant(
-    xp: TensorOps, host: np.ndarray, *, like: Tensor, make: Callable[[], Tensor] | None = None
-) -> Tensor:
-    """``host`` on the device (``make()``; by default ``xp.constant(host, like=like)``), made once per
-    forward inside :func:`forward_constants` and on every call outside it."""
-    make = make or (lambda: xp.constant(host, like=like))
-    memo = _FORWARD_CONSTANTS.get()
-    if memo is None:
-        return make()
-    key = (host.dtype.str, host.shape, host.tobytes(), str(like.dtype), str(getattr(like, "device", "")))
-    if key not in memo:
-        memo[key] = make()
-    return memo[key]
+def _where(like: Tensor) -> tuple[str, str]:
+    """A device tensor's dtype and device, the key of what is built for it."""
+    return str(like.dtype), str(getattr(like, "device", ""))

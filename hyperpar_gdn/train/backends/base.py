@@ -29,31 +29,42 @@ from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.train.config import TrainConfig
 
-__all__ = ["TrainBackend", "apply_cp_mode"]
+__all__ = ["TrainBackend", "parallelize_run"]
 
 
-def apply_cp_mode(backend: Any, config: TrainConfig, model: Any, cp_mesh: DeviceMesh) -> None:
-    """Make ``model`` context parallel over ``cp_mesh`` with the run's :class:`~hyperpar_gdn.CPPlan`
-    and set ``backend.cp_mode``; for --cp-mode auto, ``backend.cp_plan`` is the cost model's plan
-    (its ``reason`` says why), else None."""
-    from hyperpar_gdn.distributed.parallelize import apply_context_parallel, resolve_plan
-    from hyperpar_gdn.platform.memory_budget import local_ranks
+def parallelize_run(backend: Any, config: TrainConfig, model: Any, mesh: DeviceMesh, *, cp: bool) -> Any:
+    """Apply the run's parallelisms to ``model`` over the run's ``mesh`` through
+    :func:`~hyperpar_gdn.parallel.compose.parallelize` (the options' one translation into a
+    :class:`~hyperpar_gdn.parallel.config.ParallelConfig`) and return what it made; ``cp``: whether
+    the mixers become context-parallel layers (a transformers model gets ours even at cp 1). Sets
+    ``backend.cp_mode`` (the mode run) and ``backend.cp_plan`` (for --cp-mode auto the cost
+    model's plan, its ``reason`` saying why; else None)."""
+    from hyperpar_gdn.parallel import ParallelConfig, parallelize
 
     auto = config.cp_mode == "auto"
-    plan = resolve_plan(
-        model,
-        cp_mesh,
-        mode=config.cp_mode,
-        layout=config.token_layout(),
-        inner_size=config.cp_inner_size,
-        kernel=config.gdn_kernel,
-        seq_len=config.seq_len if auto else None,
-        dtype="bfloat16" if config.dtype == "bf16" else "float32",
-        devices_per_node=(local_ranks(0) or None) if auto else None,
+    cp_options = (
+        {
+            "cp_mode": config.cp_mode,
+            "cp_layout": config.token_layout(),
+            "cp_inner_size": config.cp_inner_size,
+            "gdn_kernel": config.gdn_kernel,
+            "seq_len": config.seq_len if auto else None,
+        }
+        if cp
+        else {}
     )
-    backend.cp_plan = plan if auto else None
-    backend.cp_mode = plan.mode
-    apply_context_parallel(model, cp_mesh, plan=plan)
+    parallel = ParallelConfig(
+        tp=config.tp,
+        ep=config.ep,
+        activation_checkpointing=config.ac,
+        fsdp=config.fsdp,
+        bf16=config.dtype == "bf16",
+        **cp_options,
+    )
+    done = parallelize(model, mesh, parallel)
+    backend.cp_plan = done.cp_plan if auto else None
+    backend.cp_mode = config.cp_mode if done.cp_plan is None else done.cp_plan.mode
+    return done
 
 
 class TrainBackend(ABC):

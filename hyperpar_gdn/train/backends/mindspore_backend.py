@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from hyperpar_gdn.distributed.batch import ContextParallelBatch, context_parallel_lm_loss
-from hyperpar_gdn.distributed.decoder_layers import text_model_of
 from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_tokenizer
@@ -48,7 +47,7 @@ from hyperpar_gdn.models.lm import HybridLM as TorchHybridLM
 from hyperpar_gdn.models.mindspore import HybridLM, Qwen3_5ForCausalLM, load_torch_state_dict
 from hyperpar_gdn.models.mindspore.weights import DTYPES
 from hyperpar_gdn.platform import Platform
-from hyperpar_gdn.train.backends.base import TrainBackend, apply_cp_mode
+from hyperpar_gdn.train.backends.base import TrainBackend, parallelize_run
 from hyperpar_gdn.train.backends.mindspore_adamw import ADAMW_FORMAT, AdamW, clip_grad_norm
 from hyperpar_gdn.train.checkpoints.directory import REPLICATED_LAYOUT
 from hyperpar_gdn.train.checkpoints.replicated_shards import Leaf, write_replicated_shards
@@ -155,12 +154,8 @@ class MindSporeBackend(TrainBackend):
             build = functools.partial(HybridLM.from_torch, TorchHybridLM(config.model))
         self.model = build()
         cp_mesh = mesh["cp"]
-        self.cp_mode, self.cp_plan = config.cp_mode, None
-        if cp_mesh.size() > 1 or self.tokenizer is not None:
-            apply_cp_mode(self, config, self.model, cp_mesh)
-        if config.ac:  # every decoder block recomputes its forward in the backward
-            for block in text_model_of(self.model).layers:
-                block.recompute()
+        # CP, then --ac (every decoder block recomputes its forward in the backward)
+        parallelize_run(self, config, self.model, mesh, cp=cp_mesh.size() > 1 or self.tokenizer is not None)
         self.replica = _Replica(self.model, config, cp_mesh)
         self._grads: list[ms.Tensor] | None = None  # between backward and apply_step
         self.reference = None

@@ -1,11 +1,10 @@
 """The torch half of a training run (CPU/gloo, CUDA/NCCL, Ascend/HCCL through torch-npu).
 
 The model is the built-in :class:`~hyperpar_gdn.models.lm.HybridLM` (seeded by the trainer) or a
-transformers Qwen3.5 model read from ``--model DIR``; under ``--tp`` :mod:`.tensor_parallel`
-splits its blocks over the TP axis of a torch ``(dp, cp, tp)`` mesh first;
-:func:`apply_context_parallel` makes its
-mixers context parallel (a transformers model gets our layers even without CP: its own would drop
-the packed documents on a CPU), then activation checkpointing and FSDP2 (:mod:`hyperpar_gdn.parallel`) wrap it.
+transformers Qwen3.5 model read from ``--model DIR``; :func:`~hyperpar_gdn.parallel.compose.parallelize`
+applies ``--ep``, ``--tp`` (over the TP axis of a torch ``(dp, cp, tp)`` mesh), context
+parallelism (a transformers model gets our layers even without CP: its own would drop the packed
+documents on a CPU), ``--ac`` and ``--fsdp``, in that order.
 
 A step: the final hidden states and the head weight
 (:func:`~hyperpar_gdn.integrations.transformers.lm_head.hidden_and_head`), the loss
@@ -32,25 +31,21 @@ from hyperpar_gdn.distributed.batch import ContextParallelBatch, context_paralle
 from hyperpar_gdn.distributed.grads import sync_context_parallel_grads
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallelize import apply_context_parallel
-from hyperpar_gdn.expert_parallel import apply_expert_parallel, load_balancing_loss, record_router_logits
-from hyperpar_gdn.expert_parallel.fsdp import expert_torch_mesh
-from hyperpar_gdn.expert_parallel.grads import expert_mesh, sync_expert_parallel_grads
+from hyperpar_gdn.expert_parallel import load_balancing_loss, record_router_logits
+from hyperpar_gdn.expert_parallel.grads import sync_expert_parallel_grads
 from hyperpar_gdn.expert_parallel.style import is_moe_block
 from hyperpar_gdn.integrations.transformers.lm_head import hidden_and_head
 from hyperpar_gdn.integrations.transformers.model_dir import export_model_dir, load_model_dir
 from hyperpar_gdn.models.lm import HybridLM
-from hyperpar_gdn.parallel.checkpointing import apply_activation_checkpointing
-from hyperpar_gdn.parallel.fsdp import apply_fsdp
 from hyperpar_gdn.platform import Platform
 from hyperpar_gdn.tensor_parallel.comm import sync_tp_grads
-from hyperpar_gdn.train.backends.base import TrainBackend, apply_cp_mode
+from hyperpar_gdn.train.backends.base import TrainBackend, parallelize_run
 from hyperpar_gdn.train.backends.optim import adamw_step, build_adamw, clip_gradients, torch_optimizer_step
 from hyperpar_gdn.train.backends.state_dicts import (
     full_model_state_dict,
     full_state_dicts,
     load_full_state_dicts,
 )
-from hyperpar_gdn.train.backends.tensor_parallel import apply_tp_option
 from hyperpar_gdn.train.checkpoints.directory import DCP_LAYOUT, read_manifest
 from hyperpar_gdn.train.checkpoints.row_orders import model_row_orders, reorder_state
 from hyperpar_gdn.train.config import TrainConfig
@@ -95,34 +90,13 @@ class TorchBackend(TrainBackend):
             # one rank: every mode is the one-device layer (auto and two-level need the CP group)
             apply_context_parallel(self.reference, solo, mode="p2p")
         self.ref_optimizer = None if self.reference is None else build_adamw(self.reference, config)
-        self.cp_mode, self.cp_plan = config.cp_mode, None
-        self.ep_mesh = None  # --ep: the (dp cp / ep, ep, tp) mesh over the same ranks (torch's under --fsdp)
-        if config.ep > 1:  # first: tensor parallelism then leaves the MoE blocks whole over tp
-            shape, build = (mesh.size(0), mesh.size(1), config.tp), expert_mesh
-            if config.fsdp:  # a torch mesh: FSDP composes with EP on axes of one torch mesh only
-                build = expert_torch_mesh
-            self.ep_mesh = build(shape, config.ep, device_type=self.device.type)
-            apply_expert_parallel(self.model, self.ep_mesh["ep"])
-        self.torch_mesh = None  # --tp: torch's (dp, cp, tp) mesh, which TP and FSDP share
-        if config.tp > 1:
-            self.torch_mesh = apply_tp_option(
-                self.model, config, shape=mesh.shape, device_type=self.device.type
-            )
-        self._row_orders = model_row_orders(self.model)  # before AC and FSDP rename nothing yet
-        if self.cp_mesh.size() > 1 or self.tokenizer is not None:
-            apply_cp_mode(self, config, self.model, self.cp_mesh)
-        if config.ac:
-            apply_activation_checkpointing(self.model)
-        if config.fsdp:
-            data = None if self.torch_mesh is None else self.torch_mesh["dp", "cp"]._flatten("dp_cp")
-            apply_fsdp(
-                self.model,
-                device_type=self.device.type,
-                dp=mesh.size(0),
-                bf16=config.dtype == "bf16",
-                mesh=data,
-                expert_replicas=None if self.ep_mesh is None else self.ep_mesh["ep_replica"],
-            )
+        # --ep, --tp, CP, --ac, --fsdp in that order, every part checked on every rank first
+        done = parallelize_run(
+            self, config, self.model, mesh, cp=self.cp_mesh.size() > 1 or self.tokenizer is not None
+        )
+        self.ep_mesh = done.ep_mesh  # --ep: the (dp cp / ep, ep, tp) mesh over the same ranks
+        self.torch_mesh = done.tp_mesh  # --tp: torch's (dp, cp, tp) mesh, which TP and FSDP share
+        self._row_orders = model_row_orders(self.model)
         self.optimizer = build_adamw(self.model, config)  # over the sharded parameters under FSDP
         # --async-save: the background writes talk over a gloo group of their own, never the one
         # the training steps use at the same time

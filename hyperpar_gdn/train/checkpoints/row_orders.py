@@ -39,11 +39,14 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter tensors (their rows
 
 def model_row_orders(model: torch.nn.Module) -> dict[str, Spec]:
     """The specs of ``model``'s tensors held out of canonical order (empty without tensor
-    parallelism), by state-dict name; call it before activation checkpointing and FSDP wrap the
-    model (the names are then the state dict's)."""
+    parallelism), by state-dict name (activation checkpointing's wrappers left out of the names,
+    as the state dict leaves them)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
     specs: dict[str, Spec] = {}
     for name, module in model.named_modules():
         shard = head_shard_of(module)
+        name = name.replace(_CHECKPOINT_PREFIX, "")
         prefix = f"{name}." if name else ""
         if shard is not None and shard.kind == "gdn":
             for tensor in ("in_proj_qkv.weight", "conv1d.weight"):

@@ -293,16 +293,15 @@ class LinearAttentionContextParallel(ParallelStyle):
             docs = seq.whole_docs()
         else:
             docs = seq.shard_docs(dims.conv_kernel_size, by_fragment=layout is not None)
-        final = {"final_state": True} if states is not None else {}
-        pieces = None
-        if states is not None and docs is not None:  # packed prompts: a state per prompt
-            pieces = ShardPieces(seq.doc_starts, lengths, cp.rank)
+        final = states is not None  # a prefill: the layer's decoding state too
+        pieces = seq.shard_pieces() if final else None  # packed prompts: a state per prompt
         if heads:
             forward = ulysses_forward if self.mode == "ulysses" else ulysses_hidden_forward
-            y = forward(cp, call, x, attention_mask, lengths, docs, layout, **final)
+            y = forward(cp, call, x, attention_mask, lengths, docs, layout, final_state=final)
         else:
-            packed = {} if pieces is None else {"pieces": pieces}
-            y = state_passing_forward(self.mode, cp, call, x, attention_mask, docs, layout, **final, **packed)
+            y = state_passing_forward(
+                self.mode, cp, call, x, attention_mask, docs, layout, pieces=pieces, final_state=final
+            )
         if states is not None:
             y, s = y
             states.keep_gdn(module, self._conv_state(cp, call, x, attention_mask, tokens, pieces), s)

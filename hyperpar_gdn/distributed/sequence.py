@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from hyperpar_gdn.distributed.cp.common import CPGroup, shard_lengths
+from hyperpar_gdn.distributed.cp.packed_states import ShardPieces
 from hyperpar_gdn.distributed.layout import TokenLayout
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.ops.gdn.varlen import Documents, check_cu_seqlens
@@ -39,14 +40,16 @@ from hyperpar_gdn.platform import Tensor, ops_for
 
 class ForwardMemo:
     """What the layers of one forward compute once and share: ``documents``, the packed documents
-    of the token spans the GDN layers run on (:class:`~hyperpar_gdn.ops.gdn.varlen.Documents`,
-    which keep the masks built from them, on the device too). A plain object, neither a dataclass
-    nor a container: a wrapper that rebuilds the context per module to cast its tensors (FSDP2's
-    mixed precision does, with ``dataclasses.replace``) copies the reference, so the layers still
-    share one memo."""
+        of the token spans the GDN layers run on (:class:`~hyperpar_gdn.ops.gdn.varlen.Documents`,
+        which keep the masks built from them, on the device too) and, in a prefill of packed prompts,
+    ``shard_pieces``. A plain object, neither a dataclass
+        nor a container: a wrapper that rebuilds the context per module to cast its tensors (FSDP2's
+        mixed precision does, with ``dataclasses.replace``) copies the reference, so the layers still
+        share one memo."""
 
     def __init__(self) -> None:
         self.documents: dict[tuple[tuple[tuple[int, int], ...], int], Documents] = {}
+        self.shard_pieces: ShardPieces | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,15 @@ class GlobalSequence:
         if by_fragment:
             return self.documents([(f.start, f.length) for f in self.token_layout().mine(r)], width)
         return self.documents([(self.offset(r), self.lengths[r])], width)
+
+    def shard_pieces(self) -> ShardPieces | None:
+        """This rank's shard (contiguous layout) cut at the packed documents' starts, or None: what a
+        prefill of packed prompts reads a state per prompt from. Made once per forward."""
+        if self.doc_starts is None:
+            return None
+        if self.memo.shard_pieces is None:
+            self.memo.shard_pieces = ShardPieces(self.doc_starts, self.lengths, self.rank)
+        return self.memo.shard_pieces
 
     def whole_docs(self) -> Documents | None:
         """The packed documents of the whole sequence (one row, no halo), or None."""

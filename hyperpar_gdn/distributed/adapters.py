@@ -20,6 +20,8 @@ Tensor parallelism asks the adapter of the family a module belongs to
 (:func:`~hyperpar_gdn.distributed.decoder_layers.module_adapter_for`: the first whose :meth:`owns`
 claims it, else ``DecoderAdapter``) how that family's layers meet a split by heads: their head
 counts, the forward of a GDN layer on its local heads, and how to keep installed forwards.
+A CP prefill and decoding on the CP group run this library's own LMs themselves and ask another
+family's adapter for its :class:`FamilyInference` (:meth:`ModelAdapter.inference`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-__all__ = ["ADAPTERS", "ModelAdapter", "register_adapter"]
+__all__ = ["ADAPTERS", "FamilyInference", "ModelAdapter", "register_adapter"]
 
 
 class ModelAdapter:
@@ -91,6 +93,65 @@ class ModelAdapter:
     def keep_installed_forwards(self, model: Any) -> None:
         """Make sure forwards installed on ``model``'s modules stay for good (tensor parallelism has
         no undo): a family that re-selects its modules' forwards by itself is told not to."""
+        raise NotImplementedError
+
+    def inference(self) -> FamilyInference | None:
+        """How a CP prefill and decoding on the CP group run this family's LMs; None for this
+        library's own (:mod:`hyperpar_gdn.inference` runs them itself)."""
+        return None
+
+
+class FamilyInference:
+    """A model family's LMs as :func:`~hyperpar_gdn.prefill_context_parallel` and decoding on the
+    CP group (:mod:`hyperpar_gdn.inference.cp_decoding`) use them: its own forward and cache.
+
+    Legend: B batch, T prompt tokens, T_r this rank's tokens, C hidden, V vocabulary."""
+
+    def check_prefill(self, model: Any) -> None:
+        """Raise ``NotImplementedError`` when ``model`` is not an LM of the family a prefill serves."""
+        raise NotImplementedError
+
+    def prefill_hidden(
+        self,
+        text_model: Any,
+        input_ids: Any,
+        mask_np: Any,
+        index: Any,
+        states: Any,
+        positions: Any = None,
+    ) -> Any:
+        """The final hidden states ``[B, T_r, C]`` of the prompt ``input_ids`` ``[B, T]``'s tokens
+        at the global positions ``index`` (int ``[T_r]``), every mixer handed ``states`` (a
+        :class:`~hyperpar_gdn.ops.prefill_states.PrefillStates`); ``mask_np`` bool ``[B, T]``
+        (left padding) or None; ``positions`` ``[1, T]`` (packed prompts) or None."""
+        raise NotImplementedError
+
+    def head(self, model: Any) -> Any:
+        """The LM head as a callable ``[..., C] -> [..., V]`` (the module the model holds)."""
+        raise NotImplementedError
+
+    def cache(self, model: Any, text_model: Any, states: Any, *, tokens: int) -> Any:
+        """The family's decoding cache after a ``tokens``-token prompt, from the recorded ``states``."""
+        raise NotImplementedError
+
+    def caches(self, model: Any, text_model: Any, states: Any, cu: Any) -> list[Any]:
+        """One cache per packed prompt (bounds ``cu`` int ``[N+1]``)."""
+        raise NotImplementedError
+
+    def decodes(self, model: Any) -> bool:
+        """Whether ``model`` decodes on the CP group (an LM of the family with a head)."""
+        raise NotImplementedError
+
+    def cut_cache(
+        self, model: Any, cache: Any, *, length: int, start: int, stop: int
+    ) -> tuple[Any, dict, dict]:
+        """From the cache of a ``length``-token prefill: (the GDN layers' states, and by attention
+        layer index the K and V of tokens ``[start, stop)`` ``[B, Hkv, stop - start, D]``, copied)."""
+        raise NotImplementedError
+
+    def step(self, model: Any, gdn: Any, ids_B1: Any, *, position: int, attend: Callable) -> Any:
+        """One token per row ``[B, 1]`` at ``position``: the GDN layers step on ``gdn`` (in place),
+        the attention layers call ``attend(i, q, k, v, *, scale)`` -> logits ``[B, V]`` (fp32 at least)."""
         raise NotImplementedError
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
+from hyperpar_gdn.distributed.decoder_layers import mixer_of, module_adapter_for, text_model_of
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import is_parallelized
 from hyperpar_gdn.inference.decoding import (
@@ -51,9 +51,8 @@ from hyperpar_gdn.inference.decoding import (
     step_blocks,
 )
 from hyperpar_gdn.inference.prefill import prompt_lengths
-from hyperpar_gdn.integrations.transformers import sharded_cache as hf
-from hyperpar_gdn.integrations.transformers.discovery import from_transformers
 from hyperpar_gdn.ops.attention.partials import merge_partials, partial_attention
+from hyperpar_gdn.ops.prefill_states import check_cached_tokens
 from hyperpar_gdn.platform import Tensor, ops_for
 
 __all__ = [
@@ -103,8 +102,9 @@ def shard_cache(model: Any, mesh: Any, cache: Any, *, length: int) -> ShardedCac
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     pieces = prompt_lengths(length, cp)
     start, stop = sum(pieces[:rank]), sum(pieces[: rank + 1])
-    if hf.is_causal_lm(model):
-        gdn, keys, values = hf.cut_cache(model, cache, length=length, start=start, stop=stop)
+    family = module_adapter_for(model).inference()  # None: this library's own LMs
+    if family is not None and family.decodes(model):
+        gdn, keys, values = family.cut_cache(model, cache, length=length, start=start, stop=stop)
     else:
         gdn, keys, values = _cut_state(model, cache, length=length, start=start, stop=stop)
     return ShardedCache(gdn=gdn, keys=keys, values=values, length=length, cp=cp, rank=rank)
@@ -125,7 +125,7 @@ def _cut_state(
         if block.layer_type == "linear_attention":
             gdn[i] = (first, second)
         else:
-            hf.check_cached_tokens(i, first.shape[2], length)
+            check_cached_tokens(i, first.shape[2], length)
             xp, mine = ops_for(first), np.arange(start, stop)
             keys[i], values[i] = xp.take(first, mine, 2), xp.take(second, mine, 2)
     return gdn, keys, values
@@ -150,9 +150,10 @@ def check_sharded_decoding(model: Any) -> None:
 
 def _mixers(model: Any) -> list[Any] | None:
     """The token mixers of a model decoding on the CP group serves, by layer; None for others."""
-    if hf.is_causal_lm(model):
+    family = module_adapter_for(model).inference()
+    if family is not None and family.decodes(model):
         return [mixer_of(i, block)[1] for i, block in enumerate(text_model_of(model).layers)]
-    if from_transformers(model):
+    if family is not None:
         return None
     try:
         blocks = lm_parts(model).blocks
@@ -204,8 +205,9 @@ def decode_step_context_parallel(
         scale = q.shape[-1] ** -0.5 if scale is None else scale  # ours: causal_attention's D**-0.5
         return sharded_attention(cp_mesh, state, i, q, k, v, scale=scale)
 
-    if hf.is_causal_lm(model):
-        logits = hf.step(model, state.gdn, ids_B1, position=state.length, attend=attend)
+    family = module_adapter_for(model).inference()
+    if family is not None and family.decodes(model):
+        logits = family.step(model, state.gdn, ids_B1, position=state.length, attend=attend)
     else:
         logits, state.gdn = step_blocks(
             model, ids_B1, position=state.length, gdn=state.gdn, attend=attend, gdn_kernel=gdn_kernel

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar_gdn.distributed.decoder_layers import base_model_of, mixer_of, text_model_of
+from hyperpar_gdn.distributed.adapters import FamilyInference
+from hyperpar_gdn.distributed.decoder_layers import base_model_of, mixer_of, module_adapter_for, text_model_of
 from hyperpar_gdn.distributed.layout import TokenLayout, layout_error
 from hyperpar_gdn.distributed.mesh import as_cp_mesh
 from hyperpar_gdn.distributed.parallel_style import applied_layout, is_parallelized
@@ -44,7 +45,6 @@ from hyperpar_gdn.inference.decoding import (
     state_from_prefill,
 )
 from hyperpar_gdn.inference.packed import packed_bounds, packed_positions
-from hyperpar_gdn.integrations.transformers.discovery import from_transformers
 from hyperpar_gdn.ops.prefill_states import PrefillStates
 from hyperpar_gdn.ops.projections import Projection, WeightLinear
 from hyperpar_gdn.platform import Tensor, ops_for
@@ -110,42 +110,40 @@ def prefill_context_parallel(
     check_prompt(input_ids)
     model = base_model_of(model)  # a PeftModel: the transformers model it wraps (adapters inside)
     text_model = text_model_of(model)
-    transformers_model = from_transformers(model)
-    if transformers_model:
-        from hyperpar_gdn.integrations.transformers import cache as hf
-
-        hf.check_causal_lm(model)
+    family = module_adapter_for(model).inference()  # None: this library's own LMs
+    if family is not None:
+        family.check_prefill(model)
     b, t = (int(n) for n in input_ids.shape)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     layout = model_layout(model, text_model)
     xp = ops_for(input_ids)
     cu = None
     if cu_seqlens is not None or position_ids is not None:
-        cu = _check_packed(model, xp, input_ids, layout, attention_mask, cu_seqlens, position_ids)
+        cu = _check_packed(model, family, xp, input_ids, layout, attention_mask, cu_seqlens, position_ids)
     check_position_range(model, t if cu is None else int(np.diff(cu).max()))
     tokens = prompt_layout(layout, t, cp, lengths)
     index = tokens.positions(rank)  # this rank's tokens, by global position
     mask_np = None if attention_mask is None else padding_mask(xp, attention_mask, (b, t))
-    if not transformers_model and attention_mask is not None:
+    if family is None and attention_mask is not None:
         raise NotImplementedError(
             f"{type(model).__name__} takes no attention mask: pass prompts without padding"
         )
     ends = [t - 1] if cu is None else [int(c) - 1 for c in cu[1:]]  # the tokens whose logits we return
     states = PrefillStates()
     with inference_mode(model):
-        if transformers_model:
+        if family is not None:
             positions = None if cu is None else packed_positions(cu)
-            hidden = hf.prefill_hidden(text_model, input_ids, mask_np, index, states, positions)
-            head = model.lm_head  # called: a wrapper around it applies
+            hidden = family.prefill_hidden(text_model, input_ids, mask_np, index, states, positions)
+            head = family.head(model)
         else:
             parts = lm_parts(model)
             hidden = last_hidden(parts, _take_tokens(xp, input_ids, index), states)
             head = WeightLinear(parts.head)
         logits = _end_logits(cp_mesh, hidden, head, index, ends)  # [B, len(ends), V]
     if cu is not None:
-        return logits[0], hf.dynamic_caches(model, text_model, states, cu)
-    if transformers_model:
-        return logits[:, 0], hf.dynamic_cache(model, text_model, states, tokens=t)
+        return logits[0], family.caches(model, text_model, states, cu)
+    if family is not None:
+        return logits[:, 0], family.cache(model, text_model, states, tokens=t)
     return logits[:, 0], state_from_prefill(model, states, t)
 
 
@@ -169,6 +167,7 @@ def _end_logits(cp_mesh: Any, hidden: Tensor, head: Projection, index: np.ndarra
 
 def _check_packed(
     model: Any,
+    family: FamilyInference | None,
     xp: Any,
     input_ids: Tensor,
     layout: str,
@@ -178,7 +177,7 @@ def _check_packed(
 ) -> np.ndarray:
     """The bounds of packed prompts, after the rules only a packed prefill has (the same
     ValueError or NotImplementedError on every rank, before any communication)."""
-    if not from_transformers(model):
+    if family is None:
         raise NotImplementedError(
             f"packed prompts are supported for transformers' Qwen3.5 models; {type(model).__name__} "
             "has no per-prompt positions: prefill its prompts one by one"

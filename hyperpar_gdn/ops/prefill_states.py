@@ -27,7 +27,7 @@ from typing import Any
 
 from hyperpar_gdn.platform import Tensor, TensorOps
 
-__all__ = ["PrefillStates", "conv_state_of"]
+__all__ = ["PrefillStates", "check_cached_tokens", "conv_state_of"]
 
 
 @dataclass
@@ -71,3 +71,9 @@ def conv_state_of(xp: TensorOps, tail_BTC: Tensor, width: int) -> Tensor:
     else:
         tail_BTC = xp.pad_dim(tail_BTC, 1, width - t, 0)
     return xp.swapaxes(tail_BTC, 1, 2)
+
+
+def check_cached_tokens(layer: int, held: int, length: int) -> None:
+    """Refuse a cache whose attention layer ``layer`` holds ``held`` tokens after a prompt of ``length``."""
+    if held != length:
+        raise ValueError(f"layer {layer} of the cache holds {held} tokens, not length={length}")

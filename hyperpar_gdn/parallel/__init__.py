@@ -13,7 +13,6 @@ _EXPORTS = {
     "ParallelConfig": "hyperpar_gdn.parallel.config",
     "Parallelized": "hyperpar_gdn.parallel.compose",
     "parallelize": "hyperpar_gdn.parallel.compose",
-    "parallelize_errors": "hyperpar_gdn.parallel.compose",
     "apply_activation_checkpointing": "hyperpar_gdn.parallel.checkpointing",
     "apply_fsdp": "hyperpar_gdn.parallel.fsdp",
 }

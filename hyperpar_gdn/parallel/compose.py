@@ -36,7 +36,7 @@ from hyperpar_gdn.distributed.parallelize import (
 from hyperpar_gdn.parallel.config import ParallelConfig
 from hyperpar_gdn.planning.plan import CPPlan
 
-__all__ = ["Parallelized", "parallelize", "parallelize_errors"]
+__all__ = ["Parallelized", "parallelize"]
 
 AXES = ("dp", "cp", "tp")  # the mesh's axes, outermost first; the ones a mesh leaves out have one rank
 _TORCH_PARTS = ("tp", "ep", "fsdp")
@@ -86,12 +86,6 @@ def parallelize(model: Any, mesh: DeviceMesh, config: ParallelConfig) -> Paralle
     plan, errors = _check(model, mesh, config)
     _agree(mesh, _fingerprint(model, mesh, config, plan), first(errors))
     return _apply(model, mesh, config, plan)
-
-
-def parallelize_errors(model: Any, mesh: DeviceMesh, config: ParallelConfig) -> list[Exception]:
-    """Every reason :func:`parallelize` would refuse, found on this rank alone (no communication,
-    no change; ``"auto"`` is resolved, and logged, on the way)."""
-    return _check(model, mesh, config)[1]
 
 
 # --- phase 1: the checks -------------------------------------------------------------------------

@@ -77,12 +77,6 @@ class ParallelConfig:
             found += self._cp_errors()
         return found
 
-    def check(self) -> None:
-        """Raise the first of :meth:`errors`."""
-        errors = self.errors()
-        if errors:
-            raise errors[0]
-
     def cp_plan(self) -> CPPlan | None:
         """The context-parallel plan these options name, None without context parallelism or for
         ``"auto"`` (which ``parallelize`` resolves against the model and the mesh)."""

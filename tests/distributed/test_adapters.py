@@ -1,7 +1,7 @@
 """The model adapters' registry: each model family is served by the adapter that does not
 decline it (ours, transformers'), asked by the core instead of a type name; a model or layer that
 none serves is refused with every adapter's reason; a family registered from outside is found;
-a module's family (what tensor parallelism asks) is the adapter that owns it, else ours."""
+a module's family (what tensor parallelism and inference ask) is the adapter that owns it, else ours."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny_models import TINY_LM, tiny_model
 
-from hyperpar_gdn.distributed.adapters import ADAPTERS, register_adapter
+from hyperpar_gdn.distributed.adapters import ADAPTERS, FamilyInference, register_adapter
 from hyperpar_gdn.distributed.decoder_layers import (
     DecoderAdapter,
     adapter_for,
@@ -99,3 +99,7 @@ def test_a_modules_family_answers_for_its_layers() -> None:
     assert module_adapter_for(torch.nn.Linear(2, 2)).attention_heads(torch.nn.Linear(2, 2)) is None
     assert is_silu(theirs.model.layers[0].mlp.act_fn) and is_silu(torch.nn.SiLU())
     assert not is_silu(torch.nn.GELU())
+    assert module_adapter_for(ours).inference() is None  # the CP prefill and decoding run ours themselves
+    family = module_adapter_for(theirs).inference()
+    assert isinstance(family, FamilyInference)
+    assert family.decodes(theirs) and not family.decodes(theirs.model)  # the text model has no head

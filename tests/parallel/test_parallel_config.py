@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from hyperpar_gdn import CPPlan, ParallelConfig
@@ -46,8 +44,6 @@ def test_each_broken_rule_is_one_line_naming_the_value(options: dict, message: s
     assert len(errors) == 1, errors
     assert message in str(errors[0]), errors[0]
     assert "\n" not in str(errors[0])
-    with pytest.raises(type(errors[0]), match=re.escape(message)):
-        ParallelConfig(**options).check()
 
 
 def test_options_are_keyword_only_and_frozen() -> None:

@@ -7,6 +7,8 @@ class or keyword lives in this package.
 - :mod:`.attention`: transformers' attention layer under the softmax-attention style;
 - :mod:`.cache`: the ``DynamicCache`` a CP prefill fills;
 - :mod:`.sharded_cache`: that cache cut to a rank's share, and a decoding step on the CP group;
+- :mod:`.inference`: both as the CP prefill and decoding ask them (the adapter's ``inference()``);
+- :mod:`.head_sharded`: the GDN layer's forward once tensor parallelism splits it by heads;
 - :mod:`.model_dir`: load a model directory for training, export one, make a tiny one
   (:mod:`.model_config` reads its config.json without torch);
 - :mod:`.lm_head`: the final hidden states and head weight of a model the trainer trains;

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hyperpar_gdn.distributed.adapters import ModelAdapter, register_adapter
+from hyperpar_gdn.distributed.adapters import FamilyInference, ModelAdapter, register_adapter
 from hyperpar_gdn.integrations.transformers.discovery import (
     ATTENTION_LAYERS,
     find_text_model,
@@ -78,6 +78,11 @@ class TransformersAdapter(ModelAdapter):
         from hyperpar_gdn.integrations.transformers.head_sharded import head_sharded_gdn_forward
 
         return head_sharded_gdn_forward(module)
+
+    def inference(self) -> FamilyInference | None:
+        from hyperpar_gdn.integrations.transformers.inference import TransformersInference
+
+        return TransformersInference()
 
     def keep_installed_forwards(self, model: Any) -> None:
         from hyperpar_gdn.integrations.transformers.hub_kernels import pause_hub_kernels

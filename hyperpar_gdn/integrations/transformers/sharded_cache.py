@@ -15,6 +15,7 @@ from typing import Any
 from hyperpar_gdn.distributed.decoder_layers import mixer_of, text_model_of
 from hyperpar_gdn.integrations.transformers.cache import store_gdn_states
 from hyperpar_gdn.integrations.transformers.discovery import from_transformers
+from hyperpar_gdn.ops.prefill_states import check_cached_tokens
 from hyperpar_gdn.platform import Tensor
 
 __all__ = ["cut_cache", "is_causal_lm", "step"]
@@ -48,11 +49,6 @@ def cut_cache(
             keys[i] = layer.keys[:, :, start:stop].clone()
             values[i] = layer.values[:, :, start:stop].clone()
     return gdn, keys, values
-
-
-def check_cached_tokens(layer: int, held: int, length: int) -> None:
-    if held != length:
-        raise ValueError(f"layer {layer} of the cache holds {held} tokens, not length={length}")
 
 
 @contextmanager

@@ -7,7 +7,6 @@ joins a process group.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,13 +144,11 @@ def check_trainer_setup(
     kinds = _check_model(model)
     router_coef = _router_coefficient(model)
     if ep_size > 1:
-        from hyperpar_gdn.expert_parallel import expert_parallel_error
-        from hyperpar_gdn.expert_parallel.style import is_moe_block
+        from hyperpar_gdn.expert_parallel.style import expert_parallel_errors
 
-        blocks = [(i, b.mlp) for i, b in enumerate(find_decoder(model)[1].layers) if is_moe_block(b.mlp)]
-        errors = [f"layer {i}: {e}" for i, mlp in blocks if (e := expert_parallel_error(mlp, ep_size))]
-        if not blocks or errors:
-            raise ValueError(f"ep_size={ep_size}: " + ("; ".join(errors) or "the model has no MoE block"))
+        errors = expert_parallel_errors(model, ep_size)
+        if errors:
+            raise ValueError(f"ep_size={ep_size}: " + "; ".join(errors))
     if tp_size > 1:
         from hyperpar_gdn.tensor_parallel import tensor_parallel_plan
 
@@ -166,7 +163,7 @@ def check_trainer_setup(
         )
         _, text_model = find_decoder(model)
         gdn = [
-            (i, _tp_rank_dims(LayerDims.of(m), tp_size))
+            (i, LayerDims.of(m).tp_rank(tp_size))
             for i, (kind, m) in enumerate(mixers_of(text_model))
             if kind == "linear_attn"
         ]  # the CP ranks of a TP rank: tp apart
@@ -203,15 +200,6 @@ def check_head(model: Any) -> None:
             f"the LM head is wrapped by {wrapper}: the context-parallel loss computes the logits from the "
             "head's weight, which would bypass the wrapper; leave lm_head out of the adapter's target modules"
         )
-
-
-def _tp_rank_dims(dims: LayerDims, tp: int) -> LayerDims:
-    """A GDN layer's sizes as one of ``tp`` ranks holds them (the CP plan's checks read these)."""
-    if tp == 1:
-        return dims
-    return dataclasses.replace(
-        dims, num_k_heads=dims.num_k_heads // tp, num_v_heads=dims.num_v_heads // tp, tp=tp
-    )
 
 
 def _check_tp_args(args: Any, tp: int, ep: int = 1) -> None:

@@ -32,6 +32,10 @@ QUICK: dict[str, tuple[str, ...]] = {
         "test_packed_documents_are_checked_and_masked_once_per_forward[p2p]",
     ),
     "tests/distributed/test_dtensor.py": ("test_placement_checks",),
+    "tests/distributed/test_gdn_call.py": (
+        "test_the_families_keywords_bind_the_documents_and_two_at_once_are_refused",
+        "test_each_family_names_its_keywords",
+    ),
     "tests/distributed/test_layout.py": (
         "test_head_tail_gives_rank_r_pieces_r_and_2cp_minus_1_minus_r",
         "test_contiguous_is_one_fragment_per_rank_of_any_length",

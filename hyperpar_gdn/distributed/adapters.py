@@ -40,6 +40,8 @@ class ModelAdapter:
     models: ClassVar[str] = ""  # the whole models it serves, in words (errors list them)
     attention_layers: ClassVar[str] = ""  # the attention layers it serves, in words
     silu_activations: ClassVar[tuple[str, ...]] = ("SiLU",)  # this family's SiLU module classes
+    # the keywords a GDN layer of this family takes the whole sequence's cu_seqlens [N+1] by
+    cu_seqlens_keywords: ClassVar[tuple[str, ...]] = ("cu_seqlens",)
 
     @classmethod
     def declines(cls, model: Any) -> str | None:

@@ -21,7 +21,7 @@ class CallArgs:
     """What a GDN layer's forward call passes besides the hidden states.
 
     ``cu_seqlens``: packed documents, int ``[N+1]`` over the WHOLE sequence, the same tensor on
-    every rank (fla's ``cu_seqlens`` or transformers' ``cu_seq_lens_q``). ``position_ids``
+    every rank (by any of the keywords the layer's model family takes it by). ``position_ids``
     (transformers' packed convention) only on one device: a shard's position_ids cannot say
     where the documents of other shards start."""
 
@@ -30,9 +30,10 @@ class CallArgs:
     position_ids: Any
 
 
-def signature_binder(forward: Callable) -> Callable[..., CallArgs]:
+def signature_binder(forward: Callable, *, cu_seqlens_keywords: tuple[str, ...]) -> Callable[..., CallArgs]:
     """Bind a call as the original forward would; refuse every other argument that is set (a
-    cache, other packed-sequence keywords: none is handled here)."""
+    cache, other packed-sequence keywords: none is handled here). ``cu_seqlens_keywords``: the
+    names the layer's family takes the packed documents by (its adapter's), at most one given."""
     signature = inspect.signature(forward)
     owner = getattr(forward, "__self__", forward).__class__.__name__
 
@@ -42,12 +43,12 @@ def signature_binder(forward: Callable) -> Callable[..., CallArgs]:
             if parameter.kind is inspect.Parameter.VAR_KEYWORD:
                 bound.update(bound.pop(name, {}))
         bound.pop("hidden_states", None)
-        cu, cu_q = bound.pop("cu_seqlens", None), bound.pop("cu_seq_lens_q", None)
-        if cu is not None and cu_q is not None:
-            raise ValueError(f"{owner}: pass cu_seqlens or cu_seq_lens_q, not both")
+        given = {k: v for k in cu_seqlens_keywords if (v := bound.pop(k, None)) is not None}
+        if len(given) > 1:
+            raise ValueError(f"{owner}: pass one of {' or '.join(given)}, not several")
         call = CallArgs(
             attention_mask=bound.pop("attention_mask", None),
-            cu_seqlens=cu if cu is not None else cu_q,
+            cu_seqlens=next(iter(given.values()), None),
             position_ids=bound.pop("position_ids", None),
         )
         if any(isinstance(v, GlobalSequence) for v in (call.attention_mask, call.cu_seqlens)):

@@ -19,6 +19,7 @@ from hyperpar_gdn.distributed.cp.two_level import (
 )
 from hyperpar_gdn.distributed.cp.ulysses import ulysses_forward
 from hyperpar_gdn.distributed.cp.ulysses_hidden import ulysses_hidden_error, ulysses_hidden_forward
+from hyperpar_gdn.distributed.decoder_layers import module_adapter_for
 from hyperpar_gdn.distributed.dtensor import as_sequence_shard
 from hyperpar_gdn.distributed.gdn_call import (
     CallArgs,
@@ -192,9 +193,10 @@ class LinearAttentionContextParallel(ParallelStyle):
         """Install the CP forward on ``module`` (checked and agreed on by :meth:`apply` or
         :func:`~hyperpar_gdn.apply_context_parallel`)."""
         group = CPGroup.of(cp_mesh)
+        keywords = module_adapter_for(module).cu_seqlens_keywords
 
         def make_forward(original: Callable) -> Callable:
-            bind = signature_binder(original)
+            bind = signature_binder(original, cu_seqlens_keywords=keywords)
 
             def forward(
                 hidden_states: Any,

@@ -37,6 +37,7 @@ class TransformersAdapter(ModelAdapter):
     )
     attention_layers = "transformers' Qwen3.5 attention"
     silu_activations = ("SiLU", "SiLUActivation")
+    cu_seqlens_keywords = ("cu_seqlens", "cu_seq_lens_q")  # fla's name, transformers' name
 
     @classmethod
     def declines(cls, model: Any) -> str | None:

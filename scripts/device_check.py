@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchkit.device_figures import relative, timed
 from hyperpar_gdn.cli import HelpFormatter
 from hyperpar_gdn.ops.gdn.kernels import fla_missing, gdn_rule, shard_rule
 
@@ -108,29 +108,6 @@ def rule_inputs(t: int, cfg: dict, device: torch.device, dtype: torch.dtype, see
     g = torch.nn.functional.logsigmoid(torch.randn(1, t, h, generator=gen) + 3).to(device)  # log decay, fp32
     beta = torch.rand(1, t, h, generator=gen).to(device=device, dtype=dtype)
     return rand(1, t, hk, d), rand(1, t, hk, d), rand(1, t, h, d), g, beta
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> dict[str, float]:
-    """Median and min seconds of ``fn`` over ``repeats`` runs after one warm-up."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "min_s": min(times)}
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 # --- the sections ------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from benchkit.device_figures import relative, timed
+
 MULTI_FULL = {"t": 16384, "hidden": 2048, "k_heads": 16, "v_heads": 32, "head_dim": 128, "repeats": 3,
               "dtype": "bfloat16"}  # fmt: skip
 MULTI_SMOKE = {
@@ -48,8 +50,6 @@ def multi_cases(cfg: dict, cp: int) -> list[tuple[str, int | None, str]]:
 
 def multi_worker(rank: int, world: int, cfg: dict) -> dict[str, Any] | None:
     """One rank's part (the process group is joined): figures per case, on rank 0."""
-    from device_check import relative, timed
-
     from hyperpar_gdn import init_device_mesh
     from hyperpar_gdn.distributed.layout import TokenLayout
     from hyperpar_gdn.distributed.linear_attention_style import LinearAttentionContextParallel

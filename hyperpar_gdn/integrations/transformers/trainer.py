@@ -41,6 +41,12 @@ from hyperpar_gdn.distributed.mesh import init_device_mesh
 from hyperpar_gdn.expert_parallel import load_balancing_loss, record_router_logits
 from hyperpar_gdn.integrations.transformers.lm_head import transformers_hidden_and_head
 from hyperpar_gdn.integrations.transformers.notices import hide_expected_notices, one_line_if_uncaught
+from hyperpar_gdn.integrations.transformers.trainer_checkpoints import (
+    check_saved_sizes,
+    load_model_shards,
+    load_optimizer_shards,
+    save_rank_state,
+)
 from hyperpar_gdn.integrations.transformers.trainer_checks import CPSetup, check_head, check_trainer_setup
 from hyperpar_gdn.integrations.transformers.trainer_tp import prepare_without_ddp, sync_grads
 from hyperpar_gdn.ops.gdn.kernels import check_kernel, platform_of, resolve_kernel
@@ -170,17 +176,9 @@ class ContextParallelMixin:
         self.loss_is_scaled_for_ga = True
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train`` after one header line on rank 0 (:meth:`cp_header`)."""
-        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if self._without_ddp and resume:
-            setup = self.cp_setup
-            option = f"tp_size={setup.tp}" if setup.tp > 1 else f"ep_size={setup.ep}"
-            error = NotImplementedError(
-                f"resume_from_checkpoint={resume!r} with {option}: a checkpoint holds rank "
-                "0's optimizer shard only; resume without tensor or expert parallelism or train from the saved model"
-            )
-            one_line_if_uncaught(error, name=type(self).__name__)
-            raise error
+        """The Trainer's ``train`` after one header line on rank 0 (:meth:`cp_header`). Under
+        ``tp_size`` or ``ep_size`` a checkpoint resumes from every rank's own file
+        (:mod:`.trainer_checkpoints`), at the sizes it was saved at."""
         if self.is_world_process_zero():
             print_line(f"{type(self).__name__}: {self.cp_header()}")
         return super().train(*args, **kwargs)
@@ -371,6 +369,52 @@ class ContextParallelMixin:
         if state_dict is None:
             state_dict = getattr(self, "_whole_state", None)
         return super()._save(output_dir, state_dict=state_dict)
+
+    # --- checkpoints: under tp or ep every rank's shards and optimizer state ----------------------
+
+    def _parallel_sizes(self) -> dict[str, int]:
+        setup = self.cp_setup
+        return {"world": setup.world, "dp": setup.dp, "cp": setup.cp, "tp": setup.tp, "ep": setup.ep}
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._without_ddp:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_rank_state(
+            output_dir,
+            model=self.accelerator.unwrap_model(self.model),
+            optimizer=self.optimizer,
+            scheduler=self.lr_scheduler,
+            sizes=self._parallel_sizes(),
+            rank=self.args.process_index,
+        )
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
+    ) -> None:
+        """The sizes checked against the checkpoint's on every rank, before any communication;
+        under tp or ep this rank's shards loaded from its own file."""
+        try:
+            check_saved_sizes(resume_from_checkpoint, self._parallel_sizes(), sharded=self._without_ddp)
+        except ValueError as error:
+            one_line_if_uncaught(error, name=type(self).__name__)
+            raise
+        if not self._without_ddp:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        unwrapped = self.accelerator.unwrap_model(self.model if model is None else model)
+        load_model_shards(
+            resume_from_checkpoint, unwrapped, rank=self.args.process_index, world=self.cp_setup.world
+        )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._without_ddp:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_optimizer_shards(
+            checkpoint,
+            self.optimizer,
+            self.lr_scheduler,
+            rank=self.args.process_index,
+            world=self.cp_setup.world,
+        )
 
     def prediction_step(
         self,

@@ -176,9 +176,7 @@ class ContextParallelMixin:
         self.loss_is_scaled_for_ga = True
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train`` after one header line on rank 0 (:meth:`cp_header`). Under
-        ``tp_size`` or ``ep_size`` a checkpoint resumes from every rank's own file
-        (:mod:`.trainer_checkpoints`), at the sizes it was saved at."""
+        """The Trainer's ``train`` after one header line on rank 0 (:meth:`cp_header`)."""
         if self.is_world_process_zero():
             print_line(f"{type(self).__name__}: {self.cp_header()}")
         return super().train(*args, **kwargs)
@@ -354,7 +352,8 @@ class ContextParallelMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's ``save_model``; under tp or ep the whole weights in transformers' layout
-        (gathered on every rank, written by rank 0)."""
+        (gathered on every rank, written by rank 0; a checkpoint adds every rank's shards for
+        resuming, :mod:`.trainer_checkpoints`)."""
         if not self._without_ddp:
             return super().save_model(output_dir, _internal_call)
         from hyperpar_gdn.tensor_parallel import canonical_state_dict

@@ -80,6 +80,8 @@ def _describe(sizes: dict[str, int]) -> str:
 def check_saved_sizes(checkpoint: str, sizes: dict[str, int], *, sharded: bool) -> None:
     """Refuse a resume at sizes other than the checkpoint's (a ValueError naming both), and a run
     that needs per-rank state (``sharded``: tp or ep above one) from a checkpoint without it."""
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"resume_from_checkpoint={checkpoint!r} is not a checkpoint directory")
     path = os.path.join(checkpoint, SIZES_NAME)
     if not os.path.isfile(path):
         if sharded:

@@ -84,10 +84,29 @@ def test_resume_equals_the_uninterrupted_run(
             diff = _rel(resumed[key][after], whole[key][after])
             print(f"rank {rank} {key} steps {SAVE_AT + 1}..{STEPS}: resumed - uninterrupted rel {diff:.3g}")
             assert diff <= TOL, f"rank {rank} {key}: {resumed[key]} != {whole[key]}"
-        for name, expected in whole["weights"].items():
-            assert _rel(resumed["weights"][name], expected) <= TOL, f"rank {rank} weight {name}"
+        weights = {name: _rel(resumed["weights"][name], w) for name, w in whole["weights"].items()}
+        print(f"rank {rank} final weights: largest rel difference {max(weights.values()):.3g}")
+        for name, diff in weights.items():
+            assert diff <= TOL, f"rank {rank} weight {name}: rel {diff}"
         assert got["moments"] > 0, f"rank {rank}: no AdamW moments in its optimizer file"
         other = f"dp{world // 2} x cp2 x tp1 x ep1"
         assert f"was saved at {saved} ({world} processes) and this run is {other}" in got["refusal"], got[
             "refusal"
         ]
+
+
+def test_saved_sizes_checked(tmp_path: Path) -> None:
+    from hyperpar_gdn.integrations.transformers.trainer_checkpoints import check_saved_sizes
+
+    sizes = {"world": 4, "dp": 1, "cp": 2, "tp": 2, "ep": 1}
+    with pytest.raises(ValueError, match="is not a checkpoint directory"):
+        check_saved_sizes(str(tmp_path / "absent"), sizes, sharded=True)
+    check_saved_sizes(str(tmp_path), {**sizes, "tp": 1}, sharded=False)  # transformers' own checkpoint
+    with pytest.raises(ValueError, match=r"holds no per-rank state .* this run is dp1 x cp2 x tp2 x ep1"):
+        check_saved_sizes(str(tmp_path), sizes, sharded=True)
+    (tmp_path / "parallel_sizes.json").write_text('{"world": 4, "dp": 1, "cp": 2, "tp": 2, "ep": 1}')
+    check_saved_sizes(str(tmp_path), sizes, sharded=True)
+    with pytest.raises(
+        ValueError, match=r"saved at dp1 x cp2 x tp2 x ep1 \(4 processes\) and this run is dp1 x cp4"
+    ):
+        check_saved_sizes(str(tmp_path), {**sizes, "cp": 4, "tp": 1}, sharded=False)

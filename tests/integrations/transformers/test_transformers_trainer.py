@@ -364,11 +364,6 @@ def _tp_worker(rank: int, world: int, work_dir: str) -> dict[str, Any]:
     summary = _summary(trainer)
     trainer.save_model(str(Path(work_dir) / "model"))
     summary["header"] = trainer.cp_header()
-    try:  # refused on every rank before any communication
-        trainer.train(resume_from_checkpoint=str(Path(work_dir) / "out" / "checkpoint-1"))
-        summary["resume"] = ""
-    except NotImplementedError as error:
-        summary["resume"] = str(error)
     dp = {"cp_size": 1, "cp_mode": "p2p", "tp_size": 2}
     summary["dp2"] = _summary(_train("dense", 1, dp, "padded", str(Path(work_dir) / "out")))
     return summary
@@ -379,7 +374,6 @@ def test_trainer_cp2_tp2_equals_one_process(references: dict, tmp_path: Path) ->
     results = run_ranks(_tp_worker, 4, str(tmp_path), timeout_s=400, pg_timeout_s=120)
     for rank, result in enumerate(results):
         assert "cp 2 x tp 2 x dp 1 (4 processes" in result["header"], result["header"]
-        assert "checkpoint-1' with tp_size=2: a checkpoint holds rank 0's optimizer shard" in result["resume"]
         _assert_same_run(result, references["dense"], f"cp2 x tp2 rank {rank}")
         _assert_same_run(result["dp2"], references["dense"], f"dp2 x tp2 rank {rank}")
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")

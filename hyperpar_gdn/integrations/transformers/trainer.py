@@ -415,6 +415,16 @@ class ContextParallelMixin:
             world=self.cp_setup.world,
         )
 
+    def _load_best_model(self) -> None:
+        """Under tp or ep this rank's shards from the best checkpoint's own file (the whole
+        weights' file does not reach the shards)."""
+        if not self._without_ddp:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        check_saved_sizes(best, self._parallel_sizes(), sharded=True)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        load_model_shards(best, unwrapped, rank=self.args.process_index, world=self.cp_setup.world)
+
     def prediction_step(
         self,
         model: torch.nn.Module,

@@ -212,6 +212,13 @@ def _check_tp_args(args: Any, tp: int, ep: int = 1) -> None:
             bool(getattr(args, "fsdp", None)),
             f"{option.split('=')[0]} replaces DDP by its own gradient average; FSDP is not wired",
         ),
+        (
+            "save_only_model",
+            bool(getattr(args, "save_only_model", False))
+            and bool(getattr(args, "load_best_model_at_end", False)),
+            "load_best_model_at_end reads every rank's shards from the best checkpoint, which "
+            "save_only_model leaves out",
+        ),
     )
     for field, given, what in refused:
         if given:

@@ -5,7 +5,8 @@ Oracle: the same run uninterrupted. Tiny Qwen3.5 MoE, 8 experts, fp32, AdamW (it
 per-rank shards), gradient accumulation 2, clipping acting, 4 steps with a checkpoint at step 2:
 the run resumed from it logs the same losses, grad_norm and learning rates at steps 3 and 4 and
 ends with the same weights, at dp1 x cp2 x tp2 and dp1 x cp2 x ep2. A resume at other sizes is
-refused on every rank, naming both."""
+refused on every rank, naming both. With ``load_best_model_at_end`` (the best checkpoint an earlier
+one) the model ends with the weights transformers loads from that checkpoint's directory."""
 
 from __future__ import annotations
 
@@ -20,16 +21,33 @@ from tiny_models import tiny_model
 
 pytest.importorskip("transformers")
 
+from transformers import AutoModelForCausalLM  # noqa: E402
+
 from hyperpar_gdn.integrations.transformers.trainer import ContextParallelTrainer  # noqa: E402
 
 STEPS, SAVE_AT = 4, 2
+# eval_loss at steps 2 and 4; the higher one is "best" here, so that the best checkpoint is not the last
+BEST = dict(
+    eval_strategy="steps",
+    eval_steps=SAVE_AT,
+    load_best_model_at_end=True,
+    metric_for_best_model="loss",
+    greater_is_better=True,
+)
 
 
-def _run(cp: dict, out: str, resume: str | None = None) -> Any:
-    args = _args(out, 2, optim="adamw_torch", max_steps=STEPS, save_strategy="steps", save_steps=SAVE_AT)
+def _run(cp: dict, out: str, resume: str | None = None, **overrides: Any) -> Any:
+    args = _args(
+        out, 2, optim="adamw_torch", max_steps=STEPS, save_strategy="steps", save_steps=SAVE_AT, **overrides
+    )
     model = tiny_model(moe=True, num_experts=8).float()
     trainer = ContextParallelTrainer(
-        model=model, args=args, train_dataset=_examples(16, seed=1), data_collator=_padded(), **cp
+        model=model,
+        args=args,
+        train_dataset=_examples(16, seed=1),
+        eval_dataset=_examples(4, seed=2),
+        data_collator=_padded(),
+        **cp,
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
@@ -62,7 +80,20 @@ def _worker(rank: int, world: int, cp: dict, work_dir: str) -> dict[str, Any]:
         refusal = ""
     except ValueError as error:
         refusal = str(error)
-    return {"whole": whole, "resumed": resumed, "moments": moments, "refusal": refusal}
+    # load_best_model_at_end: the best checkpoint's shards, as transformers loads its whole weights
+    best = _run(cp, str(Path(work_dir) / "best"), **BEST)
+    from hyperpar_gdn.tensor_parallel import canonical_state_dict
+
+    loaded = canonical_state_dict(best.accelerator.unwrap_model(best.model))  # collective
+    saved = AutoModelForCausalLM.from_pretrained(best.state.best_model_checkpoint).state_dict()
+    best_diff = max(_rel(loaded[name], value) for name, value in saved.items())
+    return {
+        "whole": whole,
+        "resumed": resumed,
+        "moments": moments,
+        "refusal": refusal,
+        "best": (Path(best.state.best_model_checkpoint).name, best_diff),
+    }
 
 
 @pytest.mark.timeout(900)
@@ -90,9 +121,10 @@ def test_resume_equals_the_uninterrupted_run(
             assert diff <= TOL, f"rank {rank} weight {name}: rel {diff}"
         assert got["moments"] > 0, f"rank {rank}: no AdamW moments in its optimizer file"
         other = f"dp{world // 2} x cp2 x tp1 x ep1"
-        assert f"was saved at {saved} ({world} processes) and this run is {other}" in got["refusal"], got[
-            "refusal"
-        ]
+        refusal = got["refusal"]
+        assert f"was saved at {saved} ({world} processes) and this run is {other}" in refusal, refusal
+        print(f"rank {rank} load_best_model_at_end: {got['best']}")
+        assert got["best"] == (f"checkpoint-{SAVE_AT}", 0.0), f"rank {rank}: best model {got['best']}"
 
 
 def test_saved_sizes_checked(tmp_path: Path) -> None:

@@ -124,8 +124,14 @@ def test_tp_size_sets_the_mesh() -> None:
             "num_v_heads=2 is not divisible by tp x cp = 2 x 2",
         ),
         ("tiny", SimpleNamespace(fp16=True), {"tp_size": 2}, "fp16=True is not supported with tp_size=2"),
+        (
+            "tiny",
+            SimpleNamespace(save_only_model=True, load_best_model_at_end=True),
+            {"tp_size": 2},
+            "save_only_model=True is not supported with tp_size=2: load_best_model_at_end reads",
+        ),
     ],
-    ids=["tp0", "world", "k_heads", "ulysses", "fp16"],
+    ids=["tp0", "world", "k_heads", "ulysses", "fp16", "save_only_model"],
 )
 def test_bad_tp_setups_are_one_line(model: object, args: object, options: dict, fragment: str) -> None:
     model = tiny_model(moe=False) if model == "tiny" else _transformers_model(*model)

@@ -14,7 +14,7 @@ from typing import Any
 from hyperpar_gdn.ops.gdn.kernels import KERNELS
 from hyperpar_gdn.planning.plan import LAYOUTS, MODES, TWO_LEVEL_MODES, CPPlan
 
-__all__ = ["agree_on_plan", "first"]
+__all__ = ["agree_on_plan", "first", "gather_verdicts", "ranks_by_value"]
 
 # One int64 per rank: the plan's fields and the model's shapes packed into bit fields, so that a
 # difference can be named (which field, which value on which ranks). -1: this rank refused its set-up.
@@ -78,30 +78,47 @@ def agree_on_plan(
         if error is not None:
             raise error
         return
-    code = -1 if error is not None else _pack(_fingerprint(plan, layers))
-    codes = mesh.platform.collectives.all_gather_int(code, mesh.get_group())
-    if error is not None:
-        raise error
-    refused = [r for r, c in enumerate(codes) if c < 0]
-    if refused:
-        raise ValueError(
-            f"CP ranks {refused} refused their set-up (their own errors say why); every rank stops before "
-            "changing the model"
-        )
+    code = None if error is not None else _pack(_fingerprint(plan, layers))
+    codes = gather_verdicts(mesh.platform.collectives, mesh.get_group(), code, error, ranks="CP ranks")
     differences = []
     for (name, _), values in zip(_FIELDS, zip(*(_unpack(c) for c in codes), strict=True), strict=True):
         if len(set(values)) > 1:
-            by_value: dict[int, list[int]] = {}
-            for rank, value in enumerate(values):
-                by_value.setdefault(value, []).append(rank)
             differences.append(
-                f"{name} (" + ", ".join(f"{_shown(name, v)} on ranks {r}" for v, r in by_value.items()) + ")"
+                f"{name} ("
+                + ", ".join(f"{_shown(name, v)} on ranks {r}" for v, r in ranks_by_value(values).items())
+                + ")"
             )
     if differences:
         raise ValueError(
             "the CP ranks were given different set-ups: " + "; ".join(differences)
             + ": launch every rank of a CP group with the same mode, layout, kernel, inner size, chunk size and model"
         )  # fmt: skip
+
+
+def gather_verdicts(
+    collectives: Any, group: Any, code: int | None, error: Exception | None, *, ranks: str
+) -> list[int]:
+    """Every rank's ``code`` (a non-negative int saying what it was given; None where it refused
+    with ``error``), by one all-gather over ``group``; raises this rank's own ``error``, or one line
+    naming the ``ranks`` (e.g. ``"CP ranks"``) that refused, on every rank."""
+    codes = collectives.all_gather_int(-1 if code is None else code, group)
+    if error is not None:
+        raise error
+    refused = [r for r, c in enumerate(codes) if c < 0]
+    if refused:
+        raise ValueError(
+            f"{ranks} {refused} refused their set-up (their own errors say why); every rank stops before "
+            "changing the model"
+        )
+    return codes
+
+
+def ranks_by_value(values: Sequence[Any]) -> dict[Any, list[int]]:
+    """The ranks (positions in ``values``) that hold each distinct value, in first-seen order."""
+    found: dict[Any, list[int]] = {}
+    for rank, value in enumerate(values):
+        found.setdefault(value, []).append(rank)
+    return found
 
 
 def first(errors: Sequence[Exception]) -> Exception | None:

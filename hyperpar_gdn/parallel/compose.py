@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hyperpar_gdn.distributed.agreement import first
+from hyperpar_gdn.distributed.agreement import first, gather_verdicts, ranks_by_value
 from hyperpar_gdn.distributed.decoder_layers import text_model_of
 from hyperpar_gdn.distributed.mesh import DeviceMesh
 from hyperpar_gdn.distributed.parallelize import (
@@ -247,20 +247,11 @@ def _fingerprint(model: Any, mesh: DeviceMesh, config: ParallelConfig, plan: CPP
 def _agree(mesh: DeviceMesh, code: int, error: Exception | None) -> None:
     """Every rank stops with the same line unless none refused and all were given the same set-up:
     one all-gather of one int over the world."""
-    codes = mesh.platform.collectives.all_gather_int(-1 if error is not None else code, None)
-    if error is not None:
-        raise error
-    refused = [r for r, c in enumerate(codes) if c < 0]
-    if refused:
-        raise ValueError(
-            f"ranks {refused} refused their set-up (their own errors say why); every rank stops before "
-            "changing the model"
-        )
+    codes = gather_verdicts(
+        mesh.platform.collectives, None, None if error is not None else code, error, ranks="ranks"
+    )
     if len(set(codes)) > 1:
-        by_code: dict[int, list[int]] = {}
-        for rank, c in enumerate(codes):
-            by_code.setdefault(c, []).append(rank)
-        groups = "; ".join(f"ranks {ranks}" for ranks in by_code.values())
+        groups = "; ".join(f"ranks {ranks}" for ranks in ranks_by_value(codes).values())
         raise ValueError(
             f"the ranks were given different set-ups ({groups} agree among themselves): launch every rank "
             "with the same ParallelConfig, mesh and model"

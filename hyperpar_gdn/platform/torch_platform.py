@@ -25,6 +25,8 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib
 import itertools
 import os
@@ -42,6 +44,17 @@ from hyperpar_gdn.platform.torch_collectives import TorchCollectives
 from hyperpar_gdn.platform.torch_ops import TorchOps
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+@atexit.register
+def _collect_before_exit() -> None:
+    """Free what only reference cycles keep alive (a model whose installed forwards refer back to
+    it, with its meshes and their process groups) while Python is still whole: left to the
+    interpreter's shutdown, a gloo process group's teardown can abort the process on its way out
+    ("terminate called without an active exception") after a run that succeeded."""
+    gc.collect()
+
+
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE")
 
 
